@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny checkpoints in both target architectures, made once per session."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ARCHS = ["deepseek2", "qwen2moe"]
+VENV_BIN = Path(sys.executable).parent
+
+
+def zipmoe_command(name: str) -> str:
+    """A console script installed beside the Python running the tests."""
+    path = VENV_BIN / name
+    if not path.exists():
+        found = shutil.which(name)
+        assert found, f"{name} is not installed (run bash tools/setup.sh --dev)"
+        return found
+    return str(path)
+
+
+def run(cmd, **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("timeout", 600)
+    return subprocess.run([str(c) for c in cmd], **kwargs)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(models_dir):
+    """arch -> HF checkpoint folder, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            from zipmoe_py.tiny import make_tiny
+
+            made[arch] = make_tiny(arch, models_dir / f"hf-{arch}", seed=1234)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(models_dir, tiny_hf):
+    """arch -> BF16 GGUF converted by zipmoe-convert, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            out = models_dir / f"{arch}-bf16.gguf"
+            proc = run([zipmoe_command("zipmoe-convert"), tiny_hf(arch), "-o", out, "--quiet"])
+            assert proc.returncode == 0, proc.stderr.decode()
+            made[arch] = out
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request) -> str:
+    return request.param

@@ -1,0 +1,159 @@
+"""The build: pinned and verified source, the patch series, the installed layout."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zipmoe_py import _lib, _paths
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import prepare_llama  # noqa: E402
+
+
+def test_pin_names_the_sdist_and_commit():
+    pin = json.loads((REPO / "vendor/llama.cpp/pin.json").read_text())
+    assert pin["sdist"]["version"] == "0.3.36"
+    assert len(pin["sdist"]["sha256"]) == 64
+    assert pin["llama_cpp_commit"] == "0c1e570"
+    installed = json.loads((_paths.LLAMA_CPP_DIR / "pin.json").read_text())
+    assert installed == pin
+
+
+def _fake_sdist(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, str]:
+    import io
+    import tarfile
+
+    sdist = tmp_path / "fake-0.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"fake-0.0/vendor/llama.cpp/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return sdist, hashlib.sha256(sdist.read_bytes()).hexdigest()
+
+
+def _pin(tmp_path: Path, sha: str) -> Path:
+    pin = tmp_path / "pin.json"
+    pin.write_text(json.dumps({"sdist": {"name": "fake", "version": "0.0", "filename": "fake-0.0.tar.gz",
+                                         "sha256": sha, "subdir": "fake-0.0/vendor/llama.cpp"},
+                               "llama_cpp_commit": "0"}))
+    return pin
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, str(REPO / "tools/prepare_llama.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_checksum_mismatch_stops_with_both_hashes(tmp_path):
+    sdist, sha = _fake_sdist(tmp_path, {"a.txt": b"hello\n"})
+    wrong = "0" * 64
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    proc = _tool("--pin", _pin(tmp_path, wrong), "--patches", patches, "--sdist", sdist, "--dest", tmp_path / "out")
+    assert proc.returncode == 1
+    assert f"expected {wrong}, got {sha}" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_cached_sdist_with_wrong_hash_is_not_used(tmp_path, monkeypatch):
+    sdist, sha = _fake_sdist(tmp_path, {"a.txt": b"hello\n"})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / sdist.name).write_bytes(b"corrupted")
+
+    def no_network(name, filename):
+        raise prepare_llama.PrepareError(f"{filename} is not listed on PyPI for project {name}")
+
+    monkeypatch.setattr(prepare_llama, "_sdist_url", no_network)
+    pin = json.loads(_pin(tmp_path, sha).read_text())
+    with pytest.raises(prepare_llama.PrepareError, match="not listed on PyPI"):
+        prepare_llama.fetch_sdist(pin, cache)
+    assert not (cache / sdist.name).exists()  # the corrupt copy was dropped, never extracted
+
+
+def _patch(path: Path, old: str, new: str) -> None:
+    path.write_text(f"--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-{old}\n+{new}\n")
+
+
+def test_patches_apply_in_order_and_a_bad_one_is_named(tmp_path):
+    sdist, sha = _fake_sdist(tmp_path, {"a.txt": b"one\n"})
+    pin = _pin(tmp_path, sha)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    _patch(patches / "0001-first.patch", "one", "two")
+    _patch(patches / "0002-second.patch", "two", "three")
+    dest = tmp_path / "src"
+    proc = _tool("--pin", pin, "--patches", patches, "--sdist", sdist, "--dest", dest)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "a.txt").read_text() == "three\n"
+    # unchanged pin and patches: the tree is left alone (keeps the build incremental)
+    mtime = (dest / "a.txt").stat().st_mtime_ns
+    proc = _tool("--pin", pin, "--patches", patches, "--sdist", sdist, "--dest", dest)
+    assert "up to date" in proc.stderr and (dest / "a.txt").stat().st_mtime_ns == mtime
+    # a changed series rewrites only the files whose bytes change
+    (patches / "0002-second.patch").unlink()
+    proc = _tool("--pin", pin, "--patches", patches, "--sdist", sdist, "--dest", dest)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "a.txt").read_text() == "two\n"
+    assert (dest / "a.txt").stat().st_mtime_ns > mtime
+    _patch(patches / "0002-second.patch", "two", "three")
+    assert _tool("--pin", pin, "--patches", patches, "--sdist", sdist, "--dest", dest).returncode == 0
+
+    _patch(patches / "0003-stale.patch", "one", "four")
+    proc = _tool("--pin", pin, "--patches", patches, "--sdist", sdist, "--dest", dest)
+    assert proc.returncode == 1
+    assert "patch 0003-stale.patch does not apply" in proc.stderr
+    assert (dest / "a.txt").read_text() == "three\n"  # the good tree was not replaced
+
+
+def test_every_patch_applies_to_the_pinned_source():
+    patches = prepare_llama.list_patches(REPO / "vendor/llama.cpp/patches")
+    assert [p.name for p in patches][0].startswith("0001-")
+    for p in patches:
+        assert p.read_text().startswith("--- a/"), p.name
+
+
+def _dynamic_section(path: Path) -> str:
+    return subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("name", ["llama", "ggml", "ggml-base", "ggml-cpu", "ggml-zipmoe"])
+def test_libraries_are_installed_in_the_package_with_origin_rpath(name):
+    lib = _paths.shared_library(name)
+    assert lib.parent == _paths.LIB_DIR
+    if name != "ggml-zipmoe":
+        assert "$ORIGIN" in _dynamic_section(lib)
+
+
+def test_programs_find_the_package_libraries():
+    for name in ("llama-completion", "llama-bench"):
+        prog = _paths.program(name)
+        assert "$ORIGIN/../lib" in _dynamic_section(prog)
+        ldd = subprocess.run(["ldd", str(prog)], capture_output=True, text=True, check=True).stdout
+        assert "not found" not in ldd, ldd
+        resolved = {line.split()[0]: Path(line.split()[2]).resolve() for line in ldd.splitlines() if "=>" in line}
+        assert resolved["libllama.so"] == _paths.LIB_DIR / "libllama.so"
+        assert resolved["libggml-cpu.so"] == _paths.LIB_DIR / "libggml-cpu.so"
+
+
+def test_libllama_is_the_fork_and_links_ggml_zipmoe():
+    import ctypes
+
+    libllama = _paths.shared_library("llama")
+    assert "libggml-zipmoe.so" in _dynamic_section(libllama)
+    fn = ctypes.CDLL(str(libllama)).llama_zipmoe_build_info  # added by patch 0001
+    fn.restype = ctypes.c_char_p
+    assert fn().decode() == _lib.build_info()
+
+
+def test_ggml_zipmoe_version_through_its_header():
+    assert _lib.version() == "0.1.0"
+    assert _lib.version_number() == 100
+    assert _lib.build_info().startswith("ggml-zipmoe 0.1.0 (")

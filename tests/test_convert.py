@@ -1,0 +1,111 @@
+"""zipmoe-convert: HF checkpoint -> BF16 GGUF through the unmodified upstream converter."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from zipmoe_py import _paths
+
+from conftest import run, zipmoe_command
+
+EXPECTED = {
+    # arch: (general.architecture, expert count, experts used, layers with routed experts)
+    "deepseek2": ("deepseek2", 16, 6, range(1, 26)),
+    "qwen2moe": ("qwen2moe", 16, 4, range(0, 4)),
+}
+
+
+def _reader(path):
+    return _paths.import_gguf().GGUFReader(str(path))
+
+
+def test_converted_gguf_has_bf16_routed_experts(arch, tiny_gguf):
+    gguf = _paths.import_gguf()
+    reader = _reader(tiny_gguf(arch))
+    name, n_expert, n_used, moe_layers = EXPECTED[arch]
+    assert reader.fields["general.architecture"].contents() == name
+    assert reader.fields[f"{name}.expert_count"].contents() == n_expert
+    assert reader.fields[f"{name}.expert_used_count"].contents() == n_used
+    tensors = {t.name: t for t in reader.tensors}
+    for layer in moe_layers:
+        for kind in ("gate", "up", "down"):
+            t = tensors[f"blk.{layer}.ffn_{kind}_exps.weight"]
+            assert t.tensor_type == gguf.GGMLQuantizationType.BF16
+            assert t.shape[-1] == n_expert  # ggml order: [n_embd or n_ff, ..., n_expert]
+    if arch == "deepseek2":
+        assert "blk.0.ffn_gate_exps.weight" not in tensors  # layer 0 is dense
+        assert "blk.1.ffn_gate_shexp.weight" in tensors
+    else:
+        assert "blk.0.ffn_gate_inp_shexp.weight" in tensors  # the shared expert's sigmoid gate
+        assert "blk.0.attn_q.bias" in tensors
+
+
+def test_conversion_is_deterministic(tiny_hf, tiny_gguf, tmp_path):
+    again = tmp_path / "again.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_hf("qwen2moe"), "-o", again, "-q"])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert again.read_bytes() == tiny_gguf("qwen2moe").read_bytes()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def _convert_error(src, out):
+    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", out, "-q"])
+    assert proc.returncode == 1
+    assert not out.exists()
+    return proc.stderr.decode()
+
+
+def test_dense_llama_checkpoint_is_refused(tmp_path, tiny_hf):
+    dense = tmp_path / "dense"
+    shutil.copytree(tiny_hf("qwen2moe"), dense)
+    config = json.loads((dense / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (dense / "config.json").write_text(json.dumps(config))
+    err = _convert_error(dense, tmp_path / "out.gguf")
+    assert "architecture LlamaForCausalLM is not supported" in err
+    assert str(dense / "config.json") in err
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("missing_dir", "checkpoint folder not found"),
+    ("no_config", "has no config.json"),
+    ("bad_config", "is not valid JSON"),
+    ("no_weights", "has no weights"),
+    ("no_tokenizer", "has no tokenizer"),
+    ("missing_shard", "lists weight files that are missing: model-00002-of-00002.safetensors"),
+])
+def test_incomplete_checkpoints_are_named(problem, message, tmp_path, tiny_hf):
+    src = tmp_path / "ckpt"
+    if problem != "missing_dir":
+        shutil.copytree(tiny_hf("qwen2moe"), src)
+    if problem == "no_config":
+        (src / "config.json").unlink()
+    elif problem == "bad_config":
+        (src / "config.json").write_text("{not json")
+    elif problem == "no_weights":
+        (src / "model.safetensors").unlink()
+    elif problem == "no_tokenizer":
+        (src / "tokenizer.json").unlink()
+    elif problem == "missing_shard":
+        (src / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    err = _convert_error(src, tmp_path / "out.gguf")
+    assert message in err
+    assert str(src) in err
+
+
+def test_converter_failure_leaves_no_output(tmp_path, tiny_hf):
+    src = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf("qwen2moe"), src)
+    (src / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    out = tmp_path / "out.gguf"
+    err = _convert_error(src, out)
+    assert "llama.cpp's converter failed" in err
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_output_folder_must_exist(tmp_path, tiny_hf):
+    err = _convert_error(tiny_hf("qwen2moe"), tmp_path / "nowhere" / "out.gguf")
+    assert "output folder does not exist" in err

@@ -1,0 +1,148 @@
+"""Both tiny models generate through `Llama`, the fork's CLI and zipmoe-chat, and agree."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from zipmoe_py import ZipMoEError, _paths
+
+from conftest import run, zipmoe_command
+
+PROMPT = "The capital of France is"
+N_GREEDY = 24
+THREADS = 2
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_gguf):
+    from zipmoe_py import Llama
+
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = Llama(model_path=str(tiny_gguf(arch)), n_ctx=512, n_threads=THREADS,
+                               seed=1, verbose=False)
+        return made[arch]
+
+    return get
+
+
+def greedy_tokens(llm, prompt: str, n: int) -> list[int]:
+    llm.reset()
+    tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
+    out = []
+    for token in llm.generate(tokens, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(token)
+        if len(out) == n:
+            break
+    return out
+
+
+def test_llama_api_completion_and_streaming_chat(arch, llms):
+    llm = llms(arch)
+    completion = llm.create_completion(PROMPT, max_tokens=8, temperature=0.0)
+    assert completion["usage"]["completion_tokens"] == 8
+    assert completion["usage"]["prompt_tokens"] >= 5
+    chunks = list(llm.create_chat_completion(
+        messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0.0, stream=True))
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    whole = llm.create_chat_completion(messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+                                       temperature=0.0)
+    assert streamed == whole["choices"][0]["message"]["content"]
+
+
+def test_llama_greedy_tokens_equal_the_forks_cli(arch, llms, tiny_gguf):
+    llm = llms(arch)
+    tokens = greedy_tokens(llm, PROMPT, N_GREEDY)
+    assert len(tokens) == N_GREEDY
+    assert len(set(tokens)) > 1, "a random model that repeats one token tests little"
+    proc = run([_paths.program("llama-completion"), "-m", tiny_gguf(arch), "-p", PROMPT, "-n", N_GREEDY,
+                "--temp", 0, "--repeat-penalty", 1.0, "--ignore-eos", "-no-cnv", "--no-display-prompt",
+                "-t", THREADS, "-c", 512, "--no-warmup"], stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert proc.stdout == llm.detokenize(tokens) + b"\n\n"  # llama-completion ends with a blank line
+
+
+def _chat(model, *args, stdin=b""):
+    return run([zipmoe_command("zipmoe-chat"), model, "-n", 6, "--temp", 0, "-t", THREADS, "-c", 512, *args],
+               input=stdin)
+
+
+def test_zipmoe_chat_one_shot_matches_the_api(arch, llms, tiny_gguf):
+    proc = _chat(tiny_gguf(arch), "-p", "Hello")
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    expected = llms(arch).create_chat_completion(messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=6, temperature=0.0)
+    assert proc.stdout.decode() == expected["choices"][0]["message"]["content"] + "\n"
+
+
+def test_zipmoe_chat_reads_turns_until_exit(tiny_gguf):
+    model = tiny_gguf("qwen2moe")
+    one_shot = _chat(model, "-p", "Hello")
+    driven = _chat(model, stdin=b"Hello\n/exit\nnever answered\n")
+    assert driven.returncode == 0, driven.stderr.decode()[-2000:]
+    assert driven.stdout == one_shot.stdout
+    two_turns = _chat(model, stdin=b"Hello\nAgain\n")
+    assert two_turns.returncode == 0
+    assert two_turns.stdout.startswith(one_shot.stdout) and len(two_turns.stdout) > len(one_shot.stdout)
+
+
+def test_zipmoe_chat_help_explains_every_option():
+    proc = run([zipmoe_command("zipmoe-chat"), "--help"])
+    assert proc.returncode == 0
+    for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit"):
+        assert flag in proc.stdout
+
+
+def test_missing_and_invalid_model_files_are_named(tmp_path):
+    from zipmoe_py import Llama
+
+    missing = tmp_path / "missing.gguf"
+    with pytest.raises(ZipMoEError, match="model file not found: .*missing.gguf"):
+        Llama(model_path=str(missing))
+    not_gguf = tmp_path / "weights.safetensors"
+    not_gguf.write_bytes(b"\x10\x00\x00\x00garbage")
+    with pytest.raises(ZipMoEError, match="weights.safetensors is not a GGUF file"):
+        Llama(model_path=str(not_gguf))
+    proc = run([zipmoe_command("zipmoe-chat"), missing, "-p", "hi"])
+    assert proc.returncode == 1
+    assert f"model file not found: {missing}".encode() in proc.stderr
+    proc = run([zipmoe_command("zipmoe-chat"), tmp_path, "-p", "hi"])
+    assert b"is a folder, not a GGUF file" in proc.stderr
+
+
+def _python(code: str, cwd, **env):
+    # run outside the source tree, whose zipmoe_py folder holds no build
+    return run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=cwd)
+
+
+def test_llama_cpp_imported_with_another_library_is_refused(tmp_path):
+    other = tmp_path / "other-lib"
+    shutil.copytree(_paths.LIB_DIR, other)
+    proc = _python("import llama_cpp\nimport zipmoe_py\nzipmoe_py.Llama", tmp_path, LLAMA_CPP_LIB_PATH=str(other))
+    assert proc.returncode != 0
+    err = proc.stderr.decode()
+    assert "llama_cpp was already imported in this process with" in err and str(other) in err
+    assert "Import zipmoe_py before llama_cpp" in err
+
+
+def test_foreign_llama_cpp_lib_path_is_refused(tmp_path):
+    proc = _python("import zipmoe_py\nzipmoe_py.Llama", tmp_path, LLAMA_CPP_LIB_PATH=str(tmp_path))
+    assert proc.returncode != 0
+    assert b"points llama_cpp at another llama.cpp build" in proc.stderr
+
+
+def test_bindings_load_zipmoes_library(tmp_path):
+    proc = _python("import zipmoe_py, llama_cpp\nzipmoe_py.Llama\n"
+                   "print(llama_cpp.llama_cpp._lib._name)\nprint(llama_cpp.__version__)", tmp_path)
+    assert proc.returncode == 0, proc.stderr.decode()
+    lib, version = proc.stdout.decode().split()
+    assert os.path.realpath(lib) == os.path.realpath(_paths.LIB_DIR / "libllama.so")
+    assert version == "0.3.36"

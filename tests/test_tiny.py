@@ -1,0 +1,84 @@
+"""zipmoe-make-tiny: real config keys, HF tensor names, BF16 weights, real tokenizers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from zipmoe_py import _paths
+from zipmoe_py.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A27B_CONFIG
+
+from conftest import run, zipmoe_command
+
+REAL = {"deepseek2": DEEPSEEK_V2_LITE_CONFIG, "qwen2moe": QWEN15_MOE_A27B_CONFIG}
+
+
+def test_config_has_the_real_models_keys(arch, tiny_hf):
+    config = json.loads((tiny_hf(arch) / "config.json").read_text())
+    assert sorted(config) == sorted(REAL[arch])
+    # what makes the architecture what it is stays as in the real model
+    for key in ("architectures", "model_type", "vocab_size", "num_experts_per_tok", "norm_topk_prob",
+                "hidden_act", "rope_theta", "tie_word_embeddings"):
+        assert config[key] == REAL[arch][key], key
+    if arch == "deepseek2":
+        assert config["q_lora_rank"] is None and config["num_hidden_layers"] in (26, 27)
+        for key in ("n_shared_experts", "first_k_dense_replace", "topk_method", "scoring_func", "rope_scaling"):
+            assert config[key] == REAL[arch][key], key
+        assert config["n_routed_experts"] > config["num_experts_per_tok"]
+    else:
+        assert config["shared_expert_intermediate_size"] > 0
+        assert config["num_experts"] > config["num_experts_per_tok"]
+
+
+def test_weights_are_bf16_with_hf_tensor_names(arch, tiny_hf):
+    with safe_open(str(tiny_hf(arch) / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+        dtypes = {str(f.get_slice(n).get_dtype()) for n in names}
+    assert dtypes == {"BF16"}
+    if arch == "deepseek2":
+        expected = ["model.layers.1.mlp.experts.15.down_proj.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                    "model.layers.1.mlp.gate.weight", "model.layers.0.mlp.gate_proj.weight",
+                    "model.layers.25.self_attn.kv_a_proj_with_mqa.weight", "model.layers.3.self_attn.q_proj.weight",
+                    "lm_head.weight"]
+    else:
+        expected = ["model.layers.3.mlp.experts.15.down_proj.weight", "model.layers.0.mlp.shared_expert.up_proj.weight",
+                    "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate.weight",
+                    "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.v_proj.bias", "lm_head.weight"]
+    for name in expected:
+        assert name in names, name
+
+
+def _reference_cases(vocab_file: Path):
+    inputs = vocab_file.with_name(vocab_file.name + ".inp").read_text(encoding="utf-8")
+    outputs = vocab_file.with_name(vocab_file.name + ".out").read_text(encoding="utf-8").splitlines()
+    texts = inputs.split("\n__ggml_vocab_test__\n")[:-1]
+    assert len(texts) == len(outputs) > 20
+    return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outputs)]
+
+
+def test_tokenizer_reproduces_llama_cpp_reference_tokenizations(arch, tiny_hf):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_hf(arch)))
+    vocab_file = _paths.vendored_vocab(ARCHITECTURES[arch][0])
+    cases = _reference_cases(vocab_file)
+    mismatches = [(t, ids, tok.encode(t, add_special_tokens=False)) for t, ids in cases
+                  if tok.encode(t, add_special_tokens=False) != ids]
+    assert not mismatches, mismatches[:3]
+    if arch == "deepseek2":  # BOS is added, as the real DeepSeek tokenizer does
+        assert tok.encode("Hello")[0] == 100000
+
+
+def test_seed_makes_weights_reproducible(tmp_path):
+    a = run([zipmoe_command("zipmoe-make-tiny"), "qwen2moe", tmp_path / "a", "--seed", "7"])
+    b = run([zipmoe_command("zipmoe-make-tiny"), "qwen2moe", tmp_path / "b", "--seed", "7"])
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    proc = run([zipmoe_command("zipmoe-make-tiny"), "llama", tmp_path / "x"])
+    assert proc.returncode == 2
+    assert b"invalid choice: 'llama'" in proc.stderr

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install ZipMoE and everything it needs into ./.venv, from scratch or incrementally.
+#
+#   bash tools/setup.sh          # runtime: the fork, its bindings, converter dependencies
+#   bash tools/setup.sh --dev    # + pytest and llama.cpp's own test programs
+#
+# Reruns are cheap: the pinned sdist is cached (~/.cache/zipmoe/sdist or
+# $ZIPMOE_SDIST_CACHE) and the CMake build directory build/ is reused.
+set -euo pipefail
+
+dev=0
+for arg in "$@"; do
+    case "$arg" in
+        --dev) dev=1 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown option '$arg' (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+venv="$root/.venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "setup: creating $venv"
+    "$python" -m venv "$venv"
+fi
+
+# PyTorch is needed by the upstream converter; pin the CPU build so that pip does not
+# resolve a multi-GB CUDA build (2.13.0 is the version checked with transformers 4.57.6)
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+    echo "setup: installing torch (CPU)"
+    "${pip[@]}" install -q "torch==2.13.0"
+fi
+
+# llama-cpp-python's ctypes layer only: LLAMA_BUILD=OFF compiles nothing, our libllama is used
+sdist=$("$venv/bin/python" tools/prepare_llama.py --fetch-only)
+if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("llama_cpp_python") != "0.3.36")' 2>/dev/null; then
+    echo "setup: installing the llama-cpp-python 0.3.36 bindings (no native build)"
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${pip[@]}" install -q "$sdist"
+fi
+
+extras=""
+cmake_args=()
+if [ "$dev" = 1 ]; then
+    extras="[test]"
+    cmake_args=(-C cmake.define.ZIPMOE_BUILD_UPSTREAM_TESTS=ON)
+fi
+echo "setup: building and installing zipmoe (first build takes several minutes)"
+start=$(date +%s)
+"${pip[@]}" install -q ${cmake_args[@]+"${cmake_args[@]}"} ".$extras"
+echo "setup: zipmoe installed in $(( $(date +%s) - start )) s; commands are in $venv/bin"

@@ -1,0 +1,78 @@
+"""llama-cpp-python 0.3.36, bound to ZipMoE's libllama instead of a copy of its own.
+
+llama-cpp-python loads its library once, at `import llama_cpp`, from
+$LLAMA_CPP_LIB_PATH when set. Importing this module points it at our build; if
+llama_cpp was imported earlier with another library, that cannot be undone in the
+process, so we refuse with an error that says how to fix it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from . import _paths
+from .errors import ZipMoEError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _loaded_library_path(module) -> Path | None:
+    lib = getattr(module, "_lib", None)
+    name = getattr(lib, "_name", None)
+    return Path(name).resolve() if name else None
+
+
+def _import_llama_cpp():
+    ours = _paths.shared_library("llama").resolve()
+    already = sys.modules.get("llama_cpp.llama_cpp")
+    if already is not None:
+        loaded = _loaded_library_path(already)
+        if loaded != ours:
+            raise ZipMoEError(
+                f"llama_cpp was already imported in this process with {loaded or 'an unknown library'}, "
+                f"not ZipMoE's {ours}. Import zipmoe_py before llama_cpp, or start Python with "
+                f"LLAMA_CPP_LIB_PATH={ours.parent}")
+    else:
+        env = os.environ.get("LLAMA_CPP_LIB_PATH")
+        if env and Path(env).resolve() != ours.parent:
+            raise ZipMoEError(
+                f"LLAMA_CPP_LIB_PATH={env} points llama_cpp at another llama.cpp build; ZipMoE needs its own "
+                f"({ours.parent}). Unset LLAMA_CPP_LIB_PATH or set it to that folder.")
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(ours.parent)
+    import llama_cpp
+
+    loaded = _loaded_library_path(llama_cpp.llama_cpp)
+    if loaded != ours:
+        raise ZipMoEError(f"llama_cpp loaded {loaded}, expected ZipMoE's {ours}")
+    return llama_cpp
+
+
+llama_cpp = _import_llama_cpp()
+
+
+def check_model_file(model_path: str | os.PathLike) -> Path:
+    """Fail early, naming the file, instead of deep inside llama.cpp's loader."""
+    path = Path(model_path)
+    if not path.exists():
+        raise ZipMoEError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ZipMoEError(f"model path is a folder, not a GGUF file: {path} "
+                          "(a Hugging Face checkpoint must be converted first: zipmoe-convert DIR -o OUT.gguf)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ZipMoEError(f"cannot read model file {path}: {e.strerror}") from e
+    if magic != GGUF_MAGIC:
+        raise ZipMoEError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    return path
+
+
+class Llama(llama_cpp.Llama):
+    """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork."""
+
+    def __new__(cls, model_path: str, *args, **kwargs):
+        # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
+        check_model_file(model_path)
+        return super().__new__(cls)

@@ -1,0 +1,140 @@
+"""zipmoe-chat: a llama-cli-style terminal chat on the ZipMoE fork.
+
+Streams tokens as they are generated, formats turns with the chat template stored
+in the GGUF, and reads turns from the terminal (or any stdin) until /exit or end of
+input. With -p it answers one prompt and exits. With no model it makes a tiny
+Qwen2-MoE model (random weights, real tokenizer), converts it and chats with it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import ZipMoEError
+
+HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this"
+
+
+def demo_model_path(cache_dir: Path | None = None) -> Path:
+    """Make (once) and return the tiny demo model used when no model is given."""
+    from .convert import convert_to_bf16_gguf
+    from .tiny import make_tiny
+
+    cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zipmoe" / "demo"
+    gguf_path = cache_dir / "tiny-qwen2moe-bf16.gguf"
+    if gguf_path.exists():
+        return gguf_path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"zipmoe-chat: no model given; making a tiny Qwen2-MoE demo model in {cache_dir}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as hf_dir:
+        make_tiny("qwen2moe", Path(hf_dir))
+        convert_to_bf16_gguf(Path(hf_dir), gguf_path, quiet=True)
+    return gguf_path
+
+
+def _stream_reply(llm, messages: list[dict], args) -> str:
+    parts = []
+    for chunk in llm.create_chat_completion(messages=messages, stream=True, temperature=args.temp,
+                                            max_tokens=args.n_predict if args.n_predict > 0 else None):
+        text = chunk["choices"][0]["delta"].get("content") or ""
+        if text:
+            parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(parts)
+
+
+def chat(args) -> int:
+    from .bindings import Llama
+
+    model = args.model if args.model is not None else demo_model_path()
+    if args.model is None:
+        print(f"zipmoe-chat: demo model {model} has random weights: expect gibberish", file=sys.stderr)
+    llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
+                verbose=args.verbose)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+
+    if args.prompt is not None:
+        _stream_reply(llm, system + [{"role": "user", "content": args.prompt}], args)
+        return 0
+
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"zipmoe-chat: {Path(model).name} loaded; {HELP_TEXT}", file=sys.stderr)
+    history = list(system)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/clear":
+            history = list(system)
+            continue
+        if text == "/help":
+            print(HELP_TEXT, file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = _stream_reply(llm, history, args)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="zipmoe-chat",
+        description="Chat with a GGUF Mixture-of-Experts model on the ZipMoE build of llama.cpp. "
+                    "Turns are formatted with the model's own chat template and replies stream as "
+                    "they are generated. " + HELP_TEXT + ".")
+    ap.add_argument("model", nargs="?", type=Path, default=None,
+                    help="GGUF model file; if omitted, a tiny random Qwen2-MoE demo model is made and used")
+    ap.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit (no interactive chat)")
+    ap.add_argument("-n", "--n-predict", type=int, default=256,
+                    help="most tokens per reply; <= 0 means until the model stops or the context is full "
+                         "(default: %(default)s)")
+    ap.add_argument("--temp", type=float, default=0.8, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    ap.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF,
+                    help="sampling seed; 4294967295 = random (default: %(default)s)")
+    ap.add_argument("-t", "--threads", type=int, default=None,
+                    help="CPU threads for generation (default: llama.cpp's choice, the physical cores)")
+    ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: %(default)s)")
+    ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
+    ap.add_argument("--verbose", action="store_true", help="show llama.cpp's load and timing log")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name in ("threads", "ctx_size"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.temp < 0:
+        ap.error(f"--temp must be >= 0, got {args.temp}")
+    try:
+        return chat(args)
+    except ZipMoEError as e:
+        print(f"zipmoe-chat: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
