@@ -23,6 +23,13 @@ python=${PYTHON:-python3}
 venv="$root/.venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
+# the patch series is applied with patch(1); readelf/ldd (binutils, libc-bin) are used by the tests
+if ! command -v patch >/dev/null; then
+    echo "setup: installing patch(1)"
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq patch >/dev/null
+    else echo "setup: error: patch(1) is missing; install it (apt-get install patch)" >&2; exit 1; fi
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
     echo "setup: creating $venv"
     "$python" -m venv "$venv"
