@@ -13,7 +13,7 @@ from zipmoe_py import _lib, _paths
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-import prepare_llama  # noqa: E402
+import prepare_source  # noqa: E402
 
 
 def test_pin_names_the_sdist_and_commit():
@@ -47,7 +47,7 @@ def _pin(tmp_path: Path, sha: str) -> Path:
 
 
 def _tool(*args):
-    return subprocess.run([sys.executable, str(REPO / "tools/prepare_llama.py"), *map(str, args)],
+    return subprocess.run([sys.executable, str(REPO / "tools/prepare_source.py"), *map(str, args)],
                           capture_output=True, text=True)
 
 
@@ -69,12 +69,12 @@ def test_cached_sdist_with_wrong_hash_is_not_used(tmp_path, monkeypatch):
     (cache / sdist.name).write_bytes(b"corrupted")
 
     def no_network(name, filename):
-        raise prepare_llama.PrepareError(f"{filename} is not listed on PyPI for project {name}")
+        raise prepare_source.PrepareError(f"{filename} is not listed on PyPI for project {name}")
 
-    monkeypatch.setattr(prepare_llama, "_sdist_url", no_network)
+    monkeypatch.setattr(prepare_source, "_sdist_url", no_network)
     pin = json.loads(_pin(tmp_path, sha).read_text())
-    with pytest.raises(prepare_llama.PrepareError, match="not listed on PyPI"):
-        prepare_llama.fetch_sdist(pin, cache)
+    with pytest.raises(prepare_source.PrepareError, match="not listed on PyPI"):
+        prepare_source.fetch_sdist(pin, cache)
     assert not (cache / sdist.name).exists()  # the corrupt copy was dropped, never extracted
 
 
@@ -114,7 +114,7 @@ def test_patches_apply_in_order_and_a_bad_one_is_named(tmp_path):
 
 
 def test_every_patch_applies_to_the_pinned_source():
-    patches = prepare_llama.list_patches(REPO / "vendor/llama.cpp/patches")
+    patches = prepare_source.list_patches(REPO / "vendor/llama.cpp/patches")
     assert [p.name for p in patches][0].startswith("0001-")
     for p in patches:
         assert p.read_text().startswith("--- a/"), p.name

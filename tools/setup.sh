@@ -43,7 +43,7 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
 fi
 
 # llama-cpp-python's ctypes layer only: LLAMA_BUILD=OFF compiles nothing, our libllama is used
-sdist=$("$venv/bin/python" tools/prepare_llama.py --fetch-only)
+sdist=$("$venv/bin/python" tools/prepare_source.py --fetch-only)
 if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("llama_cpp_python") != "0.3.36")' 2>/dev/null; then
     echo "setup: installing the llama-cpp-python 0.3.36 bindings (no native build)"
     CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${pip[@]}" install -q "$sdist"

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Fetch the pinned llama.cpp source, verify it, extract it and apply our patch series.
+"""Fetch a pinned third-party source from PyPI, verify it, extract it and apply a patch series.
 
+Third-party sources (llama.cpp, zstd, lz4) are never committed: each has a pin.json
+under vendor/ naming an sdist on PyPI, its sha256 and the folder inside it to use.
 Called by the top-level CMakeLists.txt at configure time; usable by hand:
 
-    python3 tools/prepare_llama.py --dest build/llama.cpp
-    python3 tools/prepare_llama.py --fetch-only     # just fill the sdist cache
+    python3 tools/prepare_source.py --dest build/llama.cpp            # llama.cpp + our patches
+    python3 tools/prepare_source.py --pin vendor/zstd/pin.json --no-patches --dest build/zstd
+    python3 tools/prepare_source.py --fetch-only                      # just fill the sdist cache
 
 Only the standard library is used: this runs inside pip's isolated build environment.
 Exit status is non-zero with a one-line reason on any failure.
@@ -70,11 +73,11 @@ def fetch_sdist(pin: dict, cache: Path) -> Path:
         got = sha256_of(target)
         if got == sd["sha256"]:
             return target
-        print(f"prepare_llama: cached {target} has sha256 {got}, expected {sd['sha256']}; "
+        print(f"prepare_source: cached {target} has sha256 {got}, expected {sd['sha256']}; "
               "downloading again", file=sys.stderr)
         target.unlink()
     url = _sdist_url(sd["name"], sd["filename"])
-    print(f"prepare_llama: downloading {url}", file=sys.stderr)
+    print(f"prepare_source: downloading {url}", file=sys.stderr)
     fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=".part-")
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=300) as resp:
@@ -96,6 +99,8 @@ def verify_sdist(path: Path, expected_sha256: str) -> None:
 
 
 def list_patches(patch_dir: Path) -> list[Path]:
+    if not patch_dir.is_dir():
+        return []
     return sorted(p for p in patch_dir.glob("*.patch") if p.is_file())
 
 
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dest", type=Path, help="where the patched llama.cpp tree goes")
     ap.add_argument("--pin", type=Path, default=DEFAULT_PIN, help="pin file (default: %(default)s)")
     ap.add_argument("--patches", type=Path, default=DEFAULT_PATCHES, help="patch folder (default: %(default)s)")
+    ap.add_argument("--no-patches", action="store_true", help="apply no patches (pinned sources used as shipped)")
     ap.add_argument("--cache", type=Path, default=None,
                     help="sdist cache folder (default: $ZIPMOE_SDIST_CACHE or ~/.cache/zipmoe/sdist)")
     ap.add_argument("--sdist", type=Path, default=None, help="use this local sdist instead of the cache")
@@ -190,14 +196,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.dest is None:
             ap.error("--dest is required unless --fetch-only is given")
-        changed = prepare(args.dest, args.pin, args.patches, args.cache, args.sdist)
-        print(f"prepare_llama: {args.dest} {'prepared' if changed else 'up to date'}", file=sys.stderr)
+        if not args.no_patches and not args.patches.is_dir():
+            raise PrepareError(f"patch folder not found: {args.patches} (use --no-patches for none)")
+        patches = Path(os.devnull) if args.no_patches else args.patches
+        changed = prepare(args.dest, args.pin, patches, args.cache, args.sdist)
+        print(f"prepare_source: {args.dest} {'prepared' if changed else 'up to date'}", file=sys.stderr)
         return 0
     except PrepareError as e:
-        print(f"prepare_llama: error: {e}", file=sys.stderr)
+        print(f"prepare_source: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"prepare_llama: error: {e}", file=sys.stderr)
+        print(f"prepare_source: error: {e}", file=sys.stderr)
         return 1
 
 

@@ -1,0 +1,149 @@
+// Exponent-plane codecs: raw, zstd, lz4, lz4hc and order-0 Huffman, behind one interface.
+
+#include "ggml-zipmoe.h"
+#include "zipmoe-impl.h"
+
+#include "lz4.h"
+#include "lz4hc.h"
+#include "zstd.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct ggml_zipmoe_decoder {
+    ZSTD_DCtx *                 zstd;
+    struct zipmoe_huf_decoder * huf;
+};
+
+const char * ggml_zipmoe_status_string(int status) {
+    switch (status) {
+        case GGML_ZIPMOE_OK:           return "success";
+        case GGML_ZIPMOE_ERR_ARG:      return "invalid argument";
+        case GGML_ZIPMOE_ERR_NOMEM:    return "out of memory";
+        case GGML_ZIPMOE_ERR_CAPACITY: return "output buffer too small";
+        case GGML_ZIPMOE_ERR_CORRUPT:  return "corrupt compressed data";
+        default:                       return "unknown status";
+    }
+}
+
+const char * ggml_zipmoe_codec_name(int codec) {
+    static const char * names[GGML_ZIPMOE_CODEC_COUNT] = { "raw", "zstd", "lz4", "lz4hc", "huf" };
+    return codec >= 0 && codec < GGML_ZIPMOE_CODEC_COUNT ? names[codec] : NULL;
+}
+
+size_t ggml_zipmoe_compress_bound(int codec, size_t n) {
+    switch (codec) {
+        case GGML_ZIPMOE_CODEC_RAW:   return n;
+        case GGML_ZIPMOE_CODEC_ZSTD:  return ZSTD_compressBound(n);
+        case GGML_ZIPMOE_CODEC_LZ4:
+        case GGML_ZIPMOE_CODEC_LZ4HC: return n > LZ4_MAX_INPUT_SIZE ? 0 : (size_t) LZ4_compressBound((int) n);
+        case GGML_ZIPMOE_CODEC_HUF:   return zipmoe_huf_compress_bound(n);
+        default:                      return 0;
+    }
+}
+
+int64_t ggml_zipmoe_compress(int codec, int level, const void * src, size_t n, void * dst, size_t dst_capacity) {
+    if ((src == NULL && n > 0) || dst == NULL || ggml_zipmoe_codec_name(codec) == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    switch (codec) {
+        case GGML_ZIPMOE_CODEC_RAW:
+            if (dst_capacity < n) {
+                return GGML_ZIPMOE_ERR_CAPACITY;
+            }
+            memcpy(dst, src, n);
+            return (int64_t) n;
+        case GGML_ZIPMOE_CODEC_ZSTD: {
+            if (level < ZSTD_minCLevel() || level > ZSTD_maxCLevel() || level == 0) {
+                return GGML_ZIPMOE_ERR_ARG;
+            }
+            const size_t r = ZSTD_compress(dst, dst_capacity, src, n, level);
+            if (ZSTD_isError(r)) {
+                return ZSTD_getErrorCode(r) == ZSTD_error_dstSize_tooSmall ? GGML_ZIPMOE_ERR_CAPACITY
+                                                                           : GGML_ZIPMOE_ERR_NOMEM;
+            }
+            return (int64_t) r;
+        }
+        case GGML_ZIPMOE_CODEC_LZ4:
+        case GGML_ZIPMOE_CODEC_LZ4HC: {
+            if (n > LZ4_MAX_INPUT_SIZE) {
+                return GGML_ZIPMOE_ERR_ARG;
+            }
+            const int cap = dst_capacity > INT_MAX ? INT_MAX : (int) dst_capacity;
+            int r;
+            if (codec == GGML_ZIPMOE_CODEC_LZ4) {
+                if (level < 1) {
+                    return GGML_ZIPMOE_ERR_ARG;
+                }
+                r = LZ4_compress_fast((const char *) src, (char *) dst, (int) n, cap, level);
+            } else {
+                if (level < 1 || level > LZ4HC_CLEVEL_MAX) {
+                    return GGML_ZIPMOE_ERR_ARG;
+                }
+                r = LZ4_compress_HC((const char *) src, (char *) dst, (int) n, cap, level);
+            }
+            if (r <= 0 && n > 0) {
+                return GGML_ZIPMOE_ERR_CAPACITY;
+            }
+            return r;
+        }
+        case GGML_ZIPMOE_CODEC_HUF:
+            return zipmoe_huf_compress((const uint8_t *) src, n, (uint8_t *) dst, dst_capacity);
+        default:
+            return GGML_ZIPMOE_ERR_ARG;
+    }
+}
+
+struct ggml_zipmoe_decoder * ggml_zipmoe_decoder_new(void) {
+    struct ggml_zipmoe_decoder * dec = (struct ggml_zipmoe_decoder *) calloc(1, sizeof(*dec));
+    if (dec == NULL) {
+        return NULL;
+    }
+    dec->zstd = ZSTD_createDCtx();
+    dec->huf  = zipmoe_huf_decoder_new();
+    if (dec->zstd == NULL || dec->huf == NULL) {
+        ggml_zipmoe_decoder_free(dec);
+        return NULL;
+    }
+    return dec;
+}
+
+void ggml_zipmoe_decoder_free(struct ggml_zipmoe_decoder * dec) {
+    if (dec != NULL) {
+        ZSTD_freeDCtx(dec->zstd);
+        zipmoe_huf_decoder_free(dec->huf);
+        free(dec);
+    }
+}
+
+int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const void * src, size_t n, void * dst,
+                           size_t dst_size) {
+    if (dec == NULL || (src == NULL && n > 0) || (dst == NULL && dst_size > 0)) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    switch (codec) {
+        case GGML_ZIPMOE_CODEC_RAW:
+            if (n != dst_size) {
+                return GGML_ZIPMOE_ERR_CORRUPT;
+            }
+            memcpy(dst, src, n);
+            return GGML_ZIPMOE_OK;
+        case GGML_ZIPMOE_CODEC_ZSTD: {
+            const size_t r = ZSTD_decompressDCtx(dec->zstd, dst, dst_size, src, n);
+            return !ZSTD_isError(r) && r == dst_size ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
+        }
+        case GGML_ZIPMOE_CODEC_LZ4:
+        case GGML_ZIPMOE_CODEC_LZ4HC: {
+            if (n > INT_MAX || dst_size > INT_MAX) {
+                return GGML_ZIPMOE_ERR_CORRUPT;
+            }
+            const int r = LZ4_decompress_safe((const char *) src, (char *) dst, (int) n, (int) dst_size);
+            return r >= 0 && (size_t) r == dst_size ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
+        }
+        case GGML_ZIPMOE_CODEC_HUF:
+            return zipmoe_huf_decompress(dec->huf, (const uint8_t *) src, n, (uint8_t *) dst, dst_size);
+        default:
+            return GGML_ZIPMOE_ERR_ARG;
+    }
+}

@@ -1,0 +1,160 @@
+"""ggml-zipmoe codecs: bit-exact BF16 split/recovery and exponent-plane round trips."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zipmoe_py import codec
+from zipmoe_py.codec import CodecError, Decoder
+
+def _available_impls():
+    names = []
+    for name in ("scalar", "avx2", "avx512bw"):
+        try:
+            codec.set_recover_impl(name)
+            names.append(name)
+        except CodecError:
+            pass
+    codec.set_recover_impl(None)
+    return names
+
+
+IMPLS = _available_impls()
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bit patterns, round to nearest even (as PyTorch and llama.cpp do)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def expert_tensor(rng, heavy_tails=False) -> np.ndarray:
+    shape = (1408, 2048)  # DeepSeek-V2-Lite / Qwen1.5-MoE routed-expert geometry
+    x = rng.standard_t(3, shape) * 0.012 if heavy_tails else rng.normal(0, 0.02, shape)
+    return to_bf16(x)
+
+
+def entropy_bits(plane: np.ndarray) -> float:
+    counts = np.bincount(plane, minlength=256)
+    p = counts[counts > 0] / plane.size
+    return float(-(p * np.log2(p)).sum())
+
+
+@pytest.fixture(autouse=True)
+def best_recover_impl():
+    yield
+    codec.set_recover_impl(None)
+
+
+def test_scalar_is_always_available_and_the_best_is_default():
+    assert "scalar" in IMPLS
+    codec.set_recover_impl(None)
+    assert codec.recover_impl() == IMPLS[-1]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_bf16_bit_pattern_survives_split_and_recovery(impl):
+    codec.set_recover_impl(impl)
+    every = np.arange(1 << 16, dtype=np.uint16)  # ±0, ±inf, NaNs with payloads, subnormals, max/min normals
+    exp, sm = codec.split_bf16(every)
+    assert np.array_equal(exp, ((every >> 7) & 0xFF).astype(np.uint8))
+    assert np.array_equal(sm, (((every >> 8) & 0x80) | (every & 0x7F)).astype(np.uint8))
+    assert np.array_equal(codec.recover_bf16(exp, sm), every)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 63, 65, 1000, 4097])
+def test_recovery_handles_lengths_that_are_not_a_vector_multiple(impl, n):
+    codec.set_recover_impl(impl)
+    values = np.random.default_rng(n).integers(0, 1 << 16, n, dtype=np.uint16)
+    exp, sm = codec.split_bf16(values)
+    assert np.array_equal(codec.recover_bf16(exp, sm), values)
+
+
+def test_unknown_recovery_path_is_refused():
+    with pytest.raises(CodecError, match="not available"):
+        codec.set_recover_impl("neon")
+
+
+def _planes():
+    rng = np.random.default_rng(0)
+    exp, _ = codec.split_bf16(expert_tensor(rng))
+    exp_t, _ = codec.split_bf16(expert_tensor(rng, heavy_tails=True))
+    block = 128 * 1024
+    return {
+        "empty": np.zeros(0, np.uint8),
+        "one": np.array([127], np.uint8),
+        "gaussian-expert": exp,
+        "heavy-tailed-expert": exp_t,
+        "block-minus-1": exp[:block - 1],
+        "block-plus-1": exp[:block + 1],
+        "constant": np.full(block + 5000, 120, np.uint8),      # huff0 RLE blocks
+        "uniform-random": rng.integers(0, 256, 300_000, dtype=np.uint8),  # incompressible: raw blocks
+    }
+
+
+PLANES = _planes()
+
+
+@pytest.mark.parametrize("name", sorted(codec.CODECS))
+@pytest.mark.parametrize("plane", sorted(PLANES))
+def test_codec_round_trip_is_bit_exact(name, plane):
+    data = PLANES[plane]
+    blob = codec.compress(data, name)
+    assert len(blob) <= max(len(codec.compress(data, "raw")), 1) + 64 + data.size // 100
+    assert np.array_equal(Decoder().decompress(blob, name, data.size), data)
+
+
+@pytest.mark.parametrize("name", ["zstd", "lz4hc"])
+@pytest.mark.parametrize("level", [1, 9])
+def test_levels_round_trip(name, level):
+    data = PLANES["gaussian-expert"][:200_000]
+    assert np.array_equal(Decoder().decompress(codec.compress(data, name, level), name, data.size), data)
+
+
+@pytest.mark.parametrize("plane", ["gaussian-expert", "heavy-tailed-expert"])
+def test_huf_whole_expert_size_is_within_1_percent_of_the_entropy_bound(plane):
+    # whole expert = raw sign+mantissa plane + compressed exponent plane, against (8 + H) / 16 of BF16
+    data = PLANES[plane]
+    whole_ratio = (data.size + len(codec.compress(data, "huf"))) / (2 * data.size)
+    assert whole_ratio <= (8 + entropy_bits(data)) / 16 * 1.01
+
+
+@pytest.mark.parametrize("name", [c for c in sorted(codec.CODECS)])
+def test_truncated_or_missized_data_is_an_error_not_wrong_output(name):
+    data = PLANES["gaussian-expert"][:300_000]
+    blob = codec.compress(data, name)
+    dec = Decoder()
+    for cut in (1, len(blob) // 2):
+        with pytest.raises(CodecError, match="corrupt compressed data"):
+            dec.decompress(blob[:-cut], name, data.size)
+    with pytest.raises(CodecError, match="corrupt compressed data"):
+        dec.decompress(blob, name, data.size + 1)
+    with pytest.raises(CodecError, match="corrupt compressed data"):
+        dec.decompress(blob + b"\0", name, data.size)
+    assert np.array_equal(dec.decompress(blob, name, data.size), data)  # the context is still good
+
+
+def test_huf_block_header_corruption_is_detected():
+    data = PLANES["gaussian-expert"][:300_000]
+    blob = bytearray(codec.compress(data, "huf"))
+    blob[8 + 3] ^= 0xC0  # mode bits of the first block (after the u64 size) -> an invalid mode
+    with pytest.raises(CodecError, match="corrupt"):
+        Decoder().decompress(bytes(blob), "huf", data.size)
+    blob = bytearray(codec.compress(data, "huf"))
+    blob[8] ^= 0xFF  # payload size of the first block
+    with pytest.raises(CodecError, match="corrupt"):
+        Decoder().decompress(bytes(blob), "huf", data.size)
+    blob = bytearray(codec.compress(data, "huf"))
+    blob[0] ^= 0x01  # the stream's decoded size
+    with pytest.raises(CodecError, match="corrupt"):
+        Decoder().decompress(bytes(blob), "huf", data.size)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(CodecError, match="invalid argument"):
+        codec.compress(b"abc", "zstd", level=99)
+    with pytest.raises(CodecError, match="invalid argument"):
+        codec.compress(b"abc", "lz4hc", level=0)
+    with pytest.raises(Exception, match="unknown codec 'brotli'"):
+        codec.compress(b"abc", "brotli")

@@ -1,0 +1,105 @@
+"""BF16 plane split/recovery and exponent codecs, over ggml-zipmoe (numpy in, numpy out)."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from .errors import ZipMoEError
+
+CODECS = {"raw": _lib.CODEC_RAW, "zstd": _lib.CODEC_ZSTD, "lz4": _lib.CODEC_LZ4,
+          "lz4hc": _lib.CODEC_LZ4HC, "huf": _lib.CODEC_HUF}
+DEFAULT_LEVELS = {"raw": 0, "zstd": 1, "lz4": 1, "lz4hc": 9, "huf": 0}
+
+
+class CodecError(ZipMoEError):
+    """A codec call failed; `status` is the ggml-zipmoe status code."""
+
+    def __init__(self, what: str, status: int):
+        super().__init__(f"{what}: {_lib.status_string(status)}")
+        self.status = status
+
+
+def _ptr(array: np.ndarray, ctype):
+    return array.ctypes.data_as(ctypes.POINTER(ctype))
+
+
+def codec_id(name: str) -> int:
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ZipMoEError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}") from None
+
+
+def split_bf16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """BF16 bit patterns (uint16, any shape) -> (exponent bytes, sign+mantissa bytes), flat."""
+    flat = np.ascontiguousarray(values, dtype=np.uint16).reshape(-1)
+    exp = np.empty(flat.size, np.uint8)
+    sm = np.empty(flat.size, np.uint8)
+    _lib.lib().ggml_zipmoe_split_bf16(_ptr(flat, ctypes.c_uint16), flat.size, _ptr(exp, ctypes.c_uint8),
+                                      _ptr(sm, ctypes.c_uint8))
+    return exp, sm
+
+
+def recover_bf16(exp: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    """(exponent bytes, sign+mantissa bytes) -> BF16 bit patterns (uint16), flat."""
+    exp = np.ascontiguousarray(exp, dtype=np.uint8).reshape(-1)
+    sm = np.ascontiguousarray(sm, dtype=np.uint8).reshape(-1)
+    if exp.size != sm.size:
+        raise ZipMoEError(f"plane sizes differ: {exp.size} exponent bytes, {sm.size} sign+mantissa bytes")
+    out = np.empty(exp.size, np.uint16)
+    _lib.lib().ggml_zipmoe_recover_bf16(_ptr(exp, ctypes.c_uint8), _ptr(sm, ctypes.c_uint8), exp.size,
+                                        _ptr(out, ctypes.c_uint16))
+    return out
+
+
+def recover_impl() -> str:
+    return _lib.lib().ggml_zipmoe_recover_impl().decode()
+
+
+def set_recover_impl(name: str | None) -> None:
+    status = _lib.lib().ggml_zipmoe_set_recover_impl(None if name is None else name.encode())
+    if status != _lib.OK:
+        raise CodecError(f"recovery path {name!r} is not available on this CPU", status)
+
+
+def compress(data: bytes | np.ndarray, codec: str, level: int | None = None) -> bytes:
+    cid = codec_id(codec)
+    src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else \
+        np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    level = DEFAULT_LEVELS[codec] if level is None else level
+    bound = _lib.lib().ggml_zipmoe_compress_bound(cid, src.size)
+    dst = np.empty(max(bound, 1), np.uint8)
+    size = _lib.lib().ggml_zipmoe_compress(cid, level, src.ctypes.data, src.size, dst.ctypes.data, dst.size)
+    if size < 0:
+        raise CodecError(f"{codec} (level {level}) compression of {src.size} bytes", size)
+    return dst[:size].tobytes()
+
+
+class Decoder:
+    """A reusable decoder context (one per thread)."""
+
+    def __init__(self):
+        self._lib = _lib.lib()
+        self._handle = self._lib.ggml_zipmoe_decoder_new()
+        if not self._handle:
+            raise CodecError("creating a decoder", _lib.ERR_NOMEM)
+
+    def decompress(self, data: bytes, codec: str, size: int) -> np.ndarray:
+        """Decode to exactly `size` bytes; any other outcome raises CodecError."""
+        src = np.frombuffer(data, np.uint8)
+        out = np.empty(size, np.uint8)
+        status = self._lib.ggml_zipmoe_decompress(self._handle, codec_id(codec), src.ctypes.data, src.size,
+                                                  out.ctypes.data, size)
+        if status != _lib.OK:
+            raise CodecError(f"{codec} decompression of {src.size} bytes into {size}", status)
+        return out
+
+    def close(self) -> None:
+        if self._handle:
+            self._lib.ggml_zipmoe_decoder_free(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
