@@ -32,6 +32,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_decoder_free": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_decompress": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                                               ctypes.c_void_p, ctypes.c_size_t]),
+    "ggml_zipmoe_checksum": (ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]),
 }
 
 

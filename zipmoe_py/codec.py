@@ -64,6 +64,13 @@ def set_recover_impl(name: str | None) -> None:
         raise CodecError(f"recovery path {name!r} is not available on this CPU", status)
 
 
+def checksum(data: bytes | np.ndarray) -> int:
+    """XXH64 (seed 0) of the bytes, as recorded per chunk in a ZipMoE GGUF."""
+    src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else \
+        np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return _lib.lib().ggml_zipmoe_checksum(src.ctypes.data, src.size)
+
+
 def compress(data: bytes | np.ndarray, codec: str, level: int | None = None) -> bytes:
     cid = codec_id(codec)
     src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else \

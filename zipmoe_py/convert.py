@@ -98,21 +98,121 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     return out_path
 
 
+def _progress_bar(total: int, desc: str, quiet: bool):
+    if quiet:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr)
+
+    def update(done: int):
+        bar.update(done - bar.n)
+
+    return update, bar.close
+
+
+def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, shards: int,
+              threads: int | None, quiet: bool) -> None:
+    """Repack a BF16 GGUF as a ZipMoE GGUF and report per-layer entropy and ratio."""
+    from . import format as zformat
+    from . import gguf_file
+
+    header = gguf_file.read_header(src_gguf)
+    total = sum(t.nbytes() for t in header.tensors)
+    update, close = _progress_bar(total, f"ZipMoE {codec} K={shards}", quiet)
+    try:
+        result = zformat.repack(src_gguf, out_path, codec=codec, level=level, shards=shards, threads=threads,
+                                progress=update)
+    finally:
+        close()
+    if not quiet:
+        print("layer  exp. entropy (bits)  expert ratio  bound (8+H)/16", file=sys.stderr)
+        for row in result.per_layer():
+            print(f"{row['layer']:>5}  {row['exp_entropy_bits']:>19.3f}  {row['ratio']:>12.4f}  {row['bound']:>14.4f}",
+                  file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .codec import CODECS
+    from .format import DEFAULT_CODEC, DEFAULT_SHARDS
+
     ap = argparse.ArgumentParser(
         prog="zipmoe-convert",
         description="Convert a Hugging Face DeepSeek-V2(-Lite) or Qwen1.5-MoE/Qwen2-MoE checkpoint to a "
-                    "BF16 GGUF with llama.cpp's own converter (pinned, unmodified).")
-    ap.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer)")
+                    "BF16 GGUF with llama.cpp's own converter (pinned, unmodified); with --zipmoe, repack "
+                    "its routed experts into the ZipMoE split-bitfield format (docs/FORMAT.md). The input "
+                    "may also be a BF16 GGUF, for --zipmoe.")
+    ap.add_argument("source", type=Path, help="Hugging Face checkpoint folder (config.json, *.safetensors, "
+                                              "tokenizer), or a BF16 GGUF file with --zipmoe")
     ap.add_argument("-o", "--outfile", type=Path, required=True, help="GGUF file to write (replaced if it exists)")
-    ap.add_argument("-q", "--quiet", action="store_true", help="hide the converter's log and progress bar")
+    ap.add_argument("--zipmoe", action="store_true",
+                    help="write a ZipMoE GGUF (compressed exponents, raw sign+mantissa) instead of plain BF16")
+    ap.add_argument("--codec", choices=sorted(CODECS), default=DEFAULT_CODEC,
+                    help="exponent codec for --zipmoe (default: %(default)s, order-0 Huffman)")
+    ap.add_argument("--level", type=int, default=None,
+                    help="codec level (zstd 1..22, lz4 acceleration >= 1, lz4hc 1..12; default: the codec's own)")
+    ap.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
+                    help="E-chunks per expert, K (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None, help="compression threads (default: all cores)")
+    ap.add_argument("--keep-bf16", type=Path, default=None, metavar="FILE",
+                    help="with --zipmoe from a checkpoint: also keep the intermediate BF16 GGUF at FILE")
+    ap.add_argument("-q", "--quiet", action="store_true", help="hide logs, progress bars and the ratio table")
     args = ap.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
     try:
-        out = convert_to_bf16_gguf(args.hf_dir, args.outfile, quiet=args.quiet)
+        if not args.zipmoe:
+            if args.source.is_file():
+                raise ZipMoEError(f"{args.source} is a file: plain conversion takes a checkpoint folder "
+                                  "(use --zipmoe to repack a BF16 GGUF)")
+            out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
+            print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
+            return 0
+        if not args.outfile.parent.exists():
+            raise ZipMoEError(f"output folder does not exist: {args.outfile.parent}")
+        if args.source.is_file():
+            to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
+        else:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(dir=args.outfile.parent, prefix=".zipmoe-") as tmp:
+                bf16 = args.keep_bf16 or Path(tmp) / "bf16.gguf"
+                convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
+                to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
+        print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {args.codec}, "
+              f"K={args.shards})")
+        return 0
     except ZipMoEError as e:
         print(f"zipmoe-convert: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    from . import format as zformat
+
+    ap = argparse.ArgumentParser(
+        prog="zipmoe-verify",
+        description="Decode every routed expert of a ZipMoE GGUF, checking every chunk's checksum; with "
+                    "--against, also compare every tensor bit for bit with the BF16 GGUF it came from. "
+                    "Exits 1 naming the first corrupt chunk (layer, tensor, expert, shard) or differing tensor.")
+    ap.add_argument("file", type=Path, help="ZipMoE GGUF to check")
+    ap.add_argument("--against", type=Path, default=None, metavar="SOURCE.gguf", help="the BF16 GGUF it was made from")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    try:
+        with zformat.ZipMoEFile(args.file) as zf:
+            total = sum(2 * s[0] * s[1] * s[2] for s in map(zf.shape, zf.tensors))
+        update, close = _progress_bar(total, "verify", args.quiet)
+        try:
+            counts = zformat.verify(args.file, args.against, progress=update)
+        finally:
+            close()
+    except ZipMoEError as e:
+        print(f"zipmoe-verify: error: {e}", file=sys.stderr)
+        return 1
+    against = f", identical to {args.against} ({counts['other_tensors']} other tensors too)" if args.against else ""
+    print(f"ok: {counts['tensors']} expert tensors, {counts['experts']} experts, {counts['chunks']} chunks "
+          f"decoded with valid checksums{against}")
     return 0
 
 

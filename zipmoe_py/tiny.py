@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import _paths
 from .errors import ZipMoEError
-from .gguf_kv import read_metadata
+from .gguf_file import read_metadata
 
 # DeepSeek-V2-Lite's config.json, as published (auto_map names the remote code the real
 # checkpoint ships; transformers 4.57 has the architecture built in and uses that).

@@ -109,6 +109,9 @@ GGML_ZIPMOE_API void                         ggml_zipmoe_decoder_free(struct ggm
 GGML_ZIPMOE_API int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec,
                                            const void * src, size_t n, void * dst, size_t dst_size);
 
+// checksum of a stored chunk, as recorded in a ZipMoE GGUF: XXH64 with seed 0
+GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

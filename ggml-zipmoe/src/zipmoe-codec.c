@@ -147,3 +147,7 @@ int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const vo
             return GGML_ZIPMOE_ERR_ARG;
     }
 }
+
+uint64_t ggml_zipmoe_checksum(const void * data, size_t n) {
+    return zipmoe_xxh64(data, n);
+}

@@ -37,6 +37,9 @@ void   zipmoe_huff0_state_free(void * state);
 // decode one block to exactly dst_size bytes: 0 on success, -1 on corrupt input
 int    zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const void * src, size_t n);
 
+// XXH64 with seed 0 (zstd's bundled xxHash)
+uint64_t zipmoe_xxh64(const void * data, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

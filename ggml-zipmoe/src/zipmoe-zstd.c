@@ -49,3 +49,7 @@ int zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const voi
                                                    sizeof(st->workspace), st->flags);
     return !HUF_isError(r) && r == dst_size ? 0 : -1;
 }
+
+uint64_t zipmoe_xxh64(const void * data, size_t n) {
+    return XXH64(data, n, 0);
+}

@@ -1,0 +1,211 @@
+"""ZipMoE GGUF (docs/FORMAT.md): repacking, verification, corruption detection, compatibility."""
+from __future__ import annotations
+
+import random
+import struct
+
+import numpy as np
+import pytest
+
+from zipmoe_py import _paths, codec
+from zipmoe_py import format as zformat
+from zipmoe_py import gguf_file
+from zipmoe_py.errors import ZipMoEError
+
+from conftest import run, zipmoe_command
+
+
+def _bf16_patterns(rng, n: int) -> np.ndarray:
+    """Realistic weights mixed with every special value: ±0, ±inf, NaN payloads, subnormals, extremes."""
+    x = rng.normal(0, 0.02, n).astype(np.float32).view(np.uint32) >> 16
+    special = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF, 0x0001, 0x807F,
+                        0x7F7F, 0xFF7F, 0x0080, 0x8080], np.uint16)
+    out = x.astype(np.uint16)
+    out[rng.choice(n, min(n, 64), replace=False)] = rng.choice(special, min(n, 64))
+    return out
+
+
+def make_moe_gguf(path, expert_dtype="bf16", shape=(67, 45, 3), layers=2, seed=0):
+    """A small GGUF with routed-expert tensors of awkward sizes and a few ordinary tensors."""
+    gguf = _paths.import_gguf()
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "qwen2moe")
+    w.add_block_count(layers)
+    w.add_uint32("test.marker", 7)
+    w.add_array("test.tokens", ["a", "b", "c"])
+    w.add_tensor("token_embd.weight", rng.normal(size=(5, 67)).astype(np.float32))
+    for layer in range(layers):
+        w.add_tensor(f"blk.{layer}.ffn_norm.weight", rng.normal(size=67).astype(np.float32))
+        for kind in ("gate", "up", "down"):
+            n_expert, n_ff, n_embd = shape[2], shape[1], shape[0]
+            if expert_dtype == "bf16":
+                data = _bf16_patterns(rng, n_expert * n_ff * n_embd).reshape(n_expert, n_ff, n_embd)
+                w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", data, raw_shape=data.shape,
+                             raw_dtype=gguf.GGMLQuantizationType.BF16)
+            else:
+                w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight",
+                             rng.normal(size=(n_expert, n_ff, n_embd)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_src(tmp_path_factory):
+    return make_moe_gguf(tmp_path_factory.mktemp("fmt") / "src.gguf")
+
+
+@pytest.mark.parametrize("codec_name", sorted(codec.CODECS))
+@pytest.mark.parametrize("shards", [1, 5, 8])
+def test_round_trip_every_codec_and_shard_count(small_src, tmp_path, codec_name, shards):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst, codec=codec_name, shards=shards, threads=2)
+    counts = zformat.verify(dst, against=small_src)
+    assert counts == {"tensors": 6, "experts": 18, "chunks": 18 * (1 + shards), "other_tensors": 3}
+    header = gguf_file.read_header(dst)
+    assert header.alignment == 4096 and header.data_offset % 4096 == 0
+    with zformat.ZipMoEFile(dst) as zf:
+        for tensor in zf.tensors:
+            for e in range(3):
+                refs = zf.chunks(tensor, e)
+                assert all(r.offset % 4096 == 0 for r in refs)  # O_DIRECT-ready
+                assert sum(r.decoded_size for r in refs[1:]) == refs[0].decoded_size == 67 * 45
+    # every source key-value is kept byte for byte
+    src = gguf_file.read_header(small_src)
+    for key, kv in src.kv.items():
+        if key != "general.alignment":
+            assert header.kv[key].raw == kv.raw, key
+
+
+def test_repacking_is_deterministic(small_src, tmp_path):
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    zformat.repack(small_src, a, threads=1)
+    zformat.repack(small_src, b, threads=2)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_both_tiny_models_convert_to_zipmoe_and_verify(arch, tiny_hf, tiny_gguf, tmp_path):
+    out = tmp_path / f"{arch}-zipmoe.gguf"
+    if arch == "qwen2moe":  # straight from the Hugging Face checkpoint, the one-command path
+        proc = run([zipmoe_command("zipmoe-convert"), tiny_hf(arch), "-o", out, "--zipmoe"])
+    else:
+        proc = run([zipmoe_command("zipmoe-convert"), tiny_gguf(arch), "-o", out, "--zipmoe", "--shards", "8"])
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert b"bound (8+H)/16" in proc.stderr  # the per-layer entropy / ratio table
+    assert not list(tmp_path.glob(".zipmoe-*")) and not list(tmp_path.glob("*.partial"))
+    proc = run([zipmoe_command("zipmoe-verify"), out, "--against", tiny_gguf(arch), "-q"])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"identical to" in proc.stdout
+
+
+def test_stock_gguf_py_reads_it_and_stock_llama_cpp_refuses_it(tiny_gguf, tmp_path):
+    out = tmp_path / "z.gguf"
+    zformat.repack(tiny_gguf("deepseek2"), out)
+    reader = _paths.import_gguf().GGUFReader(str(out))
+    names = {t.name for t in reader.tensors}
+    assert "blk.1.ffn_up_exps.zipmoe" in names and "blk.1.ffn_up_exps.weight" not in names
+    assert int(reader.fields["zipmoe.format_version"].contents()) == 1
+    proc = run([_paths.program("llama-completion"), "-m", out, "-p", "hi", "-n", 1, "-no-cnv", "--no-warmup"],
+               stdin=subprocess_devnull())
+    assert proc.returncode != 0
+    assert b"error loading model: check_tensor_dims: tensor 'blk.1.ffn_" in proc.stderr
+    assert b"_exps.weight' not found" in proc.stderr
+
+
+def subprocess_devnull():
+    import subprocess
+
+    return subprocess.DEVNULL
+
+
+def _first_chunk(path, tensor="blk.1.ffn_down_exps.weight", expert=2, shard=1):
+    with zformat.ZipMoEFile(path) as zf:
+        return zf.chunks(tensor, expert)[1 + shard if shard is not None else 0]
+
+
+@pytest.mark.parametrize("shard", [None, 0, 3])
+def test_a_flipped_byte_is_named_by_layer_tensor_expert_and_shard(small_src, tmp_path, shard):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst, shards=5)
+    ref = _first_chunk(dst, shard=shard)
+    data = bytearray(dst.read_bytes())
+    data[ref.offset + ref.size // 2] ^= 0x10
+    dst.write_bytes(bytes(data))
+    what = "SM-chunk" if shard is None else f"E-chunk \\(shard {shard}\\)"
+    pattern = f"checksum mismatch in layer 1, tensor blk.1.ffn_down_exps.weight, expert 2, {what}"
+    with pytest.raises(ZipMoEError, match=pattern):
+        zformat.verify(dst)
+    proc = run([zipmoe_command("zipmoe-verify"), dst, "-q"])
+    assert proc.returncode == 1
+    assert b"checksum mismatch in layer 1, tensor blk.1.ffn_down_exps.weight, expert 2" in proc.stderr
+
+
+def test_truncated_file_wrong_version_and_bad_offsets_are_clear_errors(small_src, tmp_path):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst)
+    good = dst.read_bytes()
+
+    dst.write_bytes(good[: len(good) - 5000])
+    with pytest.raises(ZipMoEError, match="lies beyond the end of the file|truncated|outside"):
+        zformat.verify(dst)
+
+    version_key = gguf_file.pack_string("zipmoe.format_version") + struct.pack("<I", gguf_file.T_U32)
+    at = good.index(version_key) + len(version_key)
+    dst.write_bytes(good[:at] + struct.pack("<I", 99) + good[at + 4:])
+    with pytest.raises(ZipMoEError, match="format version 99 is not supported"):
+        zformat.verify(dst)
+
+    offsets_key = gguf_file.pack_string("zipmoe.tensor.blk.0.ffn_gate_exps.weight.chunk_offset")
+    at = good.index(offsets_key) + len(offsets_key) + 4 + 4 + 8  # type, item type, count
+    dst.write_bytes(good[:at] + struct.pack("<Q", 1 << 40) + good[at + 8:])
+    with pytest.raises(ZipMoEError, match="layer 0, tensor blk.0.ffn_gate_exps.weight, expert 0, SM-chunk "
+                                          "lies outside its tensor"):
+        zformat.verify(dst)
+    proc = run([zipmoe_command("zipmoe-verify"), dst, "-q"])
+    assert proc.returncode == 1 and b"lies outside its tensor" in proc.stderr
+
+
+def test_non_bf16_experts_are_refused_with_the_tensor_named(tmp_path):
+    src = make_moe_gguf(tmp_path / "f32.gguf", expert_dtype="f32")
+    with pytest.raises(ZipMoEError, match="expert tensor blk.0.ffn_gate_exps.weight is F32, not BF16"):
+        zformat.repack(src, tmp_path / "z.gguf")
+    assert not (tmp_path / "z.gguf").exists() and not (tmp_path / "z.gguf.partial").exists()
+    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", tmp_path / "z.gguf", "--zipmoe", "-q"])
+    assert proc.returncode == 1 and b"is F32, not BF16" in proc.stderr
+
+
+def test_already_zipmoe_and_non_moe_inputs_are_refused(small_src, tmp_path):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst)
+    with pytest.raises(ZipMoEError, match="already a ZipMoE GGUF"):
+        zformat.repack(dst, tmp_path / "again.gguf")
+    with pytest.raises(ZipMoEError, match="is not a ZipMoE GGUF"):
+        zformat.verify(small_src)
+
+
+def test_header_parser_fuzz(small_src, tmp_path):
+    """Bounded random mutations of a ZipMoE header: a clear ZipMoEError or a clean parse, never a crash."""
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst)
+    good = dst.read_bytes()
+    header_len = gguf_file.read_header(dst).data_offset
+    rng = random.Random(1234)
+    fuzzed = tmp_path / "fuzzed.gguf"
+    outcomes = {"error": 0, "parsed": 0}
+    for _ in range(400):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 8)):
+            data[rng.randrange(header_len)] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]
+        fuzzed.write_bytes(bytes(data))
+        try:
+            with zformat.ZipMoEFile(fuzzed) as zf:
+                for tensor in zf.tensors[:1]:
+                    zf.chunks(tensor, 0)
+            outcomes["parsed"] += 1
+        except ZipMoEError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 50 and sum(outcomes.values()) == 400

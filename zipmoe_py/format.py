@@ -1,0 +1,405 @@
+"""The ZipMoE GGUF format (docs/FORMAT.md): repack a BF16 GGUF, read chunks back, verify.
+
+Repacking streams tensor by tensor through a fixed-size header: every value in the
+header has a fixed width, so a placeholder header is written first and rewritten in
+place once the chunk index is known. Memory stays bounded by a few experts per thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import codec as _codec
+from . import gguf_file as gf
+from .errors import ZipMoEError
+
+FORMAT_VERSION = 1
+CHUNK_ALIGNMENT = 4096
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+DEFAULT_CODEC, DEFAULT_SHARDS = "huf", 5
+CHECKSUM = "xxh64"
+
+
+def blob_name(tensor_name: str) -> str:
+    return tensor_name[: -len(".weight")] + ".zipmoe"
+
+
+def _key(tensor: str, what: str) -> str:
+    return f"zipmoe.tensor.{tensor}.{what}"
+
+
+def shard_bounds(n: int, shards: int) -> list[tuple[int, int]]:
+    return [(k * n // shards, (k + 1) * n // shards) for k in range(shards)]
+
+
+def _align(x: int, a: int = CHUNK_ALIGNMENT) -> int:
+    return (x + a - 1) // a * a
+
+
+@dataclass
+class TensorStats:
+    name: str
+    layer: int
+    bf16_bytes: int = 0
+    stored_bytes: int = 0
+    exp_histogram: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))
+
+
+@dataclass
+class RepackResult:
+    path: Path
+    tensors: list[TensorStats]
+
+    def per_layer(self) -> list[dict]:
+        """Exponent entropy H, achieved ratio and the bound (8 + H) / 16, per layer."""
+        rows = {}
+        for t in self.tensors:
+            row = rows.setdefault(t.layer, {"layer": t.layer, "bf16": 0, "stored": 0, "hist": np.zeros(256, np.int64)})
+            row["bf16"] += t.bf16_bytes
+            row["stored"] += t.stored_bytes
+            row["hist"] += t.exp_histogram
+        out = []
+        for layer in sorted(rows):
+            r = rows[layer]
+            p = r["hist"][r["hist"] > 0] / r["hist"].sum()
+            h = float(-(p * np.log2(p)).sum())
+            out.append({"layer": layer, "exp_entropy_bits": h, "ratio": r["stored"] / r["bf16"],
+                        "bound": (8 + h) / 16})
+        return out
+
+
+def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: int):
+    """One expert's chunks: [(bytes, codec id)], SM first; plus its exponent histogram."""
+    exp, sm = _codec.split_bf16(values)
+    chunks = [(sm.tobytes(), _codec.CODECS["raw"])]
+    for lo, hi in shard_bounds(exp.size, shards):
+        blob = _codec.compress(exp[lo:hi], codec, level)
+        if len(blob) >= hi - lo:  # the codec would not shrink it: store raw
+            chunks.append((exp[lo:hi].tobytes(), _codec.CODECS["raw"]))
+        else:
+            chunks.append((blob, _codec.CODECS[codec]))
+    return chunks, np.bincount(exp, minlength=256)
+
+
+def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: int | None = None,
+           shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None) -> RepackResult:
+    """Write the ZipMoE GGUF of the BF16 GGUF src to dst (atomically: dst appears complete or not at all).
+
+    progress, if given, is called with the number of source bytes done after each step.
+    """
+    src, dst = Path(src), Path(dst)
+    _codec.codec_id(codec)
+    if not 1 <= shards <= 64:
+        raise ZipMoEError(f"--shards must be between 1 and 64, got {shards}")
+    header = gf.read_header(src)
+    if "zipmoe.format_version" in header.kv:
+        raise ZipMoEError(f"{src} is already a ZipMoE GGUF")
+    experts = [t for t in header.tensors if EXPERT_TENSOR.match(t.name)]
+    if not experts:
+        raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
+    for t in experts:
+        if t.type != gf.GGML_TYPE_BF16:
+            raise ZipMoEError(f"{src}: expert tensor {t.name} is {gf.ggml_type_name(t.type)}, not BF16; "
+                              "ZipMoE stores BF16 experts losslessly (convert the checkpoint with --outtype bf16)")
+        if len(t.dims) != 3:
+            raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
+    expert_names = {t.name for t in experts}
+    n_chunks = {t.name: t.dims[2] * (1 + shards) for t in experts}
+
+    def kv_bytes(index: dict) -> bytes:
+        out = [kv.raw for key, kv in header.kv.items() if key != "general.alignment"]
+        out.append(gf.pack_kv("general.alignment", gf.T_U32, CHUNK_ALIGNMENT))
+        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32, FORMAT_VERSION))
+        out.append(gf.pack_kv("zipmoe.shards", gf.T_U32, shards))
+        out.append(gf.pack_kv("zipmoe.codec", gf.T_STRING, codec))
+        out.append(gf.pack_kv("zipmoe.codec_level", gf.T_I32,
+                              _codec.DEFAULT_LEVELS[codec] if level is None else level))
+        out.append(gf.pack_kv("zipmoe.checksum", gf.T_STRING, CHECKSUM))
+        out.append(gf.pack_kv("zipmoe.chunk_alignment", gf.T_U32, CHUNK_ALIGNMENT))
+        out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in experts], gf.T_STRING))
+        for t in experts:
+            offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 2 + \
+                ([0] * n_chunks[t.name],) * 2
+            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, t.type))
+            out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_size"), gf.T_ARRAY, sizes, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_codec"), gf.T_ARRAY, codecs, gf.T_U8))
+            out.append(gf.pack_kv(_key(t.name, "chunk_checksum"), gf.T_ARRAY, sums, gf.T_U64))
+        return b"".join(out)
+
+    def header_bytes(index: dict, infos: list[tuple[str, list[int], int, int]]) -> bytes:
+        n_kv = len(header.kv) - ("general.alignment" in header.kv) + 8 + 6 * len(experts)
+        head = b"GGUF" + struct.pack("<IQQ", 3, len(infos), n_kv) + kv_bytes(index)
+        head += b"".join(gf.pack_tensor_info(*info) for info in infos)
+        return head + b"\0" * (_align(len(head)) - len(head))
+
+    # placeholder infos: every number has a fixed width, so the real header has the same length
+    placeholder = [(blob_name(t.name), [0], gf.GGML_TYPE_I8, 0) if t.name in expert_names
+                   else (t.name, t.dims, t.type, 0) for t in header.tensors]
+    head_len = len(header_bytes({}, placeholder))
+
+    workers = threads or os.cpu_count() or 1
+    partial = dst.with_name(dst.name + ".partial")
+    stats: list[TensorStats] = []
+    index: dict[str, tuple[list, list, list, list]] = {}
+    infos = []
+    done = 0
+    try:
+        with open(src, "rb") as fin, mmap.mmap(fin.fileno(), 0, access=mmap.ACCESS_READ) as smap, \
+                open(partial, "wb") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            out.write(b"\0" * head_len)
+            data_start = head_len
+            for t in header.tensors:
+                pos = out.tell() - data_start
+                if pos % CHUNK_ALIGNMENT:
+                    out.write(b"\0" * (CHUNK_ALIGNMENT - pos % CHUNK_ALIGNMENT))
+                    pos = out.tell() - data_start
+                begin = header.data_offset + t.offset
+                if t.name not in expert_names:
+                    nbytes = t.nbytes()
+                    for off in range(0, nbytes, 64 << 20):
+                        out.write(smap[begin + off: begin + min(nbytes, off + (64 << 20))])
+                    infos.append((t.name, t.dims, t.type, pos))
+                    done += nbytes
+                    if progress:
+                        progress(done)
+                    continue
+                n = t.dims[0] * t.dims[1]
+                layer = int(EXPERT_TENSOR.match(t.name).group(1))
+                st = TensorStats(t.name, layer, bf16_bytes=2 * n * t.dims[2])
+                offsets, sizes, codecs, sums = [], [], [], []
+                values = np.frombuffer(smap, np.uint16, n * t.dims[2], begin)
+
+                def expert(e, values=values, n=n):
+                    return _compress_expert(values[e * n:(e + 1) * n], codec, level, shards)
+
+                blob_start = out.tell()
+                # map() keeps results in order; the window of experts in flight stays near `workers`
+                for chunks, hist in pool.map(expert, range(t.dims[2])):
+                    st.exp_histogram += hist
+                    for blob, cid in chunks:
+                        rel = out.tell() - blob_start
+                        if rel % CHUNK_ALIGNMENT:
+                            out.write(b"\0" * (CHUNK_ALIGNMENT - rel % CHUNK_ALIGNMENT))
+                            rel = out.tell() - blob_start
+                        out.write(blob)
+                        offsets.append(rel)
+                        sizes.append(len(blob))
+                        codecs.append(cid)
+                        sums.append(_codec.checksum(blob))
+                    done += 2 * n
+                    if progress:
+                        progress(done)
+                blob_size = out.tell() - blob_start
+                st.stored_bytes = sum(sizes)
+                index[t.name] = (offsets, sizes, codecs, sums)
+                infos.append((blob_name(t.name), [blob_size], gf.GGML_TYPE_I8, pos))
+                stats.append(st)
+                del values, expert  # views into the mmap must be gone before it closes
+            head = header_bytes(index, infos)
+            assert len(head) == head_len, "ZipMoE header length changed between placeholder and final"
+            out.seek(0)
+            out.write(head)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, dst)
+    finally:
+        if partial.exists():
+            partial.unlink()
+    return RepackResult(dst, stats)
+
+
+# ---- reading ----
+
+@dataclass
+class ChunkRef:
+    tensor: str
+    layer: int
+    expert: int
+    shard: int | None  # None for the SM-chunk
+    offset: int        # absolute file offset
+    size: int
+    codec: int
+    checksum: int
+    decoded_size: int
+
+    def describe(self) -> str:
+        what = "SM-chunk" if self.shard is None else f"E-chunk (shard {self.shard})"
+        return f"layer {self.layer}, tensor {self.tensor}, expert {self.expert}, {what}"
+
+
+class ZipMoEFile:
+    """A ZipMoE GGUF opened for reading its chunk index and chunks."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.header = gf.read_header(self.path)
+        version = self.header.value("zipmoe.format_version")
+        if version is None:
+            raise ZipMoEError(f"{self.path} is not a ZipMoE GGUF (no zipmoe.format_version)")
+        if version != FORMAT_VERSION:
+            raise ZipMoEError(f"{self.path}: ZipMoE format version {version} is not supported "
+                              f"(this build reads version {FORMAT_VERSION})")
+        self.shards = self.header.value("zipmoe.shards")
+        self.tensors: list[str] = self.header.value("zipmoe.tensors")
+        self._validate()
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._file_size = os.fstat(self._fd).st_size
+
+    def _validate(self) -> None:
+        """Check the types and sizes of everything the reader relies on, naming what is wrong."""
+        h, where = self.header, f"{self.path}: ZipMoE metadata"
+        if not isinstance(self.shards, int) or not 1 <= self.shards <= 64:
+            raise ZipMoEError(f"{where}: zipmoe.shards is {self.shards!r}, expected 1..64")
+        if not isinstance(self.tensors, list) or not all(isinstance(t, str) and EXPERT_TENSOR.match(t)
+                                                         for t in self.tensors):
+            raise ZipMoEError(f"{where}: zipmoe.tensors is missing or names a tensor that is not a routed expert")
+        for tensor in self.tensors:
+            shape = h.value(_key(tensor, "shape"))
+            if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape)):
+                raise ZipMoEError(f"{where}: {_key(tensor, 'shape')} is missing or not 3 positive sizes")
+            if h.value(_key(tensor, "type")) != gf.GGML_TYPE_BF16:
+                raise ZipMoEError(f"{where}: {_key(tensor, 'type')} is not BF16")
+            info = h.by_name.get(blob_name(tensor))
+            if info is None or info.type != gf.GGML_TYPE_I8 or len(info.dims) != 1:
+                raise ZipMoEError(f"{where}: chunk tensor {blob_name(tensor)} is missing or malformed")
+            n_chunks = shape[2] * (1 + self.shards)
+            for what in ("chunk_offset", "chunk_size", "chunk_codec", "chunk_checksum"):
+                kv = h.kv.get(_key(tensor, what))
+                if kv is None or not isinstance(kv.value, list) or len(kv.value) != n_chunks \
+                        or not all(isinstance(v, int) for v in kv.value):
+                    raise ZipMoEError(f"{where}: {_key(tensor, what)} is missing or does not hold "
+                                      f"{n_chunks} integers")
+
+    def close(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def shape(self, tensor: str) -> list[int]:
+        return self.header.value(_key(tensor, "shape"))
+
+    def chunks(self, tensor: str, expert: int) -> list[ChunkRef]:
+        h = self.header
+        info = h.by_name.get(blob_name(tensor))
+        shape = self.shape(tensor)
+        if info is None or shape is None:
+            raise ZipMoEError(f"{self.path}: tensor {tensor} is not in the ZipMoE index")
+        n = shape[0] * shape[1]
+        per = 1 + self.shards
+        arrays = [h.value(_key(tensor, k)) for k in ("chunk_offset", "chunk_size", "chunk_codec", "chunk_checksum")]
+        if any(a is None or len(a) != shape[2] * per for a in arrays):
+            raise ZipMoEError(f"{self.path}: chunk index of {tensor} is missing or has the wrong length")
+        layer = int(EXPERT_TENSOR.match(tensor).group(1))
+        bounds = shard_bounds(n, self.shards)
+        refs = []
+        for i in range(per):
+            j = expert * per + i
+            off, size, cid, s = (a[j] for a in arrays)
+            shard = None if i == 0 else i - 1
+            decoded = n if shard is None else bounds[shard][1] - bounds[shard][0]
+            ref = ChunkRef(tensor, layer, expert, shard, h.data_offset + info.offset + off, size, cid, s, decoded)
+            if off + size > info.dims[0] or ref.offset + size > self._file_size:
+                raise ZipMoEError(f"{self.path}: {ref.describe()} lies outside its tensor (corrupt index)")
+            refs.append(ref)
+        return refs
+
+    def read_chunk(self, ref: ChunkRef) -> bytes:
+        data = os.pread(self._fd, ref.size, ref.offset)
+        if len(data) != ref.size:
+            raise ZipMoEError(f"{self.path}: {ref.describe()} is truncated")
+        if _codec.checksum(data) != ref.checksum:
+            raise ZipMoEError(f"{self.path}: checksum mismatch in {ref.describe()}")
+        return data
+
+    def read_expert(self, tensor: str, expert: int, decoder: _codec.Decoder) -> np.ndarray:
+        """The expert's BF16 bit patterns (uint16, flat), checked and decoded."""
+        refs = self.chunks(tensor, expert)
+        sm = np.frombuffer(self.read_chunk(refs[0]), np.uint8)
+        if refs[0].codec != _codec.CODECS["raw"] or sm.size != refs[0].decoded_size:
+            raise ZipMoEError(f"{self.path}: {refs[0].describe()} is malformed")
+        exp = np.empty(sm.size, np.uint8)
+        pos = 0
+        names = {v: k for k, v in _codec.CODECS.items()}
+        for ref in refs[1:]:
+            if ref.codec not in names:
+                raise ZipMoEError(f"{self.path}: {ref.describe()} has unknown codec {ref.codec}")
+            try:
+                exp[pos:pos + ref.decoded_size] = decoder.decompress(self.read_chunk(ref), names[ref.codec],
+                                                                     ref.decoded_size)
+            except _codec.CodecError as e:
+                raise ZipMoEError(f"{self.path}: {ref.describe()} does not decode: {e}") from None
+            pos += ref.decoded_size
+        return _codec.recover_bf16(exp, sm)
+
+
+def verify(path: str | Path, against: str | Path | None = None, progress=None) -> dict:
+    """Decode every expert (checksums checked); with `against`, compare all tensors bit for bit.
+
+    Raises ZipMoEError naming the first corrupt chunk or differing tensor; returns counts.
+    """
+    decoder = _codec.Decoder()
+    counts = {"tensors": 0, "experts": 0, "chunks": 0, "other_tensors": 0}
+    with ZipMoEFile(path) as zf:
+        ref_header = gf.read_header(against) if against else None
+        ref_map = None
+        ref_file = open(against, "rb") if against else None
+        try:
+            if ref_file:
+                ref_map = mmap.mmap(ref_file.fileno(), 0, access=mmap.ACCESS_READ)
+            done = 0
+            for tensor in zf.tensors:
+                shape = zf.shape(tensor)
+                n = shape[0] * shape[1]
+                ref_values = None
+                if ref_header is not None:
+                    t = ref_header.by_name.get(tensor)
+                    if t is None or t.dims != shape or t.type != gf.GGML_TYPE_BF16:
+                        raise ZipMoEError(f"{against} has no BF16 tensor {tensor} of shape {shape}")
+                    ref_values = np.frombuffer(ref_map, np.uint16, n * shape[2], ref_header.data_offset + t.offset)
+                for e in range(shape[2]):
+                    values = zf.read_expert(tensor, e, decoder)
+                    if ref_values is not None and not np.array_equal(values, ref_values[e * n:(e + 1) * n]):
+                        raise ZipMoEError(f"{path}: layer {EXPERT_TENSOR.match(tensor).group(1)}, tensor {tensor}, "
+                                          f"expert {e} differs from {against}")
+                    counts["experts"] += 1
+                    counts["chunks"] += 1 + zf.shards
+                    done += 2 * n
+                    if progress:
+                        progress(done)
+                ref_values = None  # a view into the mmap must be gone before it closes
+                counts["tensors"] += 1
+            if ref_header is not None:
+                names = set(zf.tensors)
+                for t in ref_header.tensors:
+                    if t.name in names:
+                        continue
+                    mine = zf.header.by_name.get(t.name)
+                    if mine is None or mine.dims != t.dims or mine.type != t.type:
+                        raise ZipMoEError(f"{path}: tensor {t.name} is missing or has another shape/type than in {against}")
+                    a = ref_map[ref_header.data_offset + t.offset: ref_header.data_offset + t.offset + t.nbytes()]
+                    with open(path, "rb") as f:
+                        f.seek(zf.header.data_offset + mine.offset)
+                        if f.read(len(a)) != a:
+                            raise ZipMoEError(f"{path}: tensor {t.name} differs from {against}")
+                    counts["other_tensors"] += 1
+        finally:
+            if ref_map is not None:
+                ref_map.close()
+            if ref_file:
+                ref_file.close()
+    return counts
