@@ -42,13 +42,16 @@ def split_bf16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return exp, sm
 
 
-def recover_bf16(exp: np.ndarray, sm: np.ndarray) -> np.ndarray:
-    """(exponent bytes, sign+mantissa bytes) -> BF16 bit patterns (uint16), flat."""
+def recover_bf16(exp: np.ndarray, sm: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(exponent bytes, sign+mantissa bytes) -> BF16 bit patterns (uint16), flat; into `out` if given."""
     exp = np.ascontiguousarray(exp, dtype=np.uint8).reshape(-1)
     sm = np.ascontiguousarray(sm, dtype=np.uint8).reshape(-1)
     if exp.size != sm.size:
         raise ZipMoEError(f"plane sizes differ: {exp.size} exponent bytes, {sm.size} sign+mantissa bytes")
-    out = np.empty(exp.size, np.uint16)
+    if out is None:
+        out = np.empty(exp.size, np.uint16)
+    elif out.dtype != np.uint16 or out.size != exp.size or not out.flags.c_contiguous:
+        raise ZipMoEError(f"recovery output must be {exp.size} contiguous uint16 values")
     _lib.lib().ggml_zipmoe_recover_bf16(_ptr(exp, ctypes.c_uint8), _ptr(sm, ctypes.c_uint8), exp.size,
                                         _ptr(out, ctypes.c_uint16))
     return out
@@ -93,10 +96,13 @@ class Decoder:
         if not self._handle:
             raise CodecError("creating a decoder", _lib.ERR_NOMEM)
 
-    def decompress(self, data: bytes, codec: str, size: int) -> np.ndarray:
-        """Decode to exactly `size` bytes; any other outcome raises CodecError."""
+    def decompress(self, data: bytes, codec: str, size: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode to exactly `size` bytes (into `out`, contiguous uint8, if given); otherwise CodecError."""
         src = np.frombuffer(data, np.uint8)
-        out = np.empty(size, np.uint8)
+        if out is None:
+            out = np.empty(size, np.uint8)
+        elif out.dtype != np.uint8 or out.size != size or not out.flags.c_contiguous:
+            raise ZipMoEError(f"decompression output must be {size} contiguous bytes")
         status = self._lib.ggml_zipmoe_decompress(self._handle, codec_id(codec), src.ctypes.data, src.size,
                                                   out.ctypes.data, size)
         if status != _lib.OK:
