@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
 
 import numpy as np
 import pytest
@@ -108,16 +109,10 @@ def test_stock_gguf_py_reads_it_and_stock_llama_cpp_refuses_it(tiny_gguf, tmp_pa
     assert "blk.1.ffn_up_exps.zipmoe" in names and "blk.1.ffn_up_exps.weight" not in names
     assert int(reader.fields["zipmoe.format_version"].contents()) == 1
     proc = run([_paths.program("llama-completion"), "-m", out, "-p", "hi", "-n", 1, "-no-cnv", "--no-warmup"],
-               stdin=subprocess_devnull())
+               stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert b"error loading model: check_tensor_dims: tensor 'blk.1.ffn_" in proc.stderr
     assert b"_exps.weight' not found" in proc.stderr
-
-
-def subprocess_devnull():
-    import subprocess
-
-    return subprocess.DEVNULL
 
 
 def _first_chunk(path, tensor="blk.1.ffn_down_exps.weight", expert=2, shard=1):

@@ -125,8 +125,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
         out.append(gf.pack_kv("zipmoe.chunk_alignment", gf.T_U32, CHUNK_ALIGNMENT))
         out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in experts], gf.T_STRING))
         for t in experts:
-            offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 2 + \
-                ([0] * n_chunks[t.name],) * 2
+            offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 4
             out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, t.type))
             out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
             out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
@@ -318,8 +317,11 @@ class ZipMoEFile:
             refs.append(ref)
         return refs
 
+    def read_at(self, offset: int, size: int) -> bytes:
+        return os.pread(self._fd, size, offset)
+
     def read_chunk(self, ref: ChunkRef) -> bytes:
-        data = os.pread(self._fd, ref.size, ref.offset)
+        data = self.read_at(ref.offset, ref.size)
         if len(data) != ref.size:
             raise ZipMoEError(f"{self.path}: {ref.describe()} is truncated")
         if _codec.checksum(data) != ref.checksum:
@@ -392,10 +394,8 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                     if mine is None or mine.dims != t.dims or mine.type != t.type:
                         raise ZipMoEError(f"{path}: tensor {t.name} is missing or has another shape/type than in {against}")
                     a = ref_map[ref_header.data_offset + t.offset: ref_header.data_offset + t.offset + t.nbytes()]
-                    with open(path, "rb") as f:
-                        f.seek(zf.header.data_offset + mine.offset)
-                        if f.read(len(a)) != a:
-                            raise ZipMoEError(f"{path}: tensor {t.name} differs from {against}")
+                    if zf.read_at(zf.header.data_offset + mine.offset, len(a)) != a:
+                        raise ZipMoEError(f"{path}: tensor {t.name} differs from {against}")
                     counts["other_tensors"] += 1
         finally:
             if ref_map is not None:
