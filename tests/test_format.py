@@ -164,11 +164,37 @@ def test_truncated_file_wrong_version_and_bad_offsets_are_clear_errors(small_src
 
 def test_non_bf16_experts_are_refused_with_the_tensor_named(tmp_path):
     src = make_moe_gguf(tmp_path / "f32.gguf", expert_dtype="f32")
-    with pytest.raises(ZipMoEError, match="expert tensor blk.0.ffn_gate_exps.weight is F32, not BF16"):
+    with pytest.raises(ZipMoEError, match="expert tensor blk.0.ffn_gate_exps.weight is F32, not BF16.*--f32-to-bf16"):
         zformat.repack(src, tmp_path / "z.gguf")
     assert not (tmp_path / "z.gguf").exists() and not (tmp_path / "z.gguf.partial").exists()
     proc = run([zipmoe_command("zipmoe-convert"), src, "-o", tmp_path / "z.gguf", "--zipmoe", "-q"])
     assert proc.returncode == 1 and b"is F32, not BF16" in proc.stderr
+
+
+def test_f32_experts_are_rounded_only_when_asked(tmp_path):
+    src = make_moe_gguf(tmp_path / "f32.gguf", expert_dtype="f32")
+    out = tmp_path / "z.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", out, "--zipmoe", "--f32-to-bf16", "-q"])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert zformat.verify(out, against=src)["experts"] == 18  # equal to the source rounded to BF16
+    header = gguf_file.read_header(src)
+    t = header.by_name["blk.1.ffn_up_exps.weight"]
+    f32 = np.frombuffer(src.read_bytes(), np.float32, 67 * 45, header.data_offset + t.offset)
+    with zformat.ZipMoEFile(out) as zf:
+        got = zf.read_expert("blk.1.ffn_up_exps.weight", 0, codec.Decoder())
+    # independent reference: BF16 nearest-even rounding through PyTorch
+    import torch
+
+    want = torch.from_numpy(f32.copy()).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got, want)
+
+
+def test_f32_to_bf16_rounding_matches_llama_cpp_on_special_values():
+    bits = np.array([0x3F800000, 0x3F808000, 0x3F818000, 0x7F800000, 0xFF800000, 0x7FC00001, 0x7F800001,
+                     0xFFFFFFFF, 0x00000001, 0x80000000, 0x7F7FFFFF], np.uint32)
+    want = np.array([0x3F80, 0x3F80, 0x3F82, 0x7F80, 0xFF80, 0x7FC0, 0x7FC0, 0xFFFF, 0x0000, 0x8000, 0x7F80],
+                    np.uint16)
+    assert np.array_equal(zformat.f32_to_bf16(bits.view(np.float32)), want)
 
 
 def test_already_zipmoe_and_non_moe_inputs_are_refused(small_src, tmp_path):

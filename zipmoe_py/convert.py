@@ -112,7 +112,7 @@ def _progress_bar(total: int, desc: str, quiet: bool):
 
 
 def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, shards: int,
-              threads: int | None, quiet: bool) -> None:
+              threads: int | None, quiet: bool, f32_to_bf16: bool = False) -> None:
     """Repack a BF16 GGUF as a ZipMoE GGUF and report per-layer entropy and ratio."""
     from . import format as zformat
     from . import gguf_file
@@ -122,7 +122,7 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
     update, close = _progress_bar(total, f"ZipMoE {codec} K={shards}", quiet)
     try:
         result = zformat.repack(src_gguf, out_path, codec=codec, level=level, shards=shards, threads=threads,
-                                progress=update)
+                                progress=update, f32_to_bf16_experts=f32_to_bf16)
     finally:
         close()
     if not quiet:
@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                     help="E-chunks per expert, K (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="compression threads (default: all cores)")
+    ap.add_argument("--f32-to-bf16", action="store_true",
+                    help="with --zipmoe: round F32 routed experts to BF16 (nearest even, as llama.cpp does); "
+                         "lossy, so without it non-BF16 experts are refused")
     ap.add_argument("--keep-bf16", type=Path, default=None, metavar="FILE",
                     help="with --zipmoe from a checkpoint: also keep the intermediate BF16 GGUF at FILE")
     ap.add_argument("-q", "--quiet", action="store_true", help="hide logs, progress bars and the ratio table")
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.outfile.parent.exists():
             raise ZipMoEError(f"output folder does not exist: {args.outfile.parent}")
         if args.source.is_file():
-            to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
+            to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
+                      args.f32_to_bf16)
         else:
             import tempfile
 

@@ -75,8 +75,18 @@ class RepackResult:
         return out
 
 
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """Round F32 to BF16 bit patterns as llama.cpp and its converter do: nearest even, NaNs kept quiet."""
+    u = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((u.astype(np.uint64) + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
+
+
 def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: int):
     """One expert's chunks: [(bytes, codec id)], SM first; plus its exponent histogram."""
+    if values.dtype == np.float32:
+        values = f32_to_bf16(values)
     exp, sm = _codec.split_bf16(values)
     chunks = [(sm.tobytes(), _codec.CODECS["raw"])]
     for lo, hi in shard_bounds(exp.size, shards):
@@ -89,10 +99,12 @@ def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: 
 
 
 def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: int | None = None,
-           shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None) -> RepackResult:
+           shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None,
+           f32_to_bf16_experts: bool = False) -> RepackResult:
     """Write the ZipMoE GGUF of the BF16 GGUF src to dst (atomically: dst appears complete or not at all).
 
     progress, if given, is called with the number of source bytes done after each step.
+    f32_to_bf16_experts rounds F32 routed experts to BF16 (lossy, so never implicit).
     """
     src, dst = Path(src), Path(dst)
     _codec.codec_id(codec)
@@ -105,9 +117,12 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     if not experts:
         raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
     for t in experts:
+        if t.type == gf.GGML_TYPE_F32 and f32_to_bf16_experts:
+            continue
         if t.type != gf.GGML_TYPE_BF16:
+            hint = " or pass --f32-to-bf16 to round them" if t.type == gf.GGML_TYPE_F32 else ""
             raise ZipMoEError(f"{src}: expert tensor {t.name} is {gf.ggml_type_name(t.type)}, not BF16; "
-                              "ZipMoE stores BF16 experts losslessly (convert the checkpoint with --outtype bf16)")
+                              f"ZipMoE stores BF16 experts losslessly (convert the checkpoint with --outtype bf16{hint})")
         if len(t.dims) != 3:
             raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
     expert_names = {t.name for t in experts}
@@ -126,7 +141,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
         out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in experts], gf.T_STRING))
         for t in experts:
             offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 4
-            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, t.type))
+            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, gf.GGML_TYPE_BF16))  # as served
             out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
             out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
             out.append(gf.pack_kv(_key(t.name, "chunk_size"), gf.T_ARRAY, sizes, gf.T_U64))
@@ -175,7 +190,8 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                 layer = int(EXPERT_TENSOR.match(t.name).group(1))
                 st = TensorStats(t.name, layer, bf16_bytes=2 * n * t.dims[2])
                 offsets, sizes, codecs, sums = [], [], [], []
-                values = np.frombuffer(smap, np.uint16, n * t.dims[2], begin)
+                dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
+                values = np.frombuffer(smap, dtype, n * t.dims[2], begin)
 
                 def expert(e, values=values, n=n):
                     return _compress_expert(values[e * n:(e + 1) * n], codec, level, shards)
@@ -370,12 +386,16 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                 ref_values = None
                 if ref_header is not None:
                     t = ref_header.by_name.get(tensor)
-                    if t is None or t.dims != shape or t.type != gf.GGML_TYPE_BF16:
-                        raise ZipMoEError(f"{against} has no BF16 tensor {tensor} of shape {shape}")
-                    ref_values = np.frombuffer(ref_map, np.uint16, n * shape[2], ref_header.data_offset + t.offset)
+                    if t is None or t.dims != shape or t.type not in (gf.GGML_TYPE_BF16, gf.GGML_TYPE_F32):
+                        raise ZipMoEError(f"{against} has no BF16 or F32 tensor {tensor} of shape {shape}")
+                    dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
+                    ref_values = np.frombuffer(ref_map, dtype, n * shape[2], ref_header.data_offset + t.offset)
                 for e in range(shape[2]):
                     values = zf.read_expert(tensor, e, decoder)
-                    if ref_values is not None and not np.array_equal(values, ref_values[e * n:(e + 1) * n]):
+                    expected = None if ref_values is None else ref_values[e * n:(e + 1) * n]
+                    if expected is not None and expected.dtype == np.float32:
+                        expected = f32_to_bf16(expected)  # an F32 source was rounded at repacking
+                    if expected is not None and not np.array_equal(values, expected):
                         raise ZipMoEError(f"{path}: layer {EXPERT_TENSOR.match(tensor).group(1)}, tensor {tensor}, "
                                           f"expert {e} differs from {against}")
                     counts["experts"] += 1
