@@ -230,3 +230,13 @@ def test_header_parser_fuzz(small_src, tmp_path):
         except ZipMoEError:
             outcomes["error"] += 1
     assert outcomes["error"] > 50 and sum(outcomes.values()) == 400
+
+
+def test_a_different_source_is_named_by_layer_tensor_and_expert(small_src, tmp_path):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst)
+    other = make_moe_gguf(tmp_path / "other.gguf", seed=1)
+    with pytest.raises(ZipMoEError, match="layer 0, tensor blk.0.ffn_gate_exps.weight, expert 0 differs from"):
+        zformat.verify(dst, against=other)
+    proc = run([zipmoe_command("zipmoe-verify"), dst, "--against", other, "-q"])
+    assert proc.returncode == 1 and b"differs from" in proc.stderr

@@ -191,10 +191,12 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                 st = TensorStats(t.name, layer, bf16_bytes=2 * n * t.dims[2])
                 offsets, sizes, codecs, sums = [], [], [], []
                 dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
-                values = np.frombuffer(smap, dtype, n * t.dims[2], begin)
+                item = np.dtype(dtype).itemsize
 
-                def expert(e, values=values, n=n):
-                    return _compress_expert(values[e * n:(e + 1) * n], codec, level, shards)
+                def expert(e, begin=begin, n=n, dtype=dtype, item=item):
+                    # a copy, not a view: no view may outlive the mmap, even when an error unwinds
+                    values = np.frombuffer(smap[begin + e * n * item: begin + (e + 1) * n * item], dtype)
+                    return _compress_expert(values, codec, level, shards)
 
                 blob_start = out.tell()
                 # map() keeps results in order; the window of experts in flight stays near `workers`
@@ -218,7 +220,6 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                 index[t.name] = (offsets, sizes, codecs, sums)
                 infos.append((blob_name(t.name), [blob_size], gf.GGML_TYPE_I8, pos))
                 stats.append(st)
-                del values, expert  # views into the mmap must be gone before it closes
             head = header_bytes(index, infos)
             assert len(head) == head_len, "ZipMoE header length changed between placeholder and final"
             out.seek(0)
@@ -383,18 +384,21 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
             for tensor in zf.tensors:
                 shape = zf.shape(tensor)
                 n = shape[0] * shape[1]
-                ref_values = None
+                ref = None
                 if ref_header is not None:
-                    t = ref_header.by_name.get(tensor)
-                    if t is None or t.dims != shape or t.type not in (gf.GGML_TYPE_BF16, gf.GGML_TYPE_F32):
+                    ref = ref_header.by_name.get(tensor)
+                    if ref is None or ref.dims != shape or ref.type not in (gf.GGML_TYPE_BF16, gf.GGML_TYPE_F32):
                         raise ZipMoEError(f"{against} has no BF16 or F32 tensor {tensor} of shape {shape}")
-                    dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
-                    ref_values = np.frombuffer(ref_map, dtype, n * shape[2], ref_header.data_offset + t.offset)
                 for e in range(shape[2]):
                     values = zf.read_expert(tensor, e, decoder)
-                    expected = None if ref_values is None else ref_values[e * n:(e + 1) * n]
-                    if expected is not None and expected.dtype == np.float32:
-                        expected = f32_to_bf16(expected)  # an F32 source was rounded at repacking
+                    expected = None
+                    if ref is not None:
+                        dtype = np.float32 if ref.type == gf.GGML_TYPE_F32 else np.uint16
+                        item = np.dtype(dtype).itemsize
+                        start = ref_header.data_offset + ref.offset + e * n * item
+                        expected = np.frombuffer(ref_map[start:start + n * item], dtype)  # a copy, not a view
+                        if dtype == np.float32:
+                            expected = f32_to_bf16(expected)  # an F32 source was rounded at repacking
                     if expected is not None and not np.array_equal(values, expected):
                         raise ZipMoEError(f"{path}: layer {EXPERT_TENSOR.match(tensor).group(1)}, tensor {tensor}, "
                                           f"expert {e} differs from {against}")
@@ -403,7 +407,6 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                     done += 2 * n
                     if progress:
                         progress(done)
-                ref_values = None  # a view into the mmap must be gone before it closes
                 counts["tensors"] += 1
             if ref_header is not None:
                 names = set(zf.tensors)
