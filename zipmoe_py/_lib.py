@@ -6,7 +6,6 @@ import functools
 
 from . import _paths
 
-c_size_t_p = ctypes.POINTER(ctypes.c_size_t)
 c_uint8_p = ctypes.POINTER(ctypes.c_uint8)
 c_uint16_p = ctypes.POINTER(ctypes.c_uint16)
 

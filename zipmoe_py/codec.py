@@ -25,6 +25,13 @@ def _ptr(array: np.ndarray, ctype):
     return array.ctypes.data_as(ctypes.POINTER(ctype))
 
 
+def _byte_view(data) -> np.ndarray:
+    """The bytes of `data` (bytes-like or array) as a flat uint8 array, without copying when possible."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, np.uint8)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+
+
 def codec_id(name: str) -> int:
     try:
         return CODECS[name]
@@ -69,15 +76,13 @@ def set_recover_impl(name: str | None) -> None:
 
 def checksum(data: bytes | np.ndarray) -> int:
     """XXH64 (seed 0) of the bytes, as recorded per chunk in a ZipMoE GGUF."""
-    src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else \
-        np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    src = _byte_view(data)
     return _lib.lib().ggml_zipmoe_checksum(src.ctypes.data, src.size)
 
 
 def compress(data: bytes | np.ndarray, codec: str, level: int | None = None) -> bytes:
     cid = codec_id(codec)
-    src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else \
-        np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    src = _byte_view(data)
     level = DEFAULT_LEVELS[codec] if level is None else level
     bound = _lib.lib().ggml_zipmoe_compress_bound(cid, src.size)
     dst = np.empty(max(bound, 1), np.uint8)
