@@ -1,6 +1,7 @@
 """ZipMoE GGUF (docs/FORMAT.md): repacking, verification, corruption detection, compatibility."""
 from __future__ import annotations
 
+import os
 import random
 import struct
 import subprocess
@@ -181,7 +182,7 @@ def test_f32_experts_are_rounded_only_when_asked(tmp_path):
     t = header.by_name["blk.1.ffn_up_exps.weight"]
     f32 = np.frombuffer(src.read_bytes(), np.float32, 67 * 45, header.data_offset + t.offset)
     with zformat.ZipMoEFile(out) as zf:
-        got = zf.read_expert("blk.1.ffn_up_exps.weight", 0, codec.Decoder())
+        got = zf.read_expert("blk.1.ffn_up_exps.weight", 0)
     # independent reference: BF16 nearest-even rounding through PyTorch
     import torch
 
@@ -240,3 +241,52 @@ def test_a_different_source_is_named_by_layer_tensor_and_expert(small_src, tmp_p
         zformat.verify(dst, against=other)
     proc = run([zipmoe_command("zipmoe-verify"), dst, "--against", other, "-q"])
     assert proc.returncode == 1 and b"differs from" in proc.stderr
+
+
+def test_direct_io_reads_the_same_experts(small_src, tmp_path):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst, shards=3)
+    with zformat.ZipMoEFile(dst, direct_io=True) as direct, zformat.ZipMoEFile(dst) as buffered:
+        for tensor in buffered.tensors:
+            for e in range(buffered.shape(tensor)[2]):
+                assert np.array_equal(direct.read_expert(tensor, e), buffered.read_expert(tensor, e))
+
+
+def test_c_chunk_reads_check_buffers_and_checksums(small_src, tmp_path):
+    """ggml_zipmoe_file_read_chunk: the runtime's I/O primitive, called as the I/O thread does."""
+    import ctypes
+
+    from zipmoe_py import _lib
+
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst, shards=2)
+    lib = _lib.lib()
+    err = ctypes.create_string_buffer(512)
+    handle = lib.ggml_zipmoe_file_open(str(dst).encode(), 0, err, len(err))
+    assert handle, err.value
+    try:
+        cap = lib.ggml_zipmoe_file_chunk_buffer_size(handle)
+        assert cap % 4096 == 0 and cap >= lib.ggml_zipmoe_file_max_chunk_size(handle)
+        t = lib.ggml_zipmoe_file_find_tensor(handle, b"blk.1.ffn_up_exps.weight")
+        assert t >= 0 and lib.ggml_zipmoe_file_find_tensor(handle, b"blk.1.ffn_up_exps.zipmoe") == -1
+        buf = np.zeros(cap, np.uint8)
+        data = dst.read_bytes()
+        for c in range(3):
+            info = _lib.ChunkInfo()
+            assert lib.ggml_zipmoe_file_chunk(handle, t, 1, c, ctypes.byref(info)) == _lib.OK
+            assert info.offset % 4096 == 0 and info.shard == c - 1
+            assert lib.ggml_zipmoe_file_read_chunk(handle, t, 1, c, buf.ctypes.data, cap) == _lib.OK
+            assert buf[:info.size].tobytes() == data[info.offset:info.offset + info.size]
+        assert lib.ggml_zipmoe_file_read_chunk(handle, t, 1, 0, buf.ctypes.data, info.size - 1) == _lib.ERR_ARG
+        assert lib.ggml_zipmoe_file_read_chunk(handle, t, 99, 0, buf.ctypes.data, cap) == _lib.ERR_ARG
+        assert lib.ggml_zipmoe_file_chunk(handle, t, 1, 3, ctypes.byref(info)) == _lib.ERR_ARG
+        # a byte flipped on disk after opening is caught by the checksum of the chunk read
+        with open(dst, "r+b") as f:
+            f.seek(info.offset)
+            f.write(bytes([data[info.offset] ^ 1]))
+        assert lib.ggml_zipmoe_file_read_chunk(handle, t, 1, 2, buf.ctypes.data, cap) == _lib.ERR_CHECKSUM
+        # and a file truncated after opening gives an I/O error, not garbage
+        os.truncate(dst, info.offset + 10)
+        assert lib.ggml_zipmoe_file_read_chunk(handle, t, 1, 2, buf.ctypes.data, cap) == _lib.ERR_IO
+    finally:
+        lib.ggml_zipmoe_file_close(handle)

@@ -10,9 +10,20 @@ c_uint8_p = ctypes.POINTER(ctypes.c_uint8)
 c_uint16_p = ctypes.POINTER(ctypes.c_uint16)
 
 # enum ggml_zipmoe_status
-OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT = 0, -1, -2, -3, -4
+OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECKSUM = 0, -1, -2, -3, -4, -5, -6, -7
 # enum ggml_zipmoe_codec
 CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_COUNT = range(6)
+
+FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
+# enum ggml_zipmoe_open_flags
+OPEN_DIRECT = 1
+
+
+class ChunkInfo(ctypes.Structure):
+    _fields_ = [("offset", ctypes.c_uint64), ("size", ctypes.c_uint64), ("first", ctypes.c_uint64),
+                ("count", ctypes.c_uint64), ("checksum", ctypes.c_uint64), ("codec", ctypes.c_int32),
+                ("shard", ctypes.c_int32)]
+
 
 _PROTOTYPES = {
     "ggml_zipmoe_version": (ctypes.c_char_p, []),
@@ -32,6 +43,27 @@ _PROTOTYPES = {
     "ggml_zipmoe_decompress": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                                               ctypes.c_void_p, ctypes.c_size_t]),
     "ggml_zipmoe_checksum": (ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]),
+    "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_file_close": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_path": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_n_shards": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_n_tensors": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_max_chunk_size": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_tensor_name": (ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_file_tensor_layer": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_file_tensor_shape": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]),
+    "ggml_zipmoe_file_find_tensor": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p]),
+    "ggml_zipmoe_file_chunk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                              ctypes.POINTER(ChunkInfo)]),
+    "ggml_zipmoe_file_describe_chunk": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                               ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_file_chunk_buffer_size": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_read_chunk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                   ctypes.c_void_p, ctypes.c_size_t]),
+    "ggml_zipmoe_reader_new": (ctypes.c_void_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_reader_free": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_read_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, c_uint16_p]),
+    "ggml_zipmoe_reader_error": (ctypes.c_char_p, [ctypes.c_void_p]),
 }
 
 

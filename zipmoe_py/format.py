@@ -7,6 +7,7 @@ place once the chunk index is known. Memory stays bounded by a few experts per t
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import mmap
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _lib
 from . import codec as _codec
 from . import gguf_file as gf
 from .errors import ZipMoEError
@@ -233,7 +235,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     return RepackResult(dst, stats)
 
 
-# ---- reading ----
+# ---- reading (ggml-zipmoe's C reader: the same code the runtime uses) ----
 
 @dataclass
 class ChunkRef:
@@ -253,52 +255,37 @@ class ChunkRef:
 
 
 class ZipMoEFile:
-    """A ZipMoE GGUF opened for reading its chunk index and chunks."""
+    """A ZipMoE GGUF opened with ggml-zipmoe: its validated chunk index, chunk and expert reads."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, direct_io: bool = False):
         self.path = Path(path)
-        self.header = gf.read_header(self.path)
-        version = self.header.value("zipmoe.format_version")
-        if version is None:
-            raise ZipMoEError(f"{self.path} is not a ZipMoE GGUF (no zipmoe.format_version)")
-        if version != FORMAT_VERSION:
-            raise ZipMoEError(f"{self.path}: ZipMoE format version {version} is not supported "
-                              f"(this build reads version {FORMAT_VERSION})")
-        self.shards = self.header.value("zipmoe.shards")
-        self.tensors: list[str] = self.header.value("zipmoe.tensors")
-        self._validate()
-        self._fd = os.open(self.path, os.O_RDONLY)
-        self._file_size = os.fstat(self._fd).st_size
+        self._lib = _lib.lib()
+        self._handle = self._reader = None
+        err = ctypes.create_string_buffer(1024)
+        self._handle = self._lib.ggml_zipmoe_file_open(os.fsencode(self.path), _lib.OPEN_DIRECT if direct_io else 0,
+                                                       err, len(err))
+        if not self._handle:
+            raise ZipMoEError(err.value.decode(errors="replace"))
+        self.shards = self._lib.ggml_zipmoe_file_n_shards(self._handle)
+        self.tensors: list[str] = [self._lib.ggml_zipmoe_file_tensor_name(self._handle, i).decode()
+                                   for i in range(self._lib.ggml_zipmoe_file_n_tensors(self._handle))]
+        self._index = {name: i for i, name in enumerate(self.tensors)}
+        self._header = None
 
-    def _validate(self) -> None:
-        """Check the types and sizes of everything the reader relies on, naming what is wrong."""
-        h, where = self.header, f"{self.path}: ZipMoE metadata"
-        if not isinstance(self.shards, int) or not 1 <= self.shards <= 64:
-            raise ZipMoEError(f"{where}: zipmoe.shards is {self.shards!r}, expected 1..64")
-        if not isinstance(self.tensors, list) or not all(isinstance(t, str) and EXPERT_TENSOR.match(t)
-                                                         for t in self.tensors):
-            raise ZipMoEError(f"{where}: zipmoe.tensors is missing or names a tensor that is not a routed expert")
-        for tensor in self.tensors:
-            shape = h.value(_key(tensor, "shape"))
-            if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(d, int) and d > 0 for d in shape)):
-                raise ZipMoEError(f"{where}: {_key(tensor, 'shape')} is missing or not 3 positive sizes")
-            if h.value(_key(tensor, "type")) != gf.GGML_TYPE_BF16:
-                raise ZipMoEError(f"{where}: {_key(tensor, 'type')} is not BF16")
-            info = h.by_name.get(blob_name(tensor))
-            if info is None or info.type != gf.GGML_TYPE_I8 or len(info.dims) != 1:
-                raise ZipMoEError(f"{where}: chunk tensor {blob_name(tensor)} is missing or malformed")
-            n_chunks = shape[2] * (1 + self.shards)
-            for what in ("chunk_offset", "chunk_size", "chunk_codec", "chunk_checksum"):
-                kv = h.kv.get(_key(tensor, what))
-                if kv is None or not isinstance(kv.value, list) or len(kv.value) != n_chunks \
-                        or not all(isinstance(v, int) for v in kv.value):
-                    raise ZipMoEError(f"{where}: {_key(tensor, what)} is missing or does not hold "
-                                      f"{n_chunks} integers")
+    @property
+    def header(self) -> gf.Header:
+        """The full GGUF header (all metadata and tensor infos), parsed on first use."""
+        if self._header is None:
+            self._header = gf.read_header(self.path)
+        return self._header
 
     def close(self):
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._reader:
+            self._lib.ggml_zipmoe_reader_free(self._reader)
+            self._reader = None
+        if self._handle:
+            self._lib.ggml_zipmoe_file_close(self._handle)
+            self._handle = None
 
     def __enter__(self):
         return self
@@ -306,64 +293,54 @@ class ZipMoEFile:
     def __exit__(self, *exc):
         self.close()
 
+    def __del__(self):
+        self.close()
+
+    def _tensor_index(self, tensor: str) -> int:
+        if self._handle is None:
+            raise ZipMoEError(f"{self.path} is closed")
+        try:
+            return self._index[tensor]
+        except KeyError:
+            raise ZipMoEError(f"{self.path}: tensor {tensor} is not in the ZipMoE index") from None
+
     def shape(self, tensor: str) -> list[int]:
-        return self.header.value(_key(tensor, "shape"))
+        ne = (ctypes.c_int64 * 3)()
+        self._lib.ggml_zipmoe_file_tensor_shape(self._handle, self._tensor_index(tensor), ne)
+        return list(ne)
 
     def chunks(self, tensor: str, expert: int) -> list[ChunkRef]:
-        h = self.header
-        info = h.by_name.get(blob_name(tensor))
-        shape = self.shape(tensor)
-        if info is None or shape is None:
-            raise ZipMoEError(f"{self.path}: tensor {tensor} is not in the ZipMoE index")
-        n = shape[0] * shape[1]
-        per = 1 + self.shards
-        arrays = [h.value(_key(tensor, k)) for k in ("chunk_offset", "chunk_size", "chunk_codec", "chunk_checksum")]
-        if any(a is None or len(a) != shape[2] * per for a in arrays):
-            raise ZipMoEError(f"{self.path}: chunk index of {tensor} is missing or has the wrong length")
-        layer = int(EXPERT_TENSOR.match(tensor).group(1))
-        bounds = shard_bounds(n, self.shards)
+        t = self._tensor_index(tensor)
+        layer = self._lib.ggml_zipmoe_file_tensor_layer(self._handle, t)
         refs = []
-        for i in range(per):
-            j = expert * per + i
-            off, size, cid, s = (a[j] for a in arrays)
-            shard = None if i == 0 else i - 1
-            decoded = n if shard is None else bounds[shard][1] - bounds[shard][0]
-            ref = ChunkRef(tensor, layer, expert, shard, h.data_offset + info.offset + off, size, cid, s, decoded)
-            if off + size > info.dims[0] or ref.offset + size > self._file_size:
-                raise ZipMoEError(f"{self.path}: {ref.describe()} lies outside its tensor (corrupt index)")
-            refs.append(ref)
+        for c in range(1 + self.shards):
+            info = _lib.ChunkInfo()
+            if self._lib.ggml_zipmoe_file_chunk(self._handle, t, expert, c, ctypes.byref(info)) != _lib.OK:
+                raise ZipMoEError(f"{self.path}: tensor {tensor} has no expert {expert}")
+            refs.append(ChunkRef(tensor, layer, expert, None if info.shard < 0 else info.shard, info.offset,
+                                 info.size, info.codec, info.checksum, info.count))
         return refs
 
     def read_at(self, offset: int, size: int) -> bytes:
-        return os.pread(self._fd, size, offset)
+        with open(self.path, "rb") as f:
+            return os.pread(f.fileno(), size, offset)
 
-    def read_chunk(self, ref: ChunkRef) -> bytes:
-        data = self.read_at(ref.offset, ref.size)
-        if len(data) != ref.size:
-            raise ZipMoEError(f"{self.path}: {ref.describe()} is truncated")
-        if _codec.checksum(data) != ref.checksum:
-            raise ZipMoEError(f"{self.path}: checksum mismatch in {ref.describe()}")
-        return data
-
-    def read_expert(self, tensor: str, expert: int, decoder: _codec.Decoder) -> np.ndarray:
-        """The expert's BF16 bit patterns (uint16, flat), checked and decoded."""
-        refs = self.chunks(tensor, expert)
-        sm = np.frombuffer(self.read_chunk(refs[0]), np.uint8)
-        if refs[0].codec != _codec.CODECS["raw"] or sm.size != refs[0].decoded_size:
-            raise ZipMoEError(f"{self.path}: {refs[0].describe()} is malformed")
-        exp = np.empty(sm.size, np.uint8)
-        pos = 0
-        names = {v: k for k, v in _codec.CODECS.items()}
-        for ref in refs[1:]:
-            if ref.codec not in names:
-                raise ZipMoEError(f"{self.path}: {ref.describe()} has unknown codec {ref.codec}")
-            try:
-                exp[pos:pos + ref.decoded_size] = decoder.decompress(self.read_chunk(ref), names[ref.codec],
-                                                                     ref.decoded_size)
-            except _codec.CodecError as e:
-                raise ZipMoEError(f"{self.path}: {ref.describe()} does not decode: {e}") from None
-            pos += ref.decoded_size
-        return _codec.recover_bf16(exp, sm)
+    def read_expert(self, tensor: str, expert: int) -> np.ndarray:
+        """The expert's BF16 bit patterns (uint16, flat): every chunk checked, decoded and recovered in C."""
+        t = self._tensor_index(tensor)
+        shape = self.shape(tensor)
+        if not 0 <= expert < shape[2]:
+            raise ZipMoEError(f"{self.path}: tensor {tensor} has no expert {expert}")
+        if self._reader is None:
+            self._reader = self._lib.ggml_zipmoe_reader_new(self._handle)
+            if not self._reader:
+                raise ZipMoEError(f"{self.path}: out of memory for a reader")
+        out = np.empty(shape[0] * shape[1], np.uint16)
+        status = self._lib.ggml_zipmoe_read_expert(self._reader, t, expert,
+                                                   out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint16)))
+        if status != _lib.OK:
+            raise ZipMoEError(f"{self.path}: {self._lib.ggml_zipmoe_reader_error(self._reader).decode()}")
+        return out
 
 
 def verify(path: str | Path, against: str | Path | None = None, progress=None) -> dict:
@@ -371,7 +348,6 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
 
     Raises ZipMoEError naming the first corrupt chunk or differing tensor; returns counts.
     """
-    decoder = _codec.Decoder()
     counts = {"tensors": 0, "experts": 0, "chunks": 0, "other_tensors": 0}
     with ZipMoEFile(path) as zf:
         ref_header = gf.read_header(against) if against else None
@@ -390,7 +366,7 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                     if ref is None or ref.dims != shape or ref.type not in (gf.GGML_TYPE_BF16, gf.GGML_TYPE_F32):
                         raise ZipMoEError(f"{against} has no BF16 or F32 tensor {tensor} of shape {shape}")
                 for e in range(shape[2]):
-                    values = zf.read_expert(tensor, e, decoder)
+                    values = zf.read_expert(tensor, e)
                     expected = None
                     if ref is not None:
                         dtype = np.float32 if ref.type == gf.GGML_TYPE_F32 else np.uint16

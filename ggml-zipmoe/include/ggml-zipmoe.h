@@ -47,6 +47,9 @@ enum ggml_zipmoe_status {
     GGML_ZIPMOE_ERR_NOMEM     = -2, // allocation failed
     GGML_ZIPMOE_ERR_CAPACITY  = -3, // output buffer too small
     GGML_ZIPMOE_ERR_CORRUPT   = -4, // compressed data is malformed or decodes to the wrong size
+    GGML_ZIPMOE_ERR_IO        = -5, // a read failed or the file is shorter than its index says
+    GGML_ZIPMOE_ERR_FORMAT    = -6, // not a ZipMoE GGUF, an unsupported version, or malformed metadata
+    GGML_ZIPMOE_ERR_CHECKSUM  = -7, // a chunk's stored bytes do not match its recorded checksum
 };
 
 // short English description of a status code (static storage)
@@ -111,6 +114,83 @@ GGML_ZIPMOE_API int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int
 
 // checksum of a stored chunk, as recorded in a ZipMoE GGUF: XXH64 with seed 0
 GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
+
+//
+// ZipMoE GGUF files (docs/FORMAT.md): the chunk index and chunk reads
+//
+
+#define GGML_ZIPMOE_FORMAT_VERSION  1    // the zipmoe.format_version this library reads
+#define GGML_ZIPMOE_CHUNK_ALIGNMENT 4096 // every chunk starts at a multiple of this file offset
+
+enum ggml_zipmoe_open_flags {
+    GGML_ZIPMOE_OPEN_DIRECT = 1, // read chunks with O_DIRECT (bypasses the page cache)
+};
+
+struct ggml_zipmoe_file; // an open ZipMoE GGUF: file descriptor + validated chunk index (immutable)
+
+// open a ZipMoE GGUF and validate its whole chunk index (every chunk inside its tensor and the
+// file, sizes consistent, codecs known). On failure returns NULL and, if err is not NULL, writes
+// a message naming the file and what is wrong (the layer, tensor, expert and chunk when a
+// chunk is at fault).
+GGML_ZIPMOE_API struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flags,
+                                                                char * err, size_t err_size);
+GGML_ZIPMOE_API void                      ggml_zipmoe_file_close(struct ggml_zipmoe_file * file);
+
+GGML_ZIPMOE_API const char * ggml_zipmoe_file_path     (const struct ggml_zipmoe_file * file);
+GGML_ZIPMOE_API int          ggml_zipmoe_file_n_shards (const struct ggml_zipmoe_file * file); // K
+GGML_ZIPMOE_API int          ggml_zipmoe_file_n_tensors(const struct ggml_zipmoe_file * file); // repacked expert tensors
+GGML_ZIPMOE_API size_t       ggml_zipmoe_file_max_chunk_size(const struct ggml_zipmoe_file * file); // largest stored chunk
+
+// repacked tensor i (0 <= i < n_tensors): its GGUF name ("blk.3.ffn_up_exps.weight"), layer and
+// ggml shape [ne0, ne1, n_expert]; an expert holds ne0*ne1 BF16 values
+GGML_ZIPMOE_API const char * ggml_zipmoe_file_tensor_name (const struct ggml_zipmoe_file * file, int tensor);
+GGML_ZIPMOE_API int          ggml_zipmoe_file_tensor_layer(const struct ggml_zipmoe_file * file, int tensor);
+GGML_ZIPMOE_API void         ggml_zipmoe_file_tensor_shape(const struct ggml_zipmoe_file * file, int tensor, int64_t ne[3]);
+
+// index of the repacked tensor with this GGUF name, or -1
+GGML_ZIPMOE_API int          ggml_zipmoe_file_find_tensor (const struct ggml_zipmoe_file * file, const char * name);
+
+// chunk c of an expert: c = 0 is the SM-chunk, c = 1 + k is E-chunk (shard) k
+struct ggml_zipmoe_chunk_info {
+    uint64_t offset;       // absolute file offset of the stored bytes (multiple of GGML_ZIPMOE_CHUNK_ALIGNMENT)
+    uint64_t size;         // stored bytes
+    uint64_t first;        // index within the expert of the first value it covers
+    uint64_t count;        // values it covers (= decoded bytes)
+    uint64_t checksum;     // XXH64 (seed 0) of the stored bytes
+    int32_t  codec;        // enum ggml_zipmoe_codec; SM-chunks are always raw
+    int32_t  shard;        // -1 for the SM-chunk, else k
+};
+
+GGML_ZIPMOE_API int ggml_zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk,
+                                          struct ggml_zipmoe_chunk_info * info);
+
+// "layer 3, tensor blk.3.ffn_up_exps.weight, expert 5, E-chunk (shard 2)" into buf (always terminated)
+GGML_ZIPMOE_API void ggml_zipmoe_file_describe_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert,
+                                                     int chunk, char * buf, size_t size);
+
+// bytes a buffer needs to receive any chunk of this file with ggml_zipmoe_file_read_chunk
+// (the largest chunk rounded up to the alignment, as O_DIRECT reads whole blocks)
+GGML_ZIPMOE_API size_t ggml_zipmoe_file_chunk_buffer_size(const struct ggml_zipmoe_file * file);
+
+// read a chunk's stored bytes into buf (capacity >= ggml_zipmoe_file_chunk_buffer_size; with
+// GGML_ZIPMOE_OPEN_DIRECT buf must be GGML_ZIPMOE_CHUNK_ALIGNMENT-aligned) and check its checksum.
+// Returns OK, ERR_ARG, ERR_IO (failed or short read) or ERR_CHECKSUM. Thread-safe (pread).
+GGML_ZIPMOE_API int ggml_zipmoe_file_read_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert,
+                                                int chunk, void * buf, size_t capacity);
+
+// reader: one per thread; owns a decoder and aligned buffers sized for its file, so reading
+// an expert allocates nothing
+struct ggml_zipmoe_reader;
+
+GGML_ZIPMOE_API struct ggml_zipmoe_reader * ggml_zipmoe_reader_new (const struct ggml_zipmoe_file * file);
+GGML_ZIPMOE_API void                        ggml_zipmoe_reader_free(struct ggml_zipmoe_reader * reader);
+
+// read, check, decode and recover one expert's ne0*ne1 BF16 values into dst. On failure the
+// status is returned and ggml_zipmoe_reader_error names the chunk and the reason.
+GGML_ZIPMOE_API int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * reader, int tensor, int expert, uint16_t * dst);
+
+// message of the reader's last failure ("" if none); valid until the reader's next call
+GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_reader * reader);
 
 #ifdef __cplusplus
 }

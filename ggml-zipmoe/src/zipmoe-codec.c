@@ -23,6 +23,9 @@ const char * ggml_zipmoe_status_string(int status) {
         case GGML_ZIPMOE_ERR_NOMEM:    return "out of memory";
         case GGML_ZIPMOE_ERR_CAPACITY: return "output buffer too small";
         case GGML_ZIPMOE_ERR_CORRUPT:  return "corrupt compressed data";
+        case GGML_ZIPMOE_ERR_IO:       return "read failed or file truncated";
+        case GGML_ZIPMOE_ERR_FORMAT:   return "not a supported ZipMoE GGUF";
+        case GGML_ZIPMOE_ERR_CHECKSUM: return "checksum mismatch";
         default:                       return "unknown status";
     }
 }

@@ -40,6 +40,42 @@ int    zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const 
 // XXH64 with seed 0 (zstd's bundled xxHash)
 uint64_t zipmoe_xxh64(const void * data, size_t n);
 
+// ZipMoE GGUF files (zipmoe-format.c builds the index, zipmoe-io.c reads chunks)
+
+struct zipmoe_chunk {
+    uint64_t offset;   // absolute file offset
+    uint64_t size;     // stored bytes
+    uint64_t checksum; // XXH64 of the stored bytes
+    int      codec;
+};
+
+struct zipmoe_tensor {
+    char *                name;        // GGUF name of the served tensor ("blk.3.ffn_up_exps.weight")
+    int                   layer;
+    int64_t               ne[3];       // [ne0, ne1, n_expert]
+    uint64_t              n;           // values per expert
+    struct zipmoe_chunk * chunks;      // n_expert * (1 + K), expert-major
+};
+
+struct ggml_zipmoe_file {
+    char *                 path;
+    int                    fd;
+    unsigned               flags;
+    int                    n_shards;
+    int                    n_tensors;
+    struct zipmoe_tensor * tensors;
+    uint64_t               max_chunk_size;  // largest stored chunk
+    uint64_t               max_values;      // largest expert, in values
+};
+
+// the chunk record, or NULL when tensor/expert/chunk is out of range
+const struct zipmoe_chunk * zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk);
+
+// [first, first + count) values of shard k of an expert of n values
+void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count);
+
+uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
+
 #ifdef __cplusplus
 }
 #endif
