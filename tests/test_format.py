@@ -102,14 +102,20 @@ def test_both_tiny_models_convert_to_zipmoe_and_verify(arch, tiny_hf, tiny_gguf,
     assert b"identical to" in proc.stdout
 
 
-def test_stock_gguf_py_reads_it_and_stock_llama_cpp_refuses_it(tiny_gguf, tmp_path):
+def test_stock_gguf_py_reads_it_and_a_loader_without_zipmoe_refuses_it(tiny_gguf, tmp_path):
     out = tmp_path / "z.gguf"
     zformat.repack(tiny_gguf("deepseek2"), out)
     reader = _paths.import_gguf().GGUFReader(str(out))
     names = {t.name for t in reader.tensors}
     assert "blk.1.ffn_up_exps.zipmoe" in names and "blk.1.ffn_up_exps.weight" not in names
     assert int(reader.fields["zipmoe.format_version"].contents()) == 1
-    proc = run([_paths.program("llama-completion"), "-m", out, "-p", "hi", "-n", 1, "-no-cnv", "--no-warmup"],
+    # the fork serves a file only when it has zipmoe.format_version; with the key renamed it takes
+    # stock llama.cpp's path, which must refuse the file rather than misbehave
+    data = out.read_bytes()
+    assert data.count(b"zipmoe.format_version") == 1
+    stock_view = tmp_path / "stock-view.gguf"
+    stock_view.write_bytes(data.replace(b"zipmoe.format_version", b"zipmoe.format_versioX"))
+    proc = run([_paths.program("llama-completion"), "-m", stock_view, "-p", "hi", "-n", 1, "-no-cnv", "--no-warmup"],
                stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert b"error loading model: check_tensor_dims: tensor 'blk.1.ffn_" in proc.stderr

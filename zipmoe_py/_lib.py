@@ -25,6 +25,11 @@ class ChunkInfo(ctypes.Structure):
                 ("shard", ctypes.c_int32)]
 
 
+class CacheStats(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in ("fetch_calls", "expert_hits", "expert_misses", "bytes_read",
+                                                     "io_ns", "decode_ns", "recover_ns", "fetch_ns")]
+
+
 _PROTOTYPES = {
     "ggml_zipmoe_version": (ctypes.c_char_p, []),
     "ggml_zipmoe_version_number": (ctypes.c_int, []),
@@ -64,6 +69,10 @@ _PROTOTYPES = {
     "ggml_zipmoe_reader_free": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_read_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, c_uint16_p]),
     "ggml_zipmoe_reader_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
+    "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
 }
 
 
@@ -90,3 +99,28 @@ def build_info() -> str:
 
 def status_string(status: int) -> str:
     return lib().ggml_zipmoe_status_string(status).decode()
+
+
+@functools.lru_cache(maxsize=None)
+def _libllama() -> ctypes.CDLL:
+    handle = ctypes.CDLL(str(_paths.shared_library("llama")))
+    handle.llama_model_zipmoe_cache.restype = ctypes.c_void_p
+    handle.llama_model_zipmoe_cache.argtypes = [ctypes.c_void_p]
+    return handle
+
+
+def llama_model_zipmoe_cache(model) -> int | None:
+    """The ggml_zipmoe_cache of a llama-cpp-python model wrapper (its .model pointer), or None."""
+    ptr = getattr(model, "model", model)
+    ptr = ctypes.cast(ptr, ctypes.c_void_p).value if ptr is not None else None
+    return _libllama().llama_model_zipmoe_cache(ptr) if ptr else None
+
+
+def cache_stats(cache) -> dict:
+    stats = CacheStats()
+    lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
+    out = {name: getattr(stats, name) for name, _ in CacheStats._fields_}
+    out["n_slots"] = lib().ggml_zipmoe_cache_n_slots(cache)
+    lookups = out["expert_hits"] + out["expert_misses"]
+    out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
+    return out

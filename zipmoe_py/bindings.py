@@ -69,10 +69,73 @@ def check_model_file(model_path: str | os.PathLike) -> Path:
     return path
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+               "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
+               "TIB": 1 << 40}
+
+
+def parse_size(value, what: str = "zipmoe_budget") -> int:
+    """Bytes from an int or a string like "4G", "512M", "1.5GiB" (binary units)."""
+    if isinstance(value, bool):
+        raise ZipMoEError(f"{what} must be a size in bytes or like '4G', not {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            n = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise ZipMoEError(f"{what} must be a size in bytes or like '4G', '512M', '1.5GiB'; got {value!r}") from None
+    if n <= 0:
+        raise ZipMoEError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+def zipmoe_overrides(budget=None, direct_io: bool | None = None) -> dict:
+    """The KV overrides that carry ZipMoE options to the fork's model loader."""
+    out = {}
+    if budget is not None:
+        out["zipmoe.budget"] = parse_size(budget)
+    if direct_io is not None:
+        out["zipmoe.direct_io"] = bool(direct_io)
+    return out
+
+
 class Llama(llama_cpp.Llama):
-    """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork."""
+    """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
+
+    Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwise):
+      zipmoe_budget:    bytes (or "4G", "512M") of expert cache; default: half the available memory,
+                        at most every expert
+      zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
+    """
 
     def __new__(cls, model_path: str, *args, **kwargs):
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
         check_model_file(model_path)
+        zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"))
         return super().__new__(cls)
+
+    def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
+                 **kwargs):
+        overrides = dict(kwargs.pop("kv_overrides", None) or {})
+        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io))
+        if overrides:
+            kwargs["kv_overrides"] = overrides
+        super().__init__(model_path, *args, **kwargs)
+
+    def zipmoe_stats(self) -> dict | None:
+        """Cumulative expert-cache statistics, or None for a model that is not a ZipMoE GGUF."""
+        from . import _lib
+
+        cache = _lib.llama_model_zipmoe_cache(self._model.model)
+        return _lib.cache_stats(cache) if cache else None
+
+    def zipmoe_reset_stats(self) -> None:
+        from . import _lib
+
+        cache = _lib.llama_model_zipmoe_cache(self._model.model)
+        if cache:
+            _lib.lib().ggml_zipmoe_cache_reset_stats(cache)

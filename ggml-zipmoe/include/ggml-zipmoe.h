@@ -192,6 +192,85 @@ GGML_ZIPMOE_API int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * reader, 
 // message of the reader's last failure ("" if none); valid until the reader's next call
 GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_reader * reader);
 
+//
+// expert cache: BF16 slots filled on demand from a ZipMoE GGUF, driven from inside a ggml graph
+//
+// The caller owns three slot tensors (gate, up, down), each [ne0, ne1, n_slots] BF16, shared by
+// all layers. For a layer's top-k choice, ggml_zipmoe_cache_fetch makes the chosen experts
+// resident (LRU over slots not needed by the current call) and returns slot ids to use in
+// place of expert ids in ggml_mul_mat_id. When a ubatch selects more distinct experts than
+// there are slots, the work is split in passes of at most n_slots experts each (experts in
+// ascending id order); ggml_zipmoe_cache_merge_pass then picks every row from its own pass.
+// The slots are filled bit-exactly, so the product is bit-identical to using the experts in place.
+//
+
+enum ggml_zipmoe_expert_kind {
+    GGML_ZIPMOE_GATE = 0, // ffn_gate_exps
+    GGML_ZIPMOE_UP   = 1, // ffn_up_exps
+    GGML_ZIPMOE_DOWN = 2, // ffn_down_exps
+};
+
+struct ggml_zipmoe_cache_params {
+    const struct ggml_zipmoe_file * file;           // must outlive the cache
+    int32_t                         n_slots;        // experts resident at once (each: gate + up + down)
+    void *                          slot_data[3];   // by kind: start of a [ne0, ne1, n_slots] BF16 tensor
+    size_t                          slot_stride[3]; // by kind: bytes from one slot to the next (nb[2])
+};
+
+struct ggml_zipmoe_cache_stats {
+    uint64_t fetch_calls;    // calls of ggml_zipmoe_cache_fetch (one per layer per pass)
+    uint64_t expert_hits;    // (layer, expert) selections found resident
+    uint64_t expert_misses;  // (layer, expert) selections read from the file
+    uint64_t bytes_read;     // stored chunk bytes read
+    uint64_t io_ns;          // time in reads (summed over threads)
+    uint64_t decode_ns;      // time decoding E-chunks (summed over threads)
+    uint64_t recover_ns;     // time recovering BF16 (summed over threads)
+    uint64_t fetch_ns;       // wall time inside fetch calls
+};
+
+struct ggml_zipmoe_cache;
+
+// checks that every repacked tensor of a kind has the slots' ne0 x ne1 shape and that each
+// layer has all three kinds; on failure returns NULL with a message in err
+GGML_ZIPMOE_API struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_params * params,
+                                                                 char * err, size_t err_size);
+GGML_ZIPMOE_API void                       ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * cache);
+
+GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * cache);
+
+// 1 if the layer's routed experts are served by this cache
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_has_layer(const struct ggml_zipmoe_cache * cache, int layer);
+
+// routed experts of the layer (n_expert)
+GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cache * cache, int layer);
+
+// passes a graph needs for a ubatch of n_ids expert selections in this layer
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * cache, int layer, int64_t n_ids);
+
+// the body of a ggml custom op, called by every thread (ith in [0, nth)) of the graph with the same
+// arguments: ids is [n_tokens][n_used] expert ids (row stride ids_stride elements); writes
+// [n_tokens][n_used] slot ids (contiguous) for pass `pass`: selections outside this pass get a
+// valid slot of the pass (their results are discarded by the merge). Blocks until the slots
+// are filled. Returns OK or the first failure; ggml_zipmoe_cache_error names it.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
+                                            const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
+                                            int32_t * slot_ids, int ith, int nth);
+
+// multi-pass merge (single-threaded): rows are row_bytes wide, laid out [n_tokens][n_used] with
+// strides nb1 (between selections) and nb2 (between tokens) in acc, pass_out and out; out gets
+// pass_out's row for selections handled by `pass`, acc's row for the others (acc may be NULL
+// for pass 0, whose rows then come from pass_out too)
+GGML_ZIPMOE_API void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * cache, int layer, int pass,
+                                                  const int32_t * ids, int64_t n_used, int64_t n_tokens,
+                                                  int64_t ids_stride, const void * acc, const void * pass_out,
+                                                  void * out, size_t row_bytes, size_t nb1, size_t nb2);
+
+GGML_ZIPMOE_API void         ggml_zipmoe_cache_get_stats  (const struct ggml_zipmoe_cache * cache, struct ggml_zipmoe_cache_stats * stats);
+GGML_ZIPMOE_API void         ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * cache);
+
+// message of the last failure ("" if none)
+GGML_ZIPMOE_API const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * cache);
+
 #ifdef __cplusplus
 }
 #endif

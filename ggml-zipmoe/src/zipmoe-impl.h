@@ -76,6 +76,14 @@ void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_
 
 uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
 
+// time and bytes a reader spent, for the cache's statistics
+struct zipmoe_read_times {
+    uint64_t io_ns, decode_ns, recover_ns, bytes_read;
+};
+
+struct ggml_zipmoe_reader;
+void zipmoe_reader_take_times(struct ggml_zipmoe_reader * reader, struct zipmoe_read_times * times);
+
 #ifdef __cplusplus
 }
 #endif

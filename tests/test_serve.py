@@ -1,0 +1,193 @@
+"""On-demand expert serving: logits bit-identical to the BF16 GGUF the ZipMoE GGUF was made from.
+
+Every logit of every position (prefill and 32 greedy decode steps; one sequence and four
+parallel ones) is compared as raw float32 bits, at expert-cache budgets from one layer's top-k
+experts (several passes per layer when a ubatch selects more experts than there are slots)
+through everything-fits.
+"""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+
+from zipmoe_py import ZipMoEError, _paths
+from zipmoe_py import format as zformat
+
+from conftest import run
+
+N_DECODE = 32
+THREADS = 2
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts models route each token",
+           "1 2 3 4 5 6 7 8 9 10 11 12"]
+
+
+@pytest.fixture(scope="module")
+def zipmoe_gguf(tiny_gguf, tmp_path_factory):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            out = tmp_path_factory.mktemp("serve") / f"{arch}.zipmoe.gguf"
+            zformat.repack(tiny_gguf(arch), out)
+            made[arch] = out
+        return made[arch]
+
+    return get
+
+
+def expert_geometry(path) -> tuple[int, int, int]:
+    """(bytes of one expert's gate + up + down, experts per layer, bytes of all experts)."""
+    with zformat.ZipMoEFile(path) as zf:
+        shapes = [zf.shape(t) for t in zf.tensors]
+    per_layer = {}
+    for t, s in zip(zf.tensors, shapes):
+        per_layer.setdefault(t.split(".")[1], []).append(s)
+    one = sum(s[0] * s[1] * 2 for s in next(iter(per_layer.values())))
+    return one, shapes[0][2], sum(s[0] * s[1] * s[2] * 2 for s in shapes)
+
+
+def load(path, **zipmoe_options):
+    from zipmoe_py import Llama
+
+    return Llama(model_path=str(path), n_ctx=512, n_threads=THREADS, verbose=False, **zipmoe_options)
+
+
+def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE) -> tuple[np.ndarray, list[list[int]]]:
+    """Logits (raw float32) of every prompt position and n_decode greedy steps, sequences decoded together."""
+    from zipmoe_py.bindings import llama_cpp as lc
+
+    model = llm._model.model
+    n_vocab = llm.n_vocab()
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 512, 512, 512
+    cparams.n_seq_max = len(prompts)
+    cparams.n_threads = cparams.n_threads_batch = THREADS
+    ctx = lc.llama_init_from_model(model, cparams)
+    assert ctx, "llama_init_from_model failed"
+    batch = lc.llama_batch_init(512, 0, len(prompts))
+    rows, generated = [], [[] for _ in prompts]
+    try:
+        def decode(entries):  # entries: (token, pos, seq)
+            batch.n_tokens = len(entries)
+            for i, (tok, pos, seq) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, True
+            assert lc.llama_decode(ctx, batch) == 0
+            out = []
+            for i in range(len(entries)):
+                ptr = lc.llama_get_logits_ith(ctx, i)
+                out.append(np.ctypeslib.as_array(ptr, (n_vocab,)).copy())
+            return out
+
+        tokens = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
+        entries = [(tok, pos, s) for s, toks in enumerate(tokens) for pos, tok in enumerate(toks)]
+        logits = decode(entries)
+        rows += logits
+        last = {}
+        for (_, _, s), row in zip(entries, logits):
+            last[s] = row
+        pos = [len(t) for t in tokens]
+        for _ in range(n_decode):
+            step = []
+            for s in range(len(prompts)):
+                tok = int(np.argmax(last[s]))
+                generated[s].append(tok)
+                step.append((tok, pos[s], s))
+                pos[s] += 1
+            logits = decode(step)
+            rows += logits
+            last = dict(enumerate(logits))
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+    return np.stack(rows).view(np.uint32), generated
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gguf):
+    made = {}
+
+    def get(arch, n_seq):
+        if (arch, n_seq) not in made:
+            llm = load(tiny_gguf(arch))
+            made[arch, n_seq] = logits_trace(llm, PROMPTS[:n_seq])
+            llm.close()
+        return made[arch, n_seq]
+
+    return get
+
+
+@pytest.mark.parametrize("n_seq", [1, 4])
+@pytest.mark.parametrize("budget_name", ["top-k", "half", "everything"])
+def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zipmoe_gguf, reference):
+    path = zipmoe_gguf(arch)
+    one, n_expert, everything = expert_geometry(path)
+    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    budget = {"top-k": top_k * one, "half": everything // 2, "everything": everything}[budget_name]
+    llm = load(path, zipmoe_budget=budget)
+    try:
+        want, want_tokens = reference(arch, n_seq)
+        got, got_tokens = logits_trace(llm, PROMPTS[:n_seq])
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert got_tokens == want_tokens
+    assert got.shape == want.shape
+    differing = int((got != want).any(axis=1).sum())
+    assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF"
+    assert stats["n_slots"] == budget // one
+    assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
+    if budget_name == "top-k":
+        # a prefill of this many tokens selects more experts per layer than there are slots: several passes ran
+        assert stats["fetch_calls"] > stats["expert_misses"] / top_k
+
+
+def test_fork_cli_with_warmup_matches_the_bf16_gguf_at_the_smallest_budget(arch, tiny_gguf, zipmoe_gguf):
+    """llama-completion's warmup selects every expert of every layer: it must fit a top-k budget too."""
+    path = zipmoe_gguf(arch)
+    one, _, _ = expert_geometry(path)
+    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    cmd = [_paths.program("llama-completion"), "-p", PROMPTS[0], "-n", 16, "--temp", 0, "-t", THREADS,
+           "-no-cnv", "--seed", 1]
+    want = run(cmd + ["-m", tiny_gguf(arch)], stdin=subprocess.DEVNULL)
+    got = run(cmd + ["-m", path, "--override-kv", f"zipmoe.budget=int:{top_k * one}"], stdin=subprocess.DEVNULL)
+    assert want.returncode == 0 and got.returncode == 0, got.stderr.decode()[-2000:]
+    assert got.stdout == want.stdout
+    too_small = run(cmd + ["-m", path, "--override-kv", "zipmoe.budget=int:4096"], stdin=subprocess.DEVNULL)
+    assert too_small.returncode != 0
+    assert b"zipmoe.budget of 4096 bytes cannot hold one expert" in too_small.stderr
+
+
+def test_repeated_decoding_hits_the_cache_when_everything_fits(zipmoe_gguf):
+    path = zipmoe_gguf("qwen2moe")
+    _, _, everything = expert_geometry(path)
+    llm = load(path, zipmoe_budget=everything)
+    try:
+        logits_trace(llm, PROMPTS[:1], n_decode=4)
+        first = llm.zipmoe_stats()
+        llm.zipmoe_reset_stats()
+        logits_trace(llm, PROMPTS[:1], n_decode=4)
+        second = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert first["expert_misses"] > 0
+    assert second["expert_misses"] == 0 and second["expert_hits"] > 0 and second["bytes_read"] == 0
+    assert second["hit_rate"] == 1.0
+
+
+def test_plain_bf16_gguf_has_no_expert_cache(tiny_gguf):
+    llm = load(tiny_gguf("qwen2moe"))
+    try:
+        assert llm.zipmoe_stats() is None
+    finally:
+        llm.close()
+
+
+def test_bad_budgets_are_clear_errors(zipmoe_gguf):
+    path = zipmoe_gguf("qwen2moe")
+    for bad in ["lots", "-1G", 0, True]:
+        with pytest.raises(ZipMoEError, match="zipmoe_budget"):
+            load(path, zipmoe_budget=bad)
