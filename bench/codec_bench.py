@@ -27,7 +27,7 @@ import numpy as np
 from zipmoe_py import codec
 
 SHAPE = (1408, 2048)  # one routed-expert tensor: 2,883,584 BF16 values
-CODECS = [("huf", None), ("zstd", 1), ("zstd", 3), ("zstd", 19), ("lz4", 1), ("lz4hc", 9), ("lz4hc", 12), ("raw", None)]
+CODECS = [("fhuf", None), ("huf", None), ("zstd", 1), ("zstd", 3), ("zstd", 19), ("lz4", 1), ("lz4hc", 9), ("lz4hc", 12), ("raw", None)]
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:

@@ -57,7 +57,7 @@ def tiny_gguf(models_dir, tiny_hf):
     def get(arch: str) -> Path:
         if arch not in made:
             out = models_dir / f"{arch}-bf16.gguf"
-            proc = run([zipmoe_command("zipmoe-convert"), tiny_hf(arch), "-o", out, "--quiet"])
+            proc = run([zipmoe_command("zipmoe-convert"), tiny_hf(arch), "-o", out, "--bf16", "--quiet"])
             assert proc.returncode == 0, proc.stderr.decode()
             made[arch] = out
         return made[arch]

@@ -113,10 +113,11 @@ def test_levels_round_trip(name, level):
 
 
 @pytest.mark.parametrize("plane", ["gaussian-expert", "heavy-tailed-expert"])
-def test_huf_whole_expert_size_is_within_1_percent_of_the_entropy_bound(plane):
+@pytest.mark.parametrize("name", ["huf", "fhuf"])
+def test_entropy_coders_whole_expert_size_is_within_1_percent_of_the_entropy_bound(plane, name):
     # whole expert = raw sign+mantissa plane + compressed exponent plane, against (8 + H) / 16 of BF16
     data = PLANES[plane]
-    whole_ratio = (data.size + len(codec.compress(data, "huf"))) / (2 * data.size)
+    whole_ratio = (data.size + len(codec.compress(data, name))) / (2 * data.size)
     assert whole_ratio <= (8 + entropy_bits(data)) / 16 * 1.01
 
 
@@ -158,3 +159,30 @@ def test_bad_arguments_are_refused():
         codec.compress(b"abc", "lz4hc", level=0)
     with pytest.raises(Exception, match="unknown codec 'brotli'"):
         codec.compress(b"abc", "brotli")
+
+
+def test_fhuf_decoder_survives_random_corruption():
+    """Bounded fuzz of the default codec's decoder: any mutation decodes exactly or is an error, never a crash."""
+    rng = np.random.default_rng(7)
+    data = PLANES["gaussian-expert"][:50_000]
+    good = codec.compress(data, "fhuf")
+    dec = Decoder()
+    outcomes = {"error": 0, "decoded": 0}
+    for i in range(3000):
+        blob = bytearray(good)
+        kind = i % 3
+        if kind == 0:
+            for _ in range(int(rng.integers(1, 6))):
+                blob[int(rng.integers(len(blob)))] ^= 1 << int(rng.integers(8))
+        elif kind == 1:
+            blob = blob[: int(rng.integers(len(blob)))]
+        else:
+            at = int(rng.integers(len(blob)))
+            blob[at:at + 16] = rng.integers(0, 256, 16, dtype=np.uint8).tobytes()
+        size = data.size if rng.random() < 0.9 else int(rng.integers(0, 2 * data.size))
+        try:
+            dec.decompress(bytes(blob), "fhuf", size)  # a flip in a stream's padding may still decode
+            outcomes["decoded"] += 1
+        except CodecError:
+            outcomes["error"] += 1
+    assert outcomes["error"] > 1500

@@ -44,7 +44,7 @@ def test_converted_gguf_has_bf16_routed_experts(arch, tiny_gguf):
 
 def test_conversion_is_deterministic(tiny_hf, tiny_gguf, tmp_path):
     again = tmp_path / "again.gguf"
-    proc = run([zipmoe_command("zipmoe-convert"), tiny_hf("qwen2moe"), "-o", again, "-q"])
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_hf("qwen2moe"), "-o", again, "--bf16", "-q"])
     assert proc.returncode == 0, proc.stderr.decode()
     assert again.read_bytes() == tiny_gguf("qwen2moe").read_bytes()
     assert not list(tmp_path.glob("*.partial"))

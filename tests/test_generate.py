@@ -97,8 +97,23 @@ def test_zipmoe_chat_reads_turns_until_exit(tiny_gguf):
 def test_zipmoe_chat_help_explains_every_option():
     proc = run([zipmoe_command("zipmoe-chat"), "--help"])
     assert proc.returncode == 0
-    for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit"):
+    for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit", b"--budget", b"--direct-io",
+                 b"--stats"):
         assert flag in proc.stdout
+
+
+def test_zipmoe_chat_on_a_zipmoe_gguf_under_a_budget_answers_like_bf16(tiny_gguf, tmp_path):
+    from zipmoe_py import format as zformat
+
+    model = tmp_path / "q.zipmoe.gguf"
+    zformat.repack(tiny_gguf("qwen2moe"), model)
+    want = _chat(tiny_gguf("qwen2moe"), "-p", "Hello")
+    got = _chat(model, "-p", "Hello", "--budget", "64K", "--stats", "--direct-io")
+    assert got.returncode == 0, got.stderr.decode()[-2000:]
+    assert got.stdout == want.stdout
+    assert b"[stats] this reply" in got.stderr and b"misses" in got.stderr and b"per token" in got.stderr
+    bad = _chat(model, "-p", "Hello", "--budget", "lots")
+    assert bad.returncode == 1 and b"zipmoe_budget must be a size" in bad.stderr
 
 
 def test_missing_and_invalid_model_files_are_named(tmp_path):

@@ -188,6 +188,6 @@ def test_plain_bf16_gguf_has_no_expert_cache(tiny_gguf):
 
 def test_bad_budgets_are_clear_errors(zipmoe_gguf):
     path = zipmoe_gguf("qwen2moe")
-    for bad in ["lots", "-1G", 0, True]:
+    for bad in ["lots", "-1G", 0, True, "1K"]:
         with pytest.raises(ZipMoEError, match="zipmoe_budget"):
             load(path, zipmoe_budget=bad)

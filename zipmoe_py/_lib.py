@@ -12,7 +12,7 @@ c_uint16_p = ctypes.POINTER(ctypes.c_uint16)
 # enum ggml_zipmoe_status
 OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECKSUM = 0, -1, -2, -3, -4, -5, -6, -7
 # enum ggml_zipmoe_codec
-CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_COUNT = range(6)
+CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_COUNT = range(7)
 
 FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
 # enum ggml_zipmoe_open_flags

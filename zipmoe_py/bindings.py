@@ -103,6 +103,23 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None) -> dict:
     return out
 
 
+def _check_budget(path: Path, budget: int) -> None:
+    """A budget below one expert (gate + up + down) cannot work: say so before llama.cpp's loader does."""
+    from . import format as zformat
+
+    try:
+        zf = zformat.ZipMoEFile(path)
+    except ZipMoEError:
+        return  # not a ZipMoE GGUF: the budget does not apply
+    with zf:
+        shapes = {t: zf.shape(t) for t in zf.tensors}
+    layer = next(iter(shapes)).split(".")[1] if shapes else None
+    one = sum(s[0] * s[1] * 2 for t, s in shapes.items() if t.split(".")[1] == layer)
+    if budget < one:
+        raise ZipMoEError(f"zipmoe_budget of {budget} bytes cannot hold one expert of {path.name} "
+                          f"({one} bytes: gate + up + down); give at least that, better a layer's top-k experts")
+
+
 class Llama(llama_cpp.Llama):
     """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
 
@@ -115,7 +132,9 @@ class Llama(llama_cpp.Llama):
     def __new__(cls, model_path: str, *args, **kwargs):
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
         check_model_file(model_path)
-        zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"))
+        options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"))
+        if "zipmoe.budget" in options:
+            _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,

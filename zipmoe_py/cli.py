@@ -3,7 +3,8 @@
 Streams tokens as they are generated, formats turns with the chat template stored
 in the GGUF, and reads turns from the terminal (or any stdin) until /exit or end of
 input. With -p it answers one prompt and exits. With no model it makes a tiny
-Qwen2-MoE model (random weights, real tokenizer), converts it and chats with it.
+Qwen2-MoE model (random weights, real tokenizer), converts it to a ZipMoE GGUF and chats
+with it under an expert-cache budget of a quarter of its experts.
 """
 from __future__ import annotations
 
@@ -19,33 +20,75 @@ HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the convers
 
 
 def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """Make (once) and return the tiny demo model used when no model is given."""
+    """Make (once) and return the tiny ZipMoE demo model used when no model is given."""
+    from . import format as zformat
     from .convert import convert_to_bf16_gguf
     from .tiny import make_tiny
 
     cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zipmoe" / "demo"
-    gguf_path = cache_dir / "tiny-qwen2moe-bf16.gguf"
+    gguf_path = cache_dir / "tiny-qwen2moe.zipmoe.gguf"
     if gguf_path.exists():
         return gguf_path
     cache_dir.mkdir(parents=True, exist_ok=True)
     print(f"zipmoe-chat: no model given; making a tiny Qwen2-MoE demo model in {cache_dir}", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as hf_dir:
-        make_tiny("qwen2moe", Path(hf_dir))
-        convert_to_bf16_gguf(Path(hf_dir), gguf_path, quiet=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        make_tiny("qwen2moe", Path(tmp) / "hf")
+        convert_to_bf16_gguf(Path(tmp) / "hf", Path(tmp) / "bf16.gguf", quiet=True)
+        zformat.repack(Path(tmp) / "bf16.gguf", gguf_path)
     return gguf_path
+
+
+def experts_bytes(model: Path) -> int | None:
+    """BF16 bytes of all routed experts of a ZipMoE GGUF, None for any other GGUF."""
+    from . import format as zformat
+
+    try:
+        with zformat.ZipMoEFile(model) as zf:
+            return sum(s[0] * s[1] * s[2] * 2 for s in map(zf.shape, zf.tensors))
+    except ZipMoEError:
+        return None
+
+
+def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
+    lookups = stats["expert_hits"] + stats["expert_misses"]
+    text = (f"experts: {stats['expert_hits']} hits, {stats['expert_misses']} misses"
+            f" ({100 * stats['expert_hits'] / lookups:.1f}% hits)" if lookups else "experts: no lookups")
+    text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
+             f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
+             f"{stats['fetch_ns'] / 1e6:.1f} ms")
+    if n_tokens:
+        text += f"; per token: {stats['expert_misses'] / n_tokens:.2f} misses, {stats['bytes_read'] / n_tokens / 1e6:.3f} MB"
+    return text
+
+
+def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
+    now = llm.zipmoe_stats()
+    if now is None:
+        print("[stats] not a ZipMoE model: no expert cache", file=sys.stderr)
+        return None
+    delta = {k: now[k] - (before or {}).get(k, 0) for k in ("expert_hits", "expert_misses", "bytes_read", "io_ns",
+                                                             "decode_ns", "recover_ns", "fetch_ns")}
+    print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
+    print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
+    return now
 
 
 def _stream_reply(llm, messages: list[dict], args) -> str:
     parts = []
+    before = llm.zipmoe_stats() if args.stats else None
+    n_tokens = 0
     for chunk in llm.create_chat_completion(messages=messages, stream=True, temperature=args.temp,
                                             max_tokens=args.n_predict if args.n_predict > 0 else None):
         text = chunk["choices"][0]["delta"].get("content") or ""
+        n_tokens += 1
         if text:
             parts.append(text)
             sys.stdout.write(text)
             sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if args.stats:
+        _print_stats(llm, before, n_tokens)
     return "".join(parts)
 
 
@@ -53,10 +96,15 @@ def chat(args) -> int:
     from .bindings import Llama
 
     model = args.model if args.model is not None else demo_model_path()
+    budget = args.budget
     if args.model is None:
         print(f"zipmoe-chat: demo model {model} has random weights: expect gibberish", file=sys.stderr)
+        if budget is None:
+            budget = max(1, experts_bytes(model) // 4)
+            print(f"zipmoe-chat: expert-cache budget {budget / 1024:.0f} KiB (a quarter of the demo's experts)",
+                  file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                verbose=args.verbose)
+                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -116,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU threads for generation (default: llama.cpp's choice, the physical cores)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: %(default)s)")
     ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
+    ap.add_argument("-b", "--budget", default=None, metavar="SIZE",
+                    help="ZipMoE GGUFs: memory for the expert cache, in bytes or like 4G, 512M "
+                         "(default: half the available memory, at most all experts; the demo model uses a "
+                         "quarter of its experts)")
+    ap.add_argument("--direct-io", action="store_true",
+                    help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
+    ap.add_argument("--stats", action="store_true",
+                    help="after each reply, print expert-cache statistics (hits, misses, bytes read, I/O, "
+                         "decode and recover time), for the reply, per token and in total")
     ap.add_argument("--verbose", action="store_true", help="show llama.cpp's load and timing log")
     return ap
 

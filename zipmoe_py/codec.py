@@ -9,8 +9,8 @@ from . import _lib
 from .errors import ZipMoEError
 
 CODECS = {"raw": _lib.CODEC_RAW, "zstd": _lib.CODEC_ZSTD, "lz4": _lib.CODEC_LZ4,
-          "lz4hc": _lib.CODEC_LZ4HC, "huf": _lib.CODEC_HUF}
-DEFAULT_LEVELS = {"raw": 0, "zstd": 1, "lz4": 1, "lz4hc": 9, "huf": 0}
+          "lz4hc": _lib.CODEC_LZ4HC, "huf": _lib.CODEC_HUF, "fhuf": _lib.CODEC_FHUF}
+DEFAULT_LEVELS = {"raw": 0, "zstd": 1, "lz4": 1, "lz4hc": 9, "huf": 0, "fhuf": 0}
 
 
 class CodecError(ZipMoEError):

@@ -139,35 +139,39 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="zipmoe-convert",
         description="Convert a Hugging Face DeepSeek-V2(-Lite) or Qwen1.5-MoE/Qwen2-MoE checkpoint to a "
-                    "BF16 GGUF with llama.cpp's own converter (pinned, unmodified); with --zipmoe, repack "
-                    "its routed experts into the ZipMoE split-bitfield format (docs/FORMAT.md). The input "
-                    "may also be a BF16 GGUF, for --zipmoe.")
+                    "ZipMoE GGUF: llama.cpp's own converter (pinned, unmodified) makes a BF16 GGUF, whose "
+                    "routed experts are then repacked into the ZipMoE split-bitfield format (docs/FORMAT.md); "
+                    "the intermediate BF16 file is deleted unless --keep-bf16. The input may also be a BF16 "
+                    "GGUF (repacked directly). With --bf16, write the plain BF16 GGUF instead.")
     ap.add_argument("source", type=Path, help="Hugging Face checkpoint folder (config.json, *.safetensors, "
                                               "tokenizer), or a BF16 GGUF file with --zipmoe")
     ap.add_argument("-o", "--outfile", type=Path, required=True, help="GGUF file to write (replaced if it exists)")
-    ap.add_argument("--zipmoe", action="store_true",
-                    help="write a ZipMoE GGUF (compressed exponents, raw sign+mantissa) instead of plain BF16")
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--zipmoe", action="store_true",
+                      help="write a ZipMoE GGUF (compressed exponents, raw sign+mantissa); the default")
+    kind.add_argument("--bf16", action="store_true",
+                      help="write a plain BF16 GGUF (what stock llama.cpp runs) instead of ZipMoE")
     ap.add_argument("--codec", choices=sorted(CODECS), default=DEFAULT_CODEC,
-                    help="exponent codec for --zipmoe (default: %(default)s, order-0 Huffman)")
+                    help="exponent codec (default: %(default)s, order-0 Huffman with fast table decoding)")
     ap.add_argument("--level", type=int, default=None,
                     help="codec level (zstd 1..22, lz4 acceleration >= 1, lz4hc 1..12; default: the codec's own)")
     ap.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                     help="E-chunks per expert, K (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="compression threads (default: all cores)")
     ap.add_argument("--f32-to-bf16", action="store_true",
-                    help="with --zipmoe: round F32 routed experts to BF16 (nearest even, as llama.cpp does); "
+                    help="round F32 routed experts to BF16 (nearest even, as llama.cpp does); "
                          "lossy, so without it non-BF16 experts are refused")
     ap.add_argument("--keep-bf16", type=Path, default=None, metavar="FILE",
-                    help="with --zipmoe from a checkpoint: also keep the intermediate BF16 GGUF at FILE")
+                    help="when converting a checkpoint: also keep the intermediate BF16 GGUF at FILE")
     ap.add_argument("-q", "--quiet", action="store_true", help="hide logs, progress bars and the ratio table")
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
     try:
-        if not args.zipmoe:
+        if args.bf16:
             if args.source.is_file():
-                raise ZipMoEError(f"{args.source} is a file: plain conversion takes a checkpoint folder "
-                                  "(use --zipmoe to repack a BF16 GGUF)")
+                raise ZipMoEError(f"{args.source} is a file: --bf16 conversion takes a checkpoint folder "
+                                  "(without --bf16, a BF16 GGUF is repacked into ZipMoE)")
             out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
             print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
             return 0

@@ -25,7 +25,7 @@ from .errors import ZipMoEError
 FORMAT_VERSION = 1
 CHUNK_ALIGNMENT = 4096
 EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
-DEFAULT_CODEC, DEFAULT_SHARDS = "huf", 5
+DEFAULT_CODEC, DEFAULT_SHARDS = "fhuf", 5
 CHECKSUM = "xxh64"
 
 
@@ -259,8 +259,8 @@ class ZipMoEFile:
 
     def __init__(self, path: str | Path, direct_io: bool = False):
         self.path = Path(path)
-        self._lib = _lib.lib()
         self._handle = self._reader = None
+        self._lib = _lib.lib()
         err = ctypes.create_string_buffer(1024)
         self._handle = self._lib.ggml_zipmoe_file_open(os.fsencode(self.path), _lib.OPEN_DIRECT if direct_io else 0,
                                                        err, len(err))

@@ -87,10 +87,11 @@ enum ggml_zipmoe_codec {
     GGML_ZIPMOE_CODEC_LZ4   = 2, // lz4 block; level is the acceleration (1 = default)
     GGML_ZIPMOE_CODEC_LZ4HC = 3, // lz4hc block, level 1..12
     GGML_ZIPMOE_CODEC_HUF   = 4, // order-0 Huffman (zstd's huff0, 4 streams) in 128 KiB blocks; level ignored
+    GGML_ZIPMOE_CODEC_FHUF  = 5, // order-0 Huffman, 12-bit codes, multi-symbol table decoding (default); level ignored
     GGML_ZIPMOE_CODEC_COUNT,
 };
 
-// codec name ("raw", "zstd", "lz4", "lz4hc", "huf"), or NULL for an unknown codec
+// codec name ("raw", "zstd", "lz4", "lz4hc", "huf", "fhuf"), or NULL for an unknown codec
 GGML_ZIPMOE_API const char * ggml_zipmoe_codec_name(int codec);
 
 // worst-case compressed size of n input bytes (0 for an unknown codec)

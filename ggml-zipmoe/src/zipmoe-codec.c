@@ -1,6 +1,7 @@
 // Exponent-plane codecs: raw, zstd, lz4, lz4hc and order-0 Huffman, behind one interface.
 
 #include "ggml-zipmoe.h"
+#include "zipmoe-fhuf.h"
 #include "zipmoe-impl.h"
 
 #include "lz4.h"
@@ -14,6 +15,7 @@
 struct ggml_zipmoe_decoder {
     ZSTD_DCtx *                 zstd;
     struct zipmoe_huf_decoder * huf;
+    struct zipmoe_fhuf_decoder * fhuf;
 };
 
 const char * ggml_zipmoe_status_string(int status) {
@@ -31,7 +33,7 @@ const char * ggml_zipmoe_status_string(int status) {
 }
 
 const char * ggml_zipmoe_codec_name(int codec) {
-    static const char * names[GGML_ZIPMOE_CODEC_COUNT] = { "raw", "zstd", "lz4", "lz4hc", "huf" };
+    static const char * names[GGML_ZIPMOE_CODEC_COUNT] = { "raw", "zstd", "lz4", "lz4hc", "huf", "fhuf" };
     return codec >= 0 && codec < GGML_ZIPMOE_CODEC_COUNT ? names[codec] : NULL;
 }
 
@@ -42,6 +44,7 @@ size_t ggml_zipmoe_compress_bound(int codec, size_t n) {
         case GGML_ZIPMOE_CODEC_LZ4:
         case GGML_ZIPMOE_CODEC_LZ4HC: return n > LZ4_MAX_INPUT_SIZE ? 0 : (size_t) LZ4_compressBound((int) n);
         case GGML_ZIPMOE_CODEC_HUF:   return zipmoe_huf_compress_bound(n);
+        case GGML_ZIPMOE_CODEC_FHUF:  return zipmoe_fhuf_compress_bound(n);
         default:                      return 0;
     }
 }
@@ -93,6 +96,10 @@ int64_t ggml_zipmoe_compress(int codec, int level, const void * src, size_t n, v
         }
         case GGML_ZIPMOE_CODEC_HUF:
             return zipmoe_huf_compress((const uint8_t *) src, n, (uint8_t *) dst, dst_capacity);
+        case GGML_ZIPMOE_CODEC_FHUF: {
+            const int64_t r = zipmoe_fhuf_compress((const uint8_t *) src, n, (uint8_t *) dst, dst_capacity);
+            return r == ZIPMOE_FHUF_ERR_CAPACITY ? GGML_ZIPMOE_ERR_CAPACITY : r < 0 ? GGML_ZIPMOE_ERR_ARG : r;
+        }
         default:
             return GGML_ZIPMOE_ERR_ARG;
     }
@@ -105,7 +112,8 @@ struct ggml_zipmoe_decoder * ggml_zipmoe_decoder_new(void) {
     }
     dec->zstd = ZSTD_createDCtx();
     dec->huf  = zipmoe_huf_decoder_new();
-    if (dec->zstd == NULL || dec->huf == NULL) {
+    dec->fhuf = zipmoe_fhuf_decoder_new();
+    if (dec->zstd == NULL || dec->huf == NULL || dec->fhuf == NULL) {
         ggml_zipmoe_decoder_free(dec);
         return NULL;
     }
@@ -116,6 +124,7 @@ void ggml_zipmoe_decoder_free(struct ggml_zipmoe_decoder * dec) {
     if (dec != NULL) {
         ZSTD_freeDCtx(dec->zstd);
         zipmoe_huf_decoder_free(dec->huf);
+        zipmoe_fhuf_decoder_free(dec->fhuf);
         free(dec);
     }
 }
@@ -146,6 +155,9 @@ int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const vo
         }
         case GGML_ZIPMOE_CODEC_HUF:
             return zipmoe_huf_decompress(dec->huf, (const uint8_t *) src, n, (uint8_t *) dst, dst_size);
+        case GGML_ZIPMOE_CODEC_FHUF:
+            return zipmoe_fhuf_decompress(dec->fhuf, (const uint8_t *) src, n, (uint8_t *) dst, dst_size) == 0
+                       ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
         default:
             return GGML_ZIPMOE_ERR_ARG;
     }
