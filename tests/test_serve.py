@@ -191,3 +191,54 @@ def test_bad_budgets_are_clear_errors(zipmoe_gguf):
     for bad in ["lots", "-1G", 0, True, "1K"]:
         with pytest.raises(ZipMoEError, match="zipmoe_budget"):
             load(path, zipmoe_budget=bad)
+
+
+MEMORY_PROBE = """
+import json, sys
+from zipmoe_py import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False, use_mmap=False,
+            **({"zipmoe_budget": int(sys.argv[2])} if len(sys.argv) > 2 else {}))
+llm.create_completion("The capital of France is", max_tokens=16, temperature=0.0)
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(json.dumps({"peak_rss": int(status["VmHWM"].split()[0]) * 1024, "stats": llm.zipmoe_stats()}))
+"""
+
+
+def test_resident_memory_stays_within_the_budget(tmp_path_factory):
+    """Peak RSS with ZipMoE = the BF16 model's peak without its experts + budget + a small overhead.
+
+    The model is expert-heavy (60 experts of 64 x 1408 per tensor, 4 layers: 130 MB of experts
+    against 39 MB of embeddings) so that the experts' absence is visible. The overhead allowance
+    is the documented one: per graph thread one chunk reader (an expert's SM-chunk, one stored
+    E-chunk and one decoded shard) plus 8 MiB for the chunk index and allocator slack.
+    """
+    from zipmoe_py.convert import convert_to_bf16_gguf
+    from zipmoe_py.tiny import make_tiny
+
+    work = tmp_path_factory.mktemp("memory")
+    make_tiny("qwen2moe", work / "hf", sizes={"moe_intermediate_size": 1408, "num_experts": 60})
+    bf16 = convert_to_bf16_gguf(work / "hf", work / "bf16.gguf", quiet=True)
+    zipmoe = work / "zipmoe.gguf"
+    zformat.repack(bf16, zipmoe)
+    one, n_expert, everything = expert_geometry(zipmoe)
+    assert n_expert == 60 and everything > 100e6
+    budget = 8 * one
+
+    def probe(*args):
+        import json
+        import sys
+
+        proc = run([sys.executable, "-c", MEMORY_PROBE, *args], cwd=work)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        return json.loads(proc.stdout.decode().strip().splitlines()[-1])
+
+    plain = probe(bf16)
+    served = probe(zipmoe, budget)
+    assert served["stats"]["n_slots"] == 8
+    readers = THREADS * (3 * 64 * 1408 // 2 * 2 + 64 * 1408)  # generous: SM + stored E + shard, per thread
+    allowance = readers + 8 * 2**20
+    limit = plain["peak_rss"] - everything + budget + allowance
+    print(f"\nmemory: BF16 peak {plain['peak_rss'] / 2**20:.1f} MiB, experts {everything / 2**20:.1f} MiB, budget {budget / 2**20:.2f} MiB, ZipMoE peak {served['peak_rss'] / 2**20:.1f} MiB, limit {limit / 2**20:.1f} MiB")
+    assert served["peak_rss"] <= limit, (
+        f"peak RSS {served['peak_rss'] / 2**20:.1f} MiB > BF16 peak {plain['peak_rss'] / 2**20:.1f} MiB "
+        f"- experts {everything / 2**20:.1f} MiB + budget {budget / 2**20:.1f} MiB + overhead {allowance / 2**20:.1f} MiB")

@@ -233,8 +233,12 @@ def _tokenizer_config(arch: str, vocab: dict) -> dict:
     }
 
 
-def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None) -> Path:
-    """Write a tiny HF checkpoint of `arch` into out_dir and return out_dir."""
+def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
+              real_widths_layers: int | None = None, sizes: dict | None = None) -> Path:
+    """Write a tiny HF checkpoint of `arch` into out_dir and return out_dir.
+
+    real_widths_layers: keep the real model's widths and expert counts (multi-GB) and only cut
+    the layer count to this (benchmarks). sizes: config values to change on top (tests)."""
     if arch not in ARCHITECTURES:
         raise ZipMoEError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     vocab_file, _, _ = ARCHITECTURES[arch]
@@ -243,6 +247,15 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     config = tiny_config(arch)
+    if real_widths_layers is not None:
+        config = dict(ARCHITECTURES[arch][1])
+        config["num_hidden_layers"] = real_widths_layers
+        if "max_window_layers" in config:
+            config["max_window_layers"] = real_widths_layers
+        if arch == "deepseek2" and real_widths_layers not in (26, 27):
+            config["q_lora_rank"] = 1536  # llama.cpp treats q_lora_rank-less models as "Lite" only at 26/27 layers
+    if sizes:
+        config.update(sizes)
     if std is not None:
         config["initializer_range"] = std
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -260,7 +273,12 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None)
 
     torch.manual_seed(seed)
     hf_config = AutoConfig.from_pretrained(out_dir, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise in BF16: no F32 copy of a multi-GB model
+    try:
+        model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default_dtype)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     weights = out_dir / "model.safetensors"
     save_file(state, str(weights), metadata={"format": "pt"})
