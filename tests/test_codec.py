@@ -186,3 +186,22 @@ def test_fhuf_decoder_survives_random_corruption():
         except CodecError:
             outcomes["error"] += 1
     assert outcomes["error"] > 1500
+
+
+@pytest.mark.parametrize("shards", [1, 5, 8])
+def test_decode_expert_recovers_every_value_shard_by_shard(shards):
+    from zipmoe_py.codec import ExpertDecode
+
+    rng = np.random.default_rng(shards)
+    values = rng.integers(0, 1 << 16, 67 * 45 * 3, dtype=np.uint16)  # every pattern kind, odd size
+    exp, sm = codec.split_bf16(values)
+    n = exp.size
+    chunks, names = [], []
+    for k in range(shards):
+        name = sorted(codec.CODECS)[k % len(codec.CODECS)]
+        chunks.append(codec.compress(exp[k * n // shards:(k + 1) * n // shards], name))
+        names.append(name)
+    assert np.array_equal(ExpertDecode(Decoder(), chunks, names, sm)(), values)
+    names[-1] = "raw" if names[-1] != "raw" else "zstd"  # a chunk decoded with the wrong codec
+    with pytest.raises(CodecError):
+        ExpertDecode(Decoder(), chunks, names, sm)()

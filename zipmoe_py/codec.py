@@ -121,3 +121,35 @@ class Decoder:
 
     def __del__(self):
         self.close()
+
+
+class ExpertDecode:
+    """A prepared ggml_zipmoe_decode_expert call: the K E-chunks (stored bytes) and the SM plane of
+    one expert; calling it decodes and recovers the expert's BF16 values into `out`, shard by
+    shard, in one C call (the runtime's decode path)."""
+
+    def __init__(self, decoder: Decoder, chunks: list[bytes], codecs: list[str], sm: np.ndarray,
+                 out: np.ndarray | None = None):
+        k = len(chunks)
+        if k < 1 or len(codecs) != k:
+            raise ZipMoEError("an expert needs at least one E-chunk and one codec per chunk")
+        self._decoder = decoder
+        self._chunks = [np.frombuffer(c, np.uint8) for c in chunks]
+        self._sm = np.ascontiguousarray(sm, dtype=np.uint8).reshape(-1)
+        n = self._sm.size
+        self.out = np.empty(n, np.uint16) if out is None else out
+        if self.out.dtype != np.uint16 or self.out.size != n or not self.out.flags.c_contiguous:
+            raise ZipMoEError(f"expert output must be {n} contiguous uint16 values")
+        self._scratch = np.empty(n // k + 1, np.uint8)
+        self._codecs = (ctypes.c_int32 * k)(*[codec_id(c) for c in codecs])
+        self._ptrs = (ctypes.c_void_p * k)(*[c.ctypes.data for c in self._chunks])
+        self._sizes = (ctypes.c_size_t * k)(*[c.size for c in self._chunks])
+        self._args = (decoder._handle, k, self._codecs, self._ptrs, self._sizes, self._sm.ctypes.data, n,
+                      self._scratch.ctypes.data, self.out.ctypes.data)
+        self._fn = _lib.lib().ggml_zipmoe_decode_expert
+
+    def __call__(self) -> np.ndarray:
+        status = self._fn(*self._args)
+        if status != _lib.OK:
+            raise CodecError(f"decoding an expert of {self._sm.size} values", status)
+        return self.out

@@ -113,6 +113,14 @@ GGML_ZIPMOE_API void                         ggml_zipmoe_decoder_free(struct ggm
 GGML_ZIPMOE_API int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec,
                                            const void * src, size_t n, void * dst, size_t dst_size);
 
+// decode the K E-chunks of one expert (stored bytes chunks[k] of chunk_sizes[k] bytes, codec
+// codecs[k]; shard k covers values [k*n/K, (k+1)*n/K)) and recover its n BF16 values with the
+// SM bytes into dst, shard by shard while each decoded shard is in cache. scratch holds one
+// decoded shard: at least n/K + 1 bytes. This is what ggml_zipmoe_read_expert does after reading.
+GGML_ZIPMOE_API int ggml_zipmoe_decode_expert(struct ggml_zipmoe_decoder * dec, int n_shards, const int32_t * codecs,
+                                              const void * const * chunks, const size_t * chunk_sizes,
+                                              const uint8_t * sm, size_t n, uint8_t * scratch, uint16_t * dst);
+
 // checksum of a stored chunk, as recorded in a ZipMoE GGUF: XXH64 with seed 0
 GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
 

@@ -163,6 +163,25 @@ int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const vo
     }
 }
 
+int ggml_zipmoe_decode_expert(struct ggml_zipmoe_decoder * dec, int n_shards, const int32_t * codecs,
+                              const void * const * chunks, const size_t * chunk_sizes, const uint8_t * sm, size_t n,
+                              uint8_t * scratch, uint16_t * dst) {
+    if (dec == NULL || n_shards < 1 || codecs == NULL || chunks == NULL || chunk_sizes == NULL ||
+        ((sm == NULL || scratch == NULL || dst == NULL) && n > 0)) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    for (int k = 0; k < n_shards; k++) {
+        uint64_t first, count;
+        zipmoe_shard_range(n, n_shards, k, &first, &count);
+        const int status = ggml_zipmoe_decompress(dec, codecs[k], chunks[k], chunk_sizes[k], scratch, count);
+        if (status != GGML_ZIPMOE_OK) {
+            return status;
+        }
+        ggml_zipmoe_recover_bf16(scratch, sm + first, count, dst + first);
+    }
+    return GGML_ZIPMOE_OK;
+}
+
 uint64_t ggml_zipmoe_checksum(const void * data, size_t n) {
     return zipmoe_xxh64(data, n);
 }
