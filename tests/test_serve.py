@@ -242,3 +242,23 @@ def test_resident_memory_stays_within_the_budget(tmp_path_factory):
     assert served["peak_rss"] <= limit, (
         f"peak RSS {served['peak_rss'] / 2**20:.1f} MiB > BF16 peak {plain['peak_rss'] / 2**20:.1f} MiB "
         f"- experts {everything / 2**20:.1f} MiB + budget {budget / 2**20:.1f} MiB + overhead {allowance / 2**20:.1f} MiB")
+
+
+def test_a_corrupt_chunk_met_while_serving_stops_with_its_name(zipmoe_gguf, tmp_path):
+    """Corruption found after load (the index is fine, a chunk's bytes are not): no wrong output, a named error."""
+    path = zipmoe_gguf("qwen2moe")
+    bad = tmp_path / "bad.gguf"
+    data = bytearray(path.read_bytes())
+    with zformat.ZipMoEFile(path) as zf:
+        _, n_expert, _ = expert_geometry(path)
+        tensor = "blk.0.ffn_up_exps.weight"
+        refs = [zf.chunks(tensor, e)[2] for e in range(n_expert)]  # E-chunk (shard 1) of every expert
+    for ref in refs:
+        data[ref.offset + ref.size // 2] ^= 0x04
+    bad.write_bytes(bytes(data))
+    proc = run([_paths.program("llama-completion"), "-m", bad, "-p", PROMPTS[0], "-n", 4, "--temp", 0, "-t", THREADS,
+                "-no-cnv", "--no-warmup"], stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0
+    assert b"ZipMoE: " in proc.stderr
+    assert b"checksum mismatch in layer 0, tensor blk.0.ffn_up_exps.weight, expert " in proc.stderr
+    assert b", E-chunk (shard 1)" in proc.stderr

@@ -3,8 +3,11 @@
 //
 // One fetch call runs at a time per cache (the graph orders them: a layer's fetch depends on
 // the previous layer's output). Thread 0 plans under the cache's lock (hits, LRU victims among
-// slots this call does not need, slot ids); then every thread takes whole expert tensors from
-// a shared task counter and reads, checks, decodes and recovers them straight into the slot.
+// slots this call does not need, slot ids). Then thread 0 is the I/O thread: it reads each
+// missing expert tensor's chunks (SM, then the K E-chunks) into a ring of staging buffers, in
+// task order, while the other threads take the filled buffers in the same order, check the
+// checksums, decode and recover into the slot; reading overlaps decoding. Once every read is
+// issued, thread 0 decodes too. With one thread, it reads and decodes in turn.
 
 #define _GNU_SOURCE // sched_yield on older libcs
 
@@ -27,6 +30,25 @@
 #endif
 
 #define ZIPMOE_MAX_THREADS 256
+#define ZIPMOE_N_STAGING   4   // expert tensors read ahead of the decoders
+
+enum { STAGE_FREE = 0, STAGE_READY = 1 };
+
+// one expert tensor's stored chunks, as read by the I/O thread
+struct zipmoe_staging {
+    uint8_t *  mem;     // SM-chunk region, then K E-chunk regions, each aligned for O_DIRECT
+    atomic_int state;   // STAGE_FREE or STAGE_READY
+    atomic_int task;    // task whose chunks it holds or is about to hold
+    int        status;  // read status of that task
+    int        chunk;   // chunk of a failed read
+    int        sys_errno;
+};
+
+// per graph thread: decoding state, made on first use
+struct zipmoe_worker {
+    struct ggml_zipmoe_decoder * decoder;
+    uint8_t *                    shard;  // one decoded shard
+};
 
 struct zipmoe_task {
     int32_t slot;
@@ -59,14 +81,18 @@ struct ggml_zipmoe_cache {
 
     struct zipmoe_task * tasks; // [3 * n_slots]
     int                  n_tasks;
-    atomic_int           next_task;
+    atomic_int           next_task;  // next task a decoder takes
     atomic_int           status;
+
+    struct zipmoe_staging staging[ZIPMOE_N_STAGING]; // memory made on the first miss
+    size_t                sm_region;                 // bytes of the SM region of a staging buffer
+    size_t                e_region;                  // bytes of each E-chunk region
 
     // barrier for the threads of one fetch call
     atomic_int           barrier_count;
     atomic_int           barrier_generation;
 
-    struct ggml_zipmoe_reader * readers[ZIPMOE_MAX_THREADS]; // by thread index, made on first use
+    struct zipmoe_worker workers[ZIPMOE_MAX_THREADS]; // by thread index
     pthread_mutex_t      lock;
     char                 error[1024];
 
@@ -111,7 +137,11 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
         return;
     }
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
-        ggml_zipmoe_reader_free(c->readers[i]);
+        ggml_zipmoe_decoder_free(c->workers[i].decoder);
+        free(c->workers[i].shard);
+    }
+    for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
+        free(c->staging[i].mem);
     }
     free(c->layer_tensor);
     free(c->layer_n_expert);
@@ -337,46 +367,161 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     return GGML_ZIPMOE_OK;
 }
 
-static void run_tasks(struct ggml_zipmoe_cache * c, int ith) {
-    struct ggml_zipmoe_reader * r = NULL;
+static void fail_once(struct ggml_zipmoe_cache * c, int status, const struct zipmoe_task * t, int chunk, int sys_errno) {
+    int ok = GGML_ZIPMOE_OK;
+    if (atomic_compare_exchange_strong(&c->status, &ok, status)) {
+        char what[768];
+        zipmoe_describe_failure(c->file, status, t->tensor, t->expert, chunk, sys_errno, what, sizeof(what));
+        snprintf(c->error, sizeof(c->error), "%s: %s", c->file->path, what);
+    }
+}
+
+// the staging memory, made once (thread 0, before any worker looks at it)
+static int ensure_staging(struct ggml_zipmoe_cache * c) {
+    if (c->staging[0].mem != NULL) {
+        return GGML_ZIPMOE_OK;
+    }
+    c->sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    c->e_region  = ggml_zipmoe_file_chunk_buffer_size(c->file);
+    const size_t size = c->sm_region + (size_t) c->file->n_shards * c->e_region;
+    for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
+        void * p = NULL;
+        if (posix_memalign(&p, GGML_ZIPMOE_CHUNK_ALIGNMENT, size) != 0) {
+            snprintf(c->error, sizeof(c->error), "%s: out of memory for staging buffers", c->file->path);
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        c->staging[i].mem = (uint8_t *) p;
+        atomic_store(&c->staging[i].state, STAGE_FREE);
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+static uint8_t * staged_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_staging * s, int chunk) {
+    return chunk == 0 ? s->mem : s->mem + c->sm_region + (size_t) (chunk - 1) * c->e_region;
+}
+
+static void wait_until(atomic_int * value, int want) {
+    for (unsigned spins = 0; atomic_load(value) != want; spins++) {
+        if (spins < 1024) {
+            ZIPMOE_PAUSE();
+        } else {
+            sched_yield(); // a waiting thread must not take the core a reading/decoding thread needs
+        }
+    }
+}
+
+// I/O thread: read task i's chunks into its staging buffer (after its previous user freed it)
+static void read_task(struct ggml_zipmoe_cache * c, int i) {
+    struct zipmoe_staging *    s = &c->staging[i % ZIPMOE_N_STAGING];
+    const struct zipmoe_task * t = &c->tasks[i];
+    wait_until(&s->state, STAGE_FREE);
+    atomic_store(&s->task, i);
+    s->status = GGML_ZIPMOE_OK;
+    s->chunk = 0;
+    s->sys_errno = 0;
+    const uint64_t t0 = now_ns();
+    uint64_t bytes = 0;
+    if (atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+        for (int k = 0; k <= c->file->n_shards; k++) {
+            const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+            const int status = zipmoe_read_chunk_unchecked(c->file, ch, staged_chunk(c, s, k),
+                                                           k == 0 ? c->sm_region : c->e_region, &s->sys_errno);
+            if (status != GGML_ZIPMOE_OK) {
+                s->status = status;
+                s->chunk = k;
+                break;
+            }
+            bytes += ch->size;
+        }
+    }
+    atomic_fetch_add(&c->io_ns, now_ns() - t0);
+    atomic_fetch_add(&c->bytes_read, bytes);
+    atomic_store(&s->state, STAGE_READY); // publishes the buffer's bytes and fields
+}
+
+static struct zipmoe_worker * worker_of(struct ggml_zipmoe_cache * c, int ith) {
+    struct zipmoe_worker * w = &c->workers[ith];
+    if (w->decoder == NULL) {
+        // once per thread index: a decoder and room for one decoded shard
+        w->decoder = ggml_zipmoe_decoder_new();
+        w->shard   = (uint8_t *) malloc((size_t) (c->file->max_values / (uint64_t) c->file->n_shards + 1));
+        if (w->decoder == NULL || w->shard == NULL) {
+            ggml_zipmoe_decoder_free(w->decoder);
+            free(w->shard);
+            w->decoder = NULL;
+            w->shard = NULL;
+        }
+    }
+    return w->decoder != NULL ? w : NULL;
+}
+
+// decoder: check, decode and recover task i from its staging buffer into its slot, then free the buffer
+static void decode_task(struct ggml_zipmoe_cache * c, int i, int ith) {
+    struct zipmoe_staging *    s = &c->staging[i % ZIPMOE_N_STAGING];
+    const struct zipmoe_task * t = &c->tasks[i];
+    wait_until(&s->task, i); // set before the READY of the same fill
+    wait_until(&s->state, STAGE_READY);
+    struct zipmoe_worker * w = worker_of(c, ith);
+    if (s->status != GGML_ZIPMOE_OK) {
+        fail_once(c, s->status, t, s->chunk, s->sys_errno);
+    } else if (w == NULL) {
+        int ok = GGML_ZIPMOE_OK;
+        if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
+            snprintf(c->error, sizeof(c->error), "%s: out of memory for a decoder", c->file->path);
+        }
+    } else if (atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+        const uint64_t n = c->file->tensors[t->tensor].n;
+        uint16_t * dst = (uint16_t *) (c->slot_data[t->kind] + (size_t) t->slot * c->slot_stride[t->kind]);
+        uint64_t decode_ns = 0, recover_ns = 0;
+        for (int k = 0; k <= c->file->n_shards; k++) {
+            const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+            if (ggml_zipmoe_checksum(staged_chunk(c, s, k), ch->size) != ch->checksum) {
+                fail_once(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
+                break;
+            }
+            if (k == 0) {
+                continue;
+            }
+            uint64_t first, count;
+            zipmoe_shard_range(n, c->file->n_shards, k - 1, &first, &count);
+            const uint64_t t0 = now_ns();
+            const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, staged_chunk(c, s, k), ch->size, w->shard,
+                                                      count);
+            const uint64_t t1 = now_ns();
+            decode_ns += t1 - t0;
+            if (status != GGML_ZIPMOE_OK) {
+                fail_once(c, status, t, k, 0);
+                break;
+            }
+            ggml_zipmoe_recover_bf16(w->shard, staged_chunk(c, s, 0) + first, count, dst + first);
+            recover_ns += now_ns() - t1;
+        }
+        atomic_fetch_add(&c->decode_ns, decode_ns);
+        atomic_fetch_add(&c->recover_ns, recover_ns);
+    }
+    atomic_store(&s->state, STAGE_FREE);
+}
+
+static void run_tasks(struct ggml_zipmoe_cache * c, int ith, int nth) {
+    if (ith == 0) {
+        if (nth == 1) {
+            for (int i = 0; i < c->n_tasks; i++) {
+                read_task(c, i);
+                decode_task(c, i, 0);
+            }
+            return;
+        }
+        for (int i = 0; i < c->n_tasks; i++) {
+            read_task(c, i);
+        }
+    }
+    // tasks are taken in order, so a decoder only ever waits for the read the I/O thread does next
     for (;;) {
         const int i = atomic_fetch_add(&c->next_task, 1);
         if (i >= c->n_tasks) {
             break;
         }
-        if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
-            continue; // drain after a failure
-        }
-        if (r == NULL) {
-            if (c->readers[ith] == NULL) {
-                c->readers[ith] = ggml_zipmoe_reader_new(c->file); // once per thread index
-            }
-            r = c->readers[ith];
-            if (r == NULL) {
-                int ok = GGML_ZIPMOE_OK;
-                if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
-                    snprintf(c->error, sizeof(c->error), "%s: out of memory for a chunk reader", c->file->path);
-                }
-                continue;
-            }
-        }
-        const struct zipmoe_task * t = &c->tasks[i];
-        uint16_t * dst = (uint16_t *) (c->slot_data[t->kind] + (size_t) t->slot * c->slot_stride[t->kind]);
-        const int status = ggml_zipmoe_read_expert(r, t->tensor, t->expert, dst);
-        if (status != GGML_ZIPMOE_OK) {
-            int ok = GGML_ZIPMOE_OK;
-            if (atomic_compare_exchange_strong(&c->status, &ok, status)) {
-                snprintf(c->error, sizeof(c->error), "%s: %s", c->file->path, ggml_zipmoe_reader_error(r));
-            }
-        }
-    }
-    if (r != NULL) {
-        struct zipmoe_read_times times;
-        zipmoe_reader_take_times(r, &times);
-        atomic_fetch_add(&c->io_ns, times.io_ns);
-        atomic_fetch_add(&c->decode_ns, times.decode_ns);
-        atomic_fetch_add(&c->recover_ns, times.recover_ns);
-        atomic_fetch_add(&c->bytes_read, times.bytes_read);
+        decode_task(c, i, ith);
     }
 }
 
@@ -396,6 +541,9 @@ int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, c
         } else {
             c->error[0] = '\0';
             status = plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+            if (status == GGML_ZIPMOE_OK && c->n_tasks > 0) {
+                status = ensure_staging(c);
+            }
         }
         atomic_store(&c->status, status);
         atomic_store(&c->next_task, 0);
@@ -405,7 +553,7 @@ int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, c
     }
     barrier(c, nth);
     if (ith < n_workers) {
-        run_tasks(c, ith);
+        run_tasks(c, ith, n_workers);
     }
     barrier(c, nth);
     const int status = atomic_load(&c->status);

@@ -76,6 +76,15 @@ void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_
 
 uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
 
+// reads a chunk's stored bytes without checking them (the caller checks the checksum, maybe on
+// another thread); buffer rules as ggml_zipmoe_file_read_chunk; *sys_errno: errno of a failed read
+int zipmoe_read_chunk_unchecked(const struct ggml_zipmoe_file * file, const struct zipmoe_chunk * c, uint8_t * buf,
+                                size_t capacity, int * sys_errno);
+
+// the message naming the chunk and the reason of a failed read, check or decode
+void zipmoe_describe_failure(const struct ggml_zipmoe_file * file, int status, int tensor, int expert, int chunk,
+                             int sys_errno, char * buf, size_t size);
+
 // time and bytes a reader spent, for the cache's statistics
 struct zipmoe_read_times {
     uint64_t io_ns, decode_ns, recover_ns, bytes_read;

@@ -32,9 +32,8 @@ static int64_t pread_full(int fd, uint8_t * buf, uint64_t size, uint64_t offset)
     return (int64_t) done;
 }
 
-// reads a chunk's stored bytes and checks them; *sys_errno gets errno of a failed read (else 0)
-static int read_chunk(const struct ggml_zipmoe_file * file, const struct zipmoe_chunk * c, uint8_t * buf,
-                      size_t capacity, int * sys_errno) {
+int zipmoe_read_chunk_unchecked(const struct ggml_zipmoe_file * file, const struct zipmoe_chunk * c, uint8_t * buf,
+                                size_t capacity, int * sys_errno) {
     *sys_errno = 0;
     const int direct = (file->flags & GGML_ZIPMOE_OPEN_DIRECT) != 0;
     // O_DIRECT transfers whole aligned blocks; the tail past the chunk is padding or other chunks
@@ -50,6 +49,16 @@ static int read_chunk(const struct ggml_zipmoe_file * file, const struct zipmoe_
     }
     if ((uint64_t) got < c->size) {
         return GGML_ZIPMOE_ERR_IO; // the file shrank after it was opened
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// reads a chunk's stored bytes and checks them; *sys_errno gets errno of a failed read (else 0)
+static int read_chunk(const struct ggml_zipmoe_file * file, const struct zipmoe_chunk * c, uint8_t * buf,
+                      size_t capacity, int * sys_errno) {
+    const int status = zipmoe_read_chunk_unchecked(file, c, buf, capacity, sys_errno);
+    if (status != GGML_ZIPMOE_OK) {
+        return status;
     }
     return ggml_zipmoe_checksum(buf, c->size) == c->checksum ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CHECKSUM;
 }
@@ -129,26 +138,31 @@ const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_reader * reader) 
     return reader != NULL ? reader->error : "no reader";
 }
 
-static int fail(struct ggml_zipmoe_reader * r, int status, int tensor, int expert, int chunk, int sys_errno) {
+void zipmoe_describe_failure(const struct ggml_zipmoe_file * file, int status, int tensor, int expert, int chunk,
+                             int sys_errno, char * buf, size_t size) {
     char where[512];
-    ggml_zipmoe_file_describe_chunk(r->file, tensor, expert, chunk, where, sizeof(where));
+    ggml_zipmoe_file_describe_chunk(file, tensor, expert, chunk, where, sizeof(where));
     switch (status) {
         case GGML_ZIPMOE_ERR_CHECKSUM:
-            snprintf(r->error, sizeof(r->error), "checksum mismatch in %s", where);
+            snprintf(buf, size, "checksum mismatch in %s", where);
             break;
         case GGML_ZIPMOE_ERR_IO:
             if (sys_errno != 0) {
-                snprintf(r->error, sizeof(r->error), "reading %s failed: %s", where, strerror(sys_errno));
+                snprintf(buf, size, "reading %s failed: %s", where, strerror(sys_errno));
             } else {
-                snprintf(r->error, sizeof(r->error), "%s is truncated (the file is shorter than its index)", where);
+                snprintf(buf, size, "%s is truncated (the file is shorter than its index)", where);
             }
             break;
         case GGML_ZIPMOE_ERR_CORRUPT:
-            snprintf(r->error, sizeof(r->error), "%s does not decode: %s", where, ggml_zipmoe_status_string(status));
+            snprintf(buf, size, "%s does not decode: %s", where, ggml_zipmoe_status_string(status));
             break;
         default:
-            snprintf(r->error, sizeof(r->error), "%s: %s", where, ggml_zipmoe_status_string(status));
+            snprintf(buf, size, "%s: %s", where, ggml_zipmoe_status_string(status));
     }
+}
+
+static int fail(struct ggml_zipmoe_reader * r, int status, int tensor, int expert, int chunk, int sys_errno) {
+    zipmoe_describe_failure(r->file, status, tensor, expert, chunk, sys_errno, r->error, sizeof(r->error));
     return status;
 }
 
