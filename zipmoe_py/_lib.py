@@ -30,6 +30,11 @@ class CacheStats(ctypes.Structure):
                                                      "io_ns", "decode_ns", "recover_ns", "fetch_ns")]
 
 
+class CacheParams(ctypes.Structure):
+    _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
+                ("slot_stride", ctypes.c_size_t * 3)]
+
+
 _PROTOTYPES = {
     "ggml_zipmoe_version": (ctypes.c_char_p, []),
     "ggml_zipmoe_version_number": (ctypes.c_int, []),
@@ -73,6 +78,18 @@ _PROTOTYPES = {
     "ggml_zipmoe_reader_free": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_read_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, c_uint16_p]),
     "ggml_zipmoe_reader_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_new": (ctypes.c_void_p, [ctypes.POINTER(CacheParams), ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_cache_free": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_has_layer": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_cache_n_expert": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_cache_n_passes": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]),
+    "ggml_zipmoe_cache_fetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                               ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_cache_merge_pass": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                                            ctypes.c_size_t]),
     "ggml_zipmoe_cache_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),

@@ -317,7 +317,6 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     const uint64_t serial = ++c->call_serial;
     const int64_t base = (int64_t) layer * c->max_expert;
 
-    c->n_tasks = 0;
     for (int32_t e = 0; e < c->layer_n_expert[layer]; e++) {
         c->pass_slot[e] = -1;
     }
@@ -535,6 +534,7 @@ int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, c
     if (ith == 0) {
         t0 = now_ns();
         pthread_mutex_lock(&c->lock);
+        c->n_tasks = 0;
         int status = GGML_ZIPMOE_ERR_ARG;
         if (!ggml_zipmoe_cache_has_layer(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
             snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
@@ -545,11 +545,10 @@ int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, c
                 status = ensure_staging(c);
             }
         }
+        // after a failure the planned tasks still run (reads and decodes are skipped), so that the
+        // slots they were given are forgotten below
         atomic_store(&c->status, status);
         atomic_store(&c->next_task, 0);
-        if (status != GGML_ZIPMOE_OK) {
-            c->n_tasks = 0;
-        }
     }
     barrier(c, nth);
     if (ith < n_workers) {
