@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--dest is required unless --fetch-only is given")
         if not args.no_patches and not args.patches.is_dir():
             raise PrepareError(f"patch folder not found: {args.patches} (use --no-patches for none)")
-        patches = Path(os.devnull) if args.no_patches else args.patches
+        # absolute: patch(1) runs inside the destination tree
+        patches = Path(os.devnull) if args.no_patches else args.patches.resolve()
         changed = prepare(args.dest, args.pin, patches, args.cache, args.sdist)
         print(f"prepare_source: {args.dest} {'prepared' if changed else 'up to date'}", file=sys.stderr)
         return 0
