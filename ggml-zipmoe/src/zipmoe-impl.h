@@ -85,14 +85,6 @@ int zipmoe_read_chunk_unchecked(const struct ggml_zipmoe_file * file, const stru
 void zipmoe_describe_failure(const struct ggml_zipmoe_file * file, int status, int tensor, int expert, int chunk,
                              int sys_errno, char * buf, size_t size);
 
-// time and bytes a reader spent, for the cache's statistics
-struct zipmoe_read_times {
-    uint64_t io_ns, decode_ns, recover_ns, bytes_read;
-};
-
-struct ggml_zipmoe_reader;
-void zipmoe_reader_take_times(struct ggml_zipmoe_reader * reader, struct zipmoe_read_times * times);
-
 #ifdef __cplusplus
 }
 #endif

@@ -9,7 +9,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 // reads [offset, offset + size) fully (retrying short reads and EINTR); returns bytes read,
@@ -81,20 +80,8 @@ struct ggml_zipmoe_reader {
     uint8_t *                       stored;   // one E-chunk as stored (aligned, O_DIRECT-sized)
     size_t                          stored_cap;
     uint8_t *                       exp;      // one decoded shard: recovered while it is still in cache
-    struct zipmoe_read_times        times;    // accumulated since the last zipmoe_reader_take_times
     char                            error[768];
 };
-
-static uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
-}
-
-void zipmoe_reader_take_times(struct ggml_zipmoe_reader * reader, struct zipmoe_read_times * times) {
-    *times = reader->times;
-    memset(&reader->times, 0, sizeof(reader->times));
-}
 
 static void * aligned_buffer(size_t size) {
     void * p = NULL;
@@ -179,33 +166,22 @@ int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * r, int tensor, int exper
     }
     const uint64_t n = file->tensors[tensor].n;
     int sys_errno;
-    uint64_t t0 = now_ns();
     int status = read_chunk(file, sm, r->sm, r->sm_cap, &sys_errno);
-    uint64_t t1 = now_ns();
-    r->times.io_ns += t1 - t0;
     if (status != GGML_ZIPMOE_OK) {
         return fail(r, status, tensor, expert, 0, sys_errno);
     }
-    r->times.bytes_read += sm->size;
     for (int k = 0; k < file->n_shards; k++) {
         const struct zipmoe_chunk * c = zipmoe_file_chunk(file, tensor, expert, 1 + k);
         uint64_t first, count;
         zipmoe_shard_range(n, file->n_shards, k, &first, &count);
-        t0 = now_ns();
         status = read_chunk(file, c, r->stored, r->stored_cap, &sys_errno);
-        t1 = now_ns();
-        r->times.io_ns += t1 - t0;
         if (status == GGML_ZIPMOE_OK) {
-            r->times.bytes_read += c->size;
             status = ggml_zipmoe_decompress(r->decoder, c->codec, r->stored, c->size, r->exp, count);
         }
-        const uint64_t t2 = now_ns();
-        r->times.decode_ns += t2 - t1;
         if (status != GGML_ZIPMOE_OK) {
             return fail(r, status, tensor, expert, 1 + k, sys_errno);
         }
         ggml_zipmoe_recover_bf16(r->exp, r->sm + first, count, dst + first);
-        r->times.recover_ns += now_ns() - t2;
     }
     return GGML_ZIPMOE_OK;
 }
