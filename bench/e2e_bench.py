@@ -5,16 +5,21 @@ each under a memory cap of 25 / 50 / 75% of the BF16 model's size, with the mode
 the page cache before every run.
 
     .venv/bin/python bench/e2e_bench.py --bf16 M.gguf [--zipmoe M.zipmoe.gguf] [--raw M.raw.gguf]
-        [--caps 25,50,75] [--prompt-tokens 64] [--gen-tokens 16] [--threads 2] [--direct-io]
+        [--caps 25,50,75] [--prompt-tokens 64] [--gen-tokens 32] [--threads 2] [--direct-io]
 
 Missing ZipMoE files are made from the BF16 GGUF (fhuf, and raw for the ablation). Every run is
 `capped-run --mem CAP --evict FILE -- python -c <probe>` (../shared/tools/capped-run: a child
 memory cgroup, page cache included); the probe loads the model, evaluates a prompt of
 --prompt-tokens tokens (TTFT: until the first generated token) and generates --gen-tokens
-tokens greedily (TPOT: mean time per token after the first). The ZipMoE expert-cache budget
-is what the cap leaves after the non-expert weights and a fixed allowance for the runtime.
-The O_DIRECT bandwidth of the model's disk is measured in the same run. Prints a table, saves
-bench/results/e2e_bench.json and e2e_bench.png.
+tokens greedily (TPOT: mean time per token after the first; cache statistics of the decode
+steps only). The ZipMoE expert-cache budget is what the cap leaves after the non-expert weights
+a decode step reads (all but the token embedding) and a fixed allowance for the runtime.
+
+The O_DIRECT bandwidth of the model's disk is measured in the same run, and so is the compute
+floor: stock llama.cpp's TPOT with the whole model in the page cache and no cap. Each ZipMoE
+row gets the TPOT floor at its measured hit rate, max(compute floor, bytes read per token /
+O_DIRECT bandwidth, decode + recover time per token / threads), and its read bandwidth while
+reading. Prints a table, saves --out (JSON) and a PNG plot beside it.
 """
 from __future__ import annotations
 
@@ -46,17 +51,25 @@ while len(tokens) < n_prompt:
     tokens += llm.tokenize((" " + words[i % len(words)]).encode(), add_bos=False)
     i += 1
 tokens = tokens[:n_prompt]
+def read_bytes():
+    return int(dict(line.split(":") for line in open("/proc/self/io"))["read_bytes"])
 stamps = []
+prefill = None
 t0 = time.perf_counter()
 for tok in llm.generate(tokens, temp=0.0, repeat_penalty=1.0):
     stamps.append(time.perf_counter())
+    if len(stamps) == 1:
+        # decode statistics start after the first token
+        prefill = llm.zipmoe_stats()
+        llm.zipmoe_reset_stats()
+        decode_read0 = read_bytes()
     if len(stamps) == n_gen:
         break
 ttft = stamps[0] - t0
 tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-io = dict(line.split(":") for line in open("/proc/self/io"))
 print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": 1 / tpot,
-                  "read_bytes": int(io["read_bytes"]), "zipmoe": llm.zipmoe_stats()}))
+                  "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
+                  "decode_tokens": len(stamps) - 1, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats()}))
 """
 
 
@@ -71,11 +84,20 @@ def run_capped(cap: int, evict: Path, cmd: list) -> tuple[dict, dict]:
     return json.loads(lines[-2]), json.loads(lines[-1])
 
 
-def non_expert_bytes(zipmoe_path: Path) -> int:
+def non_expert_bytes(zipmoe_path: Path) -> tuple[int, int]:
+    """(all non-expert weights, those a decode step reads: all but the token embedding, of which it
+    reads one row per token)."""
     from zipmoe_py import gguf_file
 
     header = gguf_file.read_header(zipmoe_path)
-    return sum(t.nbytes() for t in header.tensors if not t.name.endswith(".zipmoe"))
+    weights = {t.name: t.nbytes() for t in header.tensors if not t.name.endswith(".zipmoe")}
+    return sum(weights.values()), sum(n for name, n in weights.items() if name != "token_embd.weight")
+
+
+def warm_page_cache(path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
 
 
 def ensure_zipmoe(bf16: Path, out: Path, codec: str) -> Path:
@@ -94,11 +116,13 @@ def main() -> int:
     ap.add_argument("--raw", type=Path, default=None, help="ZipMoE GGUF with raw E-chunks (default: made beside it)")
     ap.add_argument("--caps", default="25,50,75", help="memory caps in %% of the BF16 model size (default: %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--gen-tokens", type=int, default=16)
+    ap.add_argument("--gen-tokens", type=int, default=32,
+                    help="tokens generated; TPOT is their mean time after the first (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runtime-allowance", default="400M",
-                    help="memory kept for the runtime (Python, compute buffers, KV) when sizing the expert "
-                         "cache: budget = cap - non-expert weights - this (default: %(default)s)")
+                    help="memory kept for the runtime (Python, compute buffers, KV, staging) when sizing the "
+                         "expert cache: budget = cap - non-expert weights a decode step reads (all but the token "
+                         "embedding) - this (default: %(default)s)")
     ap.add_argument("--direct-io", action="store_true", help="ZipMoE reads chunks with O_DIRECT")
     ap.add_argument("--systems", default="stock,zipmoe,raw", help="which systems to run (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_bench.json"))
@@ -110,7 +134,7 @@ def main() -> int:
     zipmoe = (args.zipmoe or ensure_zipmoe(bf16, bf16.with_suffix(".zipmoe.gguf"), "fhuf")).resolve()
     raw = (args.raw or ensure_zipmoe(bf16, bf16.with_suffix(".raw.gguf"), "raw")).resolve()
     model_bytes = bf16.stat().st_size
-    fixed = non_expert_bytes(zipmoe)
+    fixed, fixed_read = non_expert_bytes(zipmoe)
     allowance = parse_size(args.runtime_allowance, "--runtime-allowance")
     one_expert = None
     from zipmoe_py import format as zformat
@@ -121,13 +145,22 @@ def main() -> int:
     bw = json.loads(subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(zipmoe)], capture_output=True,
                                    text=True).stdout.strip().splitlines()[-1])
     print(f"model {model_bytes / 1e9:.2f} GB BF16 ({zipmoe.stat().st_size / 1e9:.2f} GB ZipMoE), non-expert weights "
-          f"{fixed / 1e9:.2f} GB, one expert {one_expert / 1e6:.1f} MB, O_DIRECT {bw['odirect_gbps']:.2f} GB/s", flush=True)
+          f"{fixed / 1e9:.2f} GB ({fixed_read / 1e9:.2f} GB read per token), one expert {one_expert / 1e6:.1f} MB, "
+          f"O_DIRECT {bw['odirect_gbps']:.2f} GB/s", flush=True)
+
+    # the compute floor: stock llama.cpp with the whole model in the page cache, no cap
+    warm_page_cache(bf16)
+    warm = subprocess.run([sys.executable, "-c", PROBE, bf16, args.prompt_tokens, args.gen_tokens, args.threads, "-", 0],
+                          capture_output=True, text=True, cwd=tempfile.gettempdir())
+    warm = json.loads([l for l in warm.stdout.splitlines() if l.startswith("{")][-1])
+    compute_s = warm["tpot_s"]
+    print(f"compute floor (stock, model in page cache, no cap): TPOT {compute_s * 1e3:.1f} ms", flush=True)
 
     rows = []
     systems = args.systems.split(",")
     for pct in [int(c) for c in args.caps.split(",")]:
         cap = model_bytes * pct // 100
-        budget = max(cap - fixed - allowance, one_expert)
+        budget = max(cap - fixed_read - allowance, one_expert)
         for system in systems:
             path = {"stock": bf16, "zipmoe": zipmoe, "raw": raw}[system]
             cmd = [sys.executable, "-c", PROBE, path, args.prompt_tokens, args.gen_tokens, args.threads,
@@ -140,14 +173,32 @@ def main() -> int:
             if "error" in probe:
                 print(f"{pct:>3}% {system:7s} FAILED: {probe['error'][-300:]}", flush=True)
                 continue
+            n_tok = probe["decode_tokens"]
+            row["decode_read_gbps"] = probe["decode_read_bytes"] / (probe["tpot_s"] * n_tok) / 1e9
             z = probe.get("zipmoe") or {}
+            extra = ""
+            if z:
+                # TPOT floor at the measured hit rate: max(compute, missed bytes / disk, decode work / threads)
+                io_s = z["bytes_read"] / n_tok / (bw["odirect_gbps"] * 1e9)
+                decode_s = (z["decode_ns"] + z["recover_ns"]) / 1e9 / n_tok / args.threads
+                row["floor_s"] = max(compute_s, io_s, decode_s)
+                row["floor_parts_s"] = {"compute": compute_s, "io": io_s, "decode": decode_s}
+                row["io_gbps"] = z["bytes_read"] / z["io_ns"] if z["io_ns"] else None
+                extra = (f"  hit {z['hit_rate'] or 0:.2f} slots {z['n_slots']}  floor {row['floor_s'] * 1e3:6.1f} ms "
+                         f"(x{probe['tpot_s'] / row['floor_s']:.2f})  read {(row['io_gbps'] or 0):.2f} GB/s")
             print(f"{pct:>3}% {system:7s} TTFT {probe['ttft_s']:7.2f} s  TPOT {probe['tpot_s'] * 1e3:8.1f} ms  "
-                  f"{probe['tok_per_s']:6.2f} tok/s  read {probe['read_bytes'] / 1e9:6.2f} GB  peak "
-                  f"{(capped.get('peak_bytes') or 0) / 1e9:5.2f} GB"
-                  + (f"  hit {z['hit_rate'] or 0:.2f} slots {z['n_slots']}" if z else ""), flush=True)
+                  f"{probe['tok_per_s']:6.2f} tok/s  decode read {probe['decode_read_bytes'] / n_tok / 1e6:7.1f} MB/tok "
+                  f"({row['decode_read_gbps']:.2f} GB/s)  peak {(capped.get('peak_bytes') or 0) / 1e9:5.2f} GB" + extra,
+                  flush=True)
+        by = {r["system"]: r for r in rows if r["cap_pct"] == pct and "tok_per_s" in r}
+        if "stock" in by and "zipmoe" in by:
+            print(f"{pct:>3}% ZipMoE / stock: {by['zipmoe']['tok_per_s'] / by['stock']['tok_per_s']:.2f}x"
+                  + (f"; compressed / raw: {by['zipmoe']['tok_per_s'] / by['raw']['tok_per_s']:.2f}x" if "raw" in by else ""),
+                  flush=True)
 
     result = {"bf16": str(bf16), "zipmoe": str(zipmoe), "raw": str(raw), "model_bytes": model_bytes,
-              "non_expert_bytes": fixed, "one_expert_bytes": one_expert, "odirect_gbps": bw["odirect_gbps"],
+              "non_expert_bytes": fixed, "non_expert_read_bytes": fixed_read, "one_expert_bytes": one_expert,
+              "odirect_gbps": bw["odirect_gbps"], "compute_tpot_s": compute_s, "warm": warm,
               "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
               "direct_io": args.direct_io, "runtime_allowance": allowance, "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "rows": rows,

@@ -3,13 +3,16 @@
 A synthetic ZipMoE GGUF with known experts; slots are numpy arrays. Checks what the runtime
 relies on: slots hold bit-exact experts, hits and LRU eviction, a pass never evicts what it
 needs, passes split the distinct experts in ascending order and the merge picks each row from
-its own pass, several threads fill the same slots as one, and a failure forgets the slots it
-was filling.
+its own pass, several threads fill the same slots as one, a fetch split into begin (reads start
+on the cache's I/O thread) and end (decoding) with work in between, a begin left without its end
+(a graph abort), the decoder cap, the activation counts for profiling, and a failure forgets the
+slots it was filling.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ KINDS = ("gate", "up", "down")
 
 
 class Cache:
-    def __init__(self, path, n_slots):
+    def __init__(self, path, n_slots, n_decoders=0):
         lib = self.lib = _lib.lib()
         err = ctypes.create_string_buffer(512)
         self.file = lib.ggml_zipmoe_file_open(str(path).encode(), 0, err, len(err))
@@ -34,7 +37,7 @@ class Cache:
             lib.ggml_zipmoe_file_tensor_shape(self.file, i, ne)
             self.shapes[lib.ggml_zipmoe_file_tensor_name(self.file, i).decode()] = list(ne)
         params = _lib.CacheParams()
-        params.file, params.n_slots = self.file, n_slots
+        params.file, params.n_slots, params.n_decoders = self.file, n_slots, n_decoders
         self.slots = []
         for k, kind in enumerate(KINDS):
             ne0, ne1, _ = self.shapes[f"blk.0.ffn_{kind}_exps.weight"]
@@ -63,6 +66,29 @@ class Cache:
         assert len(set(statuses)) == 1
         return statuses[0], out
 
+    def begin(self, layer, ids, pass_=0):
+        ids = np.ascontiguousarray(ids, np.int32)
+        out = np.full(ids.shape, -1, np.int32)
+        status = self.lib.ggml_zipmoe_cache_fetch_begin(self.handle, layer, pass_, ids.ctypes.data, ids.shape[1],
+                                                        ids.shape[0], ids.shape[1], out.ctypes.data)
+        return status, out
+
+    def end(self, nth=1):
+        """fetch_end from nth threads, the calling thread being thread 0 (as in a ggml graph)"""
+        statuses = [None] * nth
+
+        def work(ith):
+            statuses[ith] = self.lib.ggml_zipmoe_cache_fetch_end(self.handle, ith, nth)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(1, nth)]
+        for th in threads:
+            th.start()
+        work(0)
+        for th in threads:
+            th.join()
+        assert len(set(statuses)) == 1
+        return statuses[0]
+
     def stats(self):
         return _lib.cache_stats(self.handle)
 
@@ -80,8 +106,8 @@ def setup(tmp_path):
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
     caches = []
 
-    def make(n_slots):
-        caches.append(Cache(path, n_slots))
+    def make(n_slots, n_decoders=0):
+        caches.append(Cache(path, n_slots, n_decoders))
         return caches[-1]
 
     yield make, experts
@@ -165,6 +191,64 @@ def test_several_threads_fill_the_same_slots_as_one(setup):
     assert status == 0 and np.array_equal(slots_one, slots_three)
     assert_resident(three, experts, 0, ids, slots_three)
     assert three.stats()["bytes_read"] == one.stats()["bytes_read"] > 0
+
+
+def test_begin_starts_the_reads_and_end_decodes_them_into_the_slots(setup):
+    make, experts = setup
+    cache = make(6)
+    ids = [[0, 1, 2], [3, 4, 5]]
+    status, slots = cache.begin(0, ids)
+    assert status == 0 and sorted(set(slots.reshape(-1))) == list(range(6))
+    # the graph's other work runs here; the I/O thread reads meanwhile (more tasks than staging buffers)
+    deadline = time.monotonic() + 5
+    while cache.stats()["bytes_read"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert cache.stats()["bytes_read"] > 0  # read before end was called
+    assert cache.end(nth=2) == 0
+    assert_resident(cache, experts, 0, ids, slots)
+    # a second fetch of the same experts is all hits and reads nothing
+    read = cache.stats()["bytes_read"]
+    status, again = cache.begin(0, ids)
+    assert status == 0 and cache.end(nth=2) == 0 and np.array_equal(again, slots)
+    assert cache.stats()["bytes_read"] == read and cache.stats()["expert_hits"] == 6
+
+
+def test_a_begin_without_its_end_is_drained_by_the_next_begin(setup):
+    make, experts = setup
+    cache = make(2)
+    status, _ = cache.begin(0, [[0, 1]])  # the graph stops here (an abort callback)
+    assert status == 0
+    status, slots = cache.begin(0, [[2]])
+    assert status == 0 and cache.end() == 0
+    assert_resident(cache, experts, 0, [[2]], slots)
+    # the abandoned fetch's slots were never decoded: 0 and 1 must miss again, not hit garbage
+    misses = cache.stats()["expert_misses"]
+    status, slots = cache.fetch(0, [[0, 1]])
+    assert status == 0 and cache.stats()["expert_misses"] == misses + 2
+    assert_resident(cache, experts, 0, [[0, 1]], slots)
+
+
+def test_a_decoder_cap_below_the_graph_threads_fills_the_same_slots(setup):
+    make, experts = setup
+    ids = [[0, 1, 2, 3, 4, 5]]
+    capped = make(6, n_decoders=1)
+    status, slots = capped.fetch(0, ids, nth=3)
+    assert status == 0
+    assert_resident(capped, experts, 0, ids, slots)
+
+
+def test_activation_counts_give_each_experts_ubatches(setup):
+    make, _ = setup
+    cache = make(2)
+    for ids in ([[0, 1], [1, 2]], [[1, 5]], [[5, 0]]):
+        for p in range(cache.lib.ggml_zipmoe_cache_n_passes(cache.handle, 0, np.size(ids))):
+            assert cache.fetch(0, ids, pass_=p)[0] == 0
+    counts, n_ubatches = _lib.cache_activations(cache.handle, 0)
+    assert n_ubatches == 3 and counts == [2, 2, 1, 0, 0, 2]  # passes > 0 are not counted again
+    assert _lib.cache_activations(cache.handle, 1) == ([0] * 6, 0)
+    assert _lib.cache_activations(cache.handle, 9) is None
+    cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
+    assert _lib.cache_activations(cache.handle, 0) == ([0] * 6, 0)
 
 
 def test_out_of_range_ids_and_unserved_layers_are_errors(setup):

@@ -145,6 +145,20 @@ def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zip
         assert stats["fetch_calls"] > stats["expert_misses"] / top_k
 
 
+def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):
+    """zipmoe_threads caps the graph threads that decode; the I/O thread reads either way."""
+    path = zipmoe_gguf(arch)
+    one, _, _ = expert_geometry(path)
+    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    llm = load(path, zipmoe_budget=top_k * one, zipmoe_threads=1)
+    try:
+        got, got_tokens = logits_trace(llm, PROMPTS[:4])
+    finally:
+        llm.close()
+    want, want_tokens = reference(arch, 4)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+
+
 def test_fork_cli_with_warmup_matches_the_bf16_gguf_at_the_smallest_budget(arch, tiny_gguf, zipmoe_gguf):
     """llama-completion's warmup selects every expert of every layer: it must fit a top-k budget too."""
     path = zipmoe_gguf(arch)
@@ -186,11 +200,14 @@ def test_plain_bf16_gguf_has_no_expert_cache(tiny_gguf):
         llm.close()
 
 
-def test_bad_budgets_are_clear_errors(zipmoe_gguf):
+def test_bad_budgets_and_thread_counts_are_clear_errors(zipmoe_gguf):
     path = zipmoe_gguf("qwen2moe")
     for bad in ["lots", "-1G", 0, True, "1K"]:
         with pytest.raises(ZipMoEError, match="zipmoe_budget"):
             load(path, zipmoe_budget=bad)
+    for bad in [-1, 1.5, "2", True]:
+        with pytest.raises(ZipMoEError, match="zipmoe_threads"):
+            load(path, zipmoe_threads=bad)
 
 
 MEMORY_PROBE = """

@@ -32,7 +32,31 @@ class CacheStats(ctypes.Structure):
 
 class CacheParams(ctypes.Structure):
     _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
-                ("slot_stride", ctypes.c_size_t * 3)]
+                ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32)]
+
+
+# enum ggml_zipmoe_expert_state
+STATE_M, STATE_C, STATE_S, STATE_E, STATE_F = range(5)
+
+
+class SchedTask(ctypes.Structure):
+    _fields_ = [("expert", ctypes.c_int32), ("state", ctypes.c_int32), ("p", ctypes.c_double)]
+
+
+class SchedParams(ctypes.Structure):
+    _fields_ = [("u", ctypes.c_double), ("rho", ctypes.c_double), ("c", ctypes.c_double),
+                ("n_shards", ctypes.c_int32), ("n_threads", ctypes.c_int32)]
+
+
+class SchedOp(ctypes.Structure):
+    _fields_ = [("task", ctypes.c_int32), ("chunk", ctypes.c_int32)]
+
+
+class SchedResult(ctypes.Structure):
+    _fields_ = [("io", ctypes.POINTER(SchedOp)), ("dec", ctypes.POINTER(SchedOp)),
+                ("order", ctypes.POINTER(ctypes.c_int32)), ("block_start", ctypes.POINTER(ctypes.c_int32)),
+                ("task_block", ctypes.POINTER(ctypes.c_int32)), ("n_io", ctypes.c_int32), ("n_dec", ctypes.c_int32),
+                ("n_order", ctypes.c_int32), ("n_blocks", ctypes.c_int32)]
 
 
 _PROTOTYPES = {
@@ -86,6 +110,12 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_fetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_cache_fetch_begin": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
+    "ggml_zipmoe_cache_fetch_end": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_cache_get_activations": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int,
+                                                         ctypes.POINTER(ctypes.c_uint64),
+                                                         ctypes.POINTER(ctypes.c_uint64)]),
     "ggml_zipmoe_cache_merge_pass": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
@@ -94,6 +124,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_schedule": (ctypes.c_int, [ctypes.POINTER(SchedTask), ctypes.c_int32, ctypes.POINTER(SchedParams),
+                                            ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(SchedResult)]),
 }
 
 
@@ -145,3 +177,21 @@ def cache_stats(cache) -> dict:
     lookups = out["expert_hits"] + out["expert_misses"]
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
     return out
+
+
+def cache_activations(cache, layer: int) -> tuple[list[int], int] | None:
+    """(ubatches that chose each expert, ubatches run) of a served layer since the last stats reset;
+    None if the cache does not serve the layer."""
+    n_expert = lib().ggml_zipmoe_cache_n_expert(cache, layer)
+    if n_expert <= 0:
+        return None
+    counts = (ctypes.c_uint64 * n_expert)()
+    n_ubatches = ctypes.c_uint64()
+    if lib().ggml_zipmoe_cache_get_activations(cache, layer, counts, ctypes.byref(n_ubatches)) != OK:
+        return None
+    return list(counts), n_ubatches.value
+
+
+def sched_work_size(n_tasks: int, n_shards: int, n_threads: int) -> int:
+    """GGML_ZIPMOE_SCHED_WORK_SIZE: workspace bytes of ggml_zipmoe_schedule."""
+    return 8 * (n_tasks * n_shards + n_threads) + 4 * (3 * n_tasks * n_shards + 4 * n_tasks)

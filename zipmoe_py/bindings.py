@@ -93,13 +93,22 @@ def parse_size(value, what: str = "zipmoe_budget") -> int:
     return n
 
 
-def zipmoe_overrides(budget=None, direct_io: bool | None = None) -> dict:
+def parse_threads(value, what: str = "zipmoe_threads") -> int:
+    """A thread count: a positive int, or 0 for all of the graph's threads."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ZipMoEError(f"{what} must be a whole number of threads (0: all of the graph's threads); got {value!r}")
+    return value
+
+
+def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader."""
     out = {}
     if budget is not None:
         out["zipmoe.budget"] = parse_size(budget)
     if direct_io is not None:
         out["zipmoe.direct_io"] = bool(direct_io)
+    if threads is not None:
+        out["zipmoe.threads"] = parse_threads(threads)
     return out
 
 
@@ -127,20 +136,23 @@ class Llama(llama_cpp.Llama):
       zipmoe_budget:    bytes (or "4G", "512M") of expert cache; default: half the available memory,
                         at most every expert
       zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
+      zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
+                        all (0). Reads run on the cache's own I/O thread either way.
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
         check_model_file(model_path)
-        options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"))
+        options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
+                                   kwargs.get("zipmoe_threads"))
         if "zipmoe.budget" in options:
             _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
-                 **kwargs):
+                 zipmoe_threads: int | None = None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
-        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io))
+        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

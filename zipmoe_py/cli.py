@@ -104,7 +104,8 @@ def chat(args) -> int:
             print(f"zipmoe-chat: expert-cache budget {budget / 1024:.0f} KiB (a quarter of the demo's experts)",
                   file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None)
+                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None,
+                zipmoe_threads=args.zipmoe_threads)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "quarter of its experts)")
     ap.add_argument("--direct-io", action="store_true",
                     help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
+    ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
+                    help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
+                         "(default: all; reads run on the cache's own I/O thread)")
     ap.add_argument("--stats", action="store_true",
                     help="after each reply, print expert-cache statistics (hits, misses, bytes read, I/O, "
                          "decode and recover time), for the reply, per token and in total")
@@ -180,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.zipmoe_threads is not None and args.zipmoe_threads < 0:
+        ap.error(f"--zipmoe-threads must be >= 0, got {args.zipmoe_threads}")
     for name in ("threads", "ctx_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -224,6 +224,7 @@ struct ggml_zipmoe_cache_params {
     int32_t                         n_slots;        // experts resident at once (each: gate + up + down)
     void *                          slot_data[3];   // by kind: start of a [ne0, ne1, n_slots] BF16 tensor
     size_t                          slot_stride[3]; // by kind: bytes from one slot to the next (nb[2])
+    int32_t                         n_decoders;     // graph threads that decode in fetch_end (0: all of them)
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -234,7 +235,7 @@ struct ggml_zipmoe_cache_stats {
     uint64_t io_ns;          // time in reads (summed over threads)
     uint64_t decode_ns;      // time decoding E-chunks (summed over threads)
     uint64_t recover_ns;     // time recovering BF16 (summed over threads)
-    uint64_t fetch_ns;       // wall time inside fetch calls
+    uint64_t fetch_ns;       // wall time of thread 0 inside fetch begin and end (what the graph waits)
 };
 
 struct ggml_zipmoe_cache;
@@ -256,11 +257,25 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cach
 // passes a graph needs for a ubatch of n_ids expert selections in this layer
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * cache, int layer, int64_t n_ids);
 
-// the body of a ggml custom op, called by every thread (ith in [0, nth)) of the graph with the same
-// arguments: ids is [n_tokens][n_used] expert ids (row stride ids_stride elements); writes
-// [n_tokens][n_used] slot ids (contiguous) for pass `pass`: selections outside this pass get a
-// valid slot of the pass (their results are discarded by the merge). Blocks until the slots
-// are filled. Returns OK or the first failure; ggml_zipmoe_cache_error names it.
+// A fetch makes the experts a layer's router chose resident, in two steps so that the disk
+// reads overlap the graph's other work (the shared expert):
+// ggml_zipmoe_cache_fetch_begin (one thread): ids is [n_tokens][n_used] expert ids (row stride
+// ids_stride elements); writes [n_tokens][n_used] slot ids (contiguous) for pass `pass`:
+// selections outside this pass get a valid slot of the pass (their results are discarded by the
+// merge). Starts the cache's I/O thread on the missing chunks and returns. It takes the cache's
+// lock, which the matching ggml_zipmoe_cache_fetch_end releases: call both from the same thread,
+// in pairs (a begin not followed by its end, e.g. after a graph abort, is drained by that
+// thread's next begin).
+// ggml_zipmoe_cache_fetch_end: the body of a ggml custom op, called by every thread (ith in
+// [0, nth)) of the graph; the first n_decoders threads check, decode and recover the read chunks
+// into the slots. Returns when the slots are filled: OK or the first failure of the fetch,
+// which ggml_zipmoe_cache_error names.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * cache, int layer, int pass,
+                                                  const int32_t * ids, int64_t n_used, int64_t n_tokens,
+                                                  int64_t ids_stride, int32_t * slot_ids);
+GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * cache, int ith, int nth);
+
+// begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
                                             const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
                                             int32_t * slot_ids, int ith, int nth);
@@ -277,8 +292,108 @@ GGML_ZIPMOE_API void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_get_stats  (const struct ggml_zipmoe_cache * cache, struct ggml_zipmoe_cache_stats * stats);
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * cache);
 
+// profiling (zipmoe-profile): counts[e] = ubatches whose router chose expert e in this layer
+// (counts has ggml_zipmoe_cache_n_expert entries), n_ubatches = ubatches the layer ran; since
+// the cache was made or its statistics reset. Returns OK, or ERR_ARG for a layer not served.
+GGML_ZIPMOE_API int          ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * cache, int layer,
+                                                               uint64_t * counts, uint64_t * n_ubatches);
+
 // message of the last failure ("" if none)
 GGML_ZIPMOE_API const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * cache);
+
+//
+// cache-affinity scheduling of a layer's expert tensors (ZipMoE paper §3.3, Appendix A Algorithm 1)
+//
+// A task is one expert tensor to make ready. Its stored chunks are an SM-chunk, read in time u,
+// and K E-chunks, each read in rho*u/K (rho: compressed size of the exponent plane over its raw
+// size) and decompressed in time c, which includes the shard's share of BF16 recovery (the paper
+// runs recovery as a separate kernel; our workers recover right after decoding). The expert's
+// compression state says which chunks are cached:
+//
+//   M  nothing cached      reads the K E-chunks and the SM-chunk, K decompressions   Type-I
+//   E  E-chunks cached     reads the SM-chunk, K decompressions                      Type-I
+//   S  SM-chunk cached     reads the K E-chunks, K decompressions                    Type-II
+//   C  both cached         K decompressions                                          Type-II
+//   F  full tensor cached  nothing
+//
+// Execution model (the paper's, with one I/O thread and L decompression workers): the I/O thread
+// performs the schedule's reads back to back in order; a free worker starts the first
+// decompression of the schedule's list whose E-chunk is in memory (work-conserving, the
+// longest-free worker picks first); shard s needs only E-chunk s. A tensor is ready when its
+// SM-chunk is in memory and its K shards are decompressed, an expert when all its tensors are.
+// One execution stream runs the ready experts one at a time (p: time to run an expert on all its
+// tokens), earliest ready first, which is optimal for one stream; the makespan, which the
+// scheduler minimises, ends with the last expert execution.
+//
+// The schedule is a sequence of blocks. A block starts from the Type-I task of largest p left
+// (Type-II when none is left) and takes the remaining tasks in turn, Type-II before Type-I, each
+// by non-increasing p with an expert's tasks adjacent, each at the earliest position that adds no
+// idle worker time (else after the block's tasks of at least its p: Type-II ones, or Type-I ones
+// when there are none, or first) until the block is compute-dominant: with the schedule so far,
+// the l-th earliest worker finishes at least l*rho*u/K after the I/O thread, 1 <= l <= min(L, K),
+// so the next block's reads leave no worker waiting. A block reads its tasks' E-chunks before
+// their SM-chunks, each in task order; its decompressions follow the task order, shards in order.
+// Makespan <= (3 - 1/L) x optimal (the paper's Theorem 3.1).
+//
+
+enum ggml_zipmoe_expert_state {
+    GGML_ZIPMOE_STATE_M = 0, // missed: nothing cached
+    GGML_ZIPMOE_STATE_C = 1, // compressed expert: SM-chunk and E-chunks cached
+    GGML_ZIPMOE_STATE_S = 2, // SM-expert: SM-chunk cached
+    GGML_ZIPMOE_STATE_E = 3, // E-expert: E-chunks cached
+    GGML_ZIPMOE_STATE_F = 4, // full BF16 tensor cached
+};
+
+struct ggml_zipmoe_sched_task {
+    int32_t expert; // expert id: tasks of one expert share its execution
+    int32_t state;  // enum ggml_zipmoe_expert_state
+    double  p;      // the expert's execution time (the same for all its tasks)
+};
+
+struct ggml_zipmoe_sched_params {
+    double  u;         // read time of an SM-chunk
+    double  rho;       // exponent-plane compression ratio: an E-chunk reads in rho*u/K
+    double  c;         // decompression + recovery time of one shard
+    int32_t n_shards;  // K >= 1
+    int32_t n_threads; // L >= 1 decompression workers
+};
+
+// an operation on chunk `chunk` of task `task`, numbered as in ggml_zipmoe_file_chunk: 0 is the
+// SM-chunk, 1 + s is E-chunk s (a decompression names the E-chunk it decodes)
+struct ggml_zipmoe_sched_op {
+    int32_t task;
+    int32_t chunk;
+};
+
+struct ggml_zipmoe_sched_result {
+    // set by the caller: arrays for n_tasks tasks of K shards
+    struct ggml_zipmoe_sched_op * io;          // n_tasks*(K + 1): the I/O thread's reads, in order
+    struct ggml_zipmoe_sched_op * dec;         // n_tasks*K: the workers' decompressions, by priority
+    int32_t *                     order;       // n_tasks: the tasks, block after block, in priority order
+    int32_t *                     block_start; // n_tasks + 1: block b is order[block_start[b] .. block_start[b + 1])
+    int32_t *                     task_block;  // n_tasks: block of each task (-1 for state F)
+    // set by ggml_zipmoe_schedule
+    int32_t n_io;
+    int32_t n_dec;
+    int32_t n_order;                           // tasks not in state F
+    int32_t n_blocks;
+};
+
+// bytes of workspace ggml_zipmoe_schedule needs (aligned for double)
+#define GGML_ZIPMOE_SCHED_WORK_SIZE(n_tasks, n_shards, n_threads)                                  \
+    (sizeof(double)  * ((size_t) (n_tasks) * (size_t) (n_shards) + (size_t) (n_threads)) +        \
+     sizeof(int32_t) * (3 * (size_t) (n_tasks) * (size_t) (n_shards) + 4 * (size_t) (n_tasks)))
+
+// schedule n_tasks tasks (Algorithm 1); allocates nothing. Returns OK; ERR_ARG for a NULL pointer
+// (only params, result and result->block_start are needed when n_tasks == 0), n_tasks < 0, K < 1,
+// L < 1, n_tasks*(K + 1) > INT32_MAX, an unknown state, u, rho, c or p negative or not finite,
+// tasks of one expert with different p, or a misaligned workspace; ERR_CAPACITY when work_size <
+// GGML_ZIPMOE_SCHED_WORK_SIZE(n_tasks, K, L). Each placement is tried by simulating the schedule so
+// far: O(n_tasks^2) simulations of O(n_tasks*K*(L + log(n_tasks*K))) each in the worst case.
+GGML_ZIPMOE_API int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tasks,
+                                         const struct ggml_zipmoe_sched_params * params,
+                                         void * work, size_t work_size,
+                                         struct ggml_zipmoe_sched_result * result);
 
 #ifdef __cplusplus
 }

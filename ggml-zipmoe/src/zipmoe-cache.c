@@ -1,13 +1,14 @@
-// Expert cache: slots shared by all layers, filled on demand from a ZipMoE GGUF by the threads
-// of the ggml graph that asks for them (they would otherwise spin at ggml's barrier).
+// Expert cache: slots shared by all layers, filled on demand from a ZipMoE GGUF.
 //
-// One fetch call runs at a time per cache (the graph orders them: a layer's fetch depends on
-// the previous layer's output). Thread 0 plans under the cache's lock (hits, LRU victims among
-// slots this call does not need, slot ids). Then thread 0 is the I/O thread: it reads each
-// missing expert tensor's chunks (SM, then the K E-chunks) into a ring of staging buffers, in
-// task order, while the other threads take the filled buffers in the same order, check the
-// checksums, decode and recover into the slot; reading overlaps decoding. Once every read is
-// issued, thread 0 decodes too. With one thread, it reads and decodes in turn.
+// A fetch is split in two graph ops so that reading overlaps the graph's other work. Begin (one
+// graph thread) plans under the cache's lock: hits, LRU victims among slots the pass does not
+// need, slot ids, one task per missing expert tensor. It hands the tasks to the cache's own I/O
+// thread, which reads each task's chunks (SM, then the K E-chunks) into a ring of staging
+// buffers in task order, and returns. The graph goes on (the shared expert is computed between
+// the two ops) while the reads run. End (every graph thread) takes the filled buffers in task
+// order, checks the checksums, decodes and recovers into the slots, then waits for the I/O
+// thread and releases the lock. Graph threads decode because they would otherwise spin at
+// ggml's barrier; the I/O thread only reads, so it costs no core while it waits for the disk.
 
 #define _GNU_SOURCE // sched_yield on older libcs
 
@@ -30,7 +31,7 @@
 #endif
 
 #define ZIPMOE_MAX_THREADS 256
-#define ZIPMOE_N_STAGING   4   // expert tensors read ahead of the decoders
+#define ZIPMOE_N_STAGING   8   // expert tensors read ahead of the decoders (about 4 MB each for real experts)
 
 enum { STAGE_FREE = 0, STAGE_READY = 1 };
 
@@ -83,6 +84,25 @@ struct ggml_zipmoe_cache {
     int                  n_tasks;
     atomic_int           next_task;  // next task a decoder takes
     atomic_int           status;
+    int32_t              n_decoders; // graph threads that decode (0: all)
+
+    // the open fetch: begin took the lock, end releases it
+    int       fetch_open;
+    pthread_t fetch_owner;
+    uint64_t  fetch_t0;
+
+    // the I/O thread, made on the first miss; it reads job io_job's tasks, then sets io_done
+    pthread_t             io_thread;
+    int                   io_started;
+    int                   io_quit;
+    uint64_t              io_job;    // guarded by io_lock
+    atomic_uint_least64_t io_done;
+    pthread_mutex_t       io_lock;
+    pthread_cond_t        io_wake;
+
+    // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
+    atomic_uint_least64_t * activations;  // [n_layer * max_expert]
+    atomic_uint_least64_t * layer_ubatches; // [n_layer]
 
     struct zipmoe_staging staging[ZIPMOE_N_STAGING]; // memory made on the first miss
     size_t                sm_region;                 // bytes of the SM region of a staging buffer
@@ -93,7 +113,7 @@ struct ggml_zipmoe_cache {
     atomic_int           barrier_generation;
 
     struct zipmoe_worker workers[ZIPMOE_MAX_THREADS]; // by thread index
-    pthread_mutex_t      lock;
+    pthread_mutex_t      lock; // held from a fetch's begin to its end
     char                 error[1024];
 
     // statistics
@@ -132,10 +152,26 @@ static void set_error(char * err, size_t err_size, const char * msg) {
     }
 }
 
+static void abandon_open_fetch(struct ggml_zipmoe_cache * c);
+
 void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     if (c == NULL) {
         return;
     }
+    if (c->fetch_open) {
+        abandon_open_fetch(c);
+    }
+    if (c->io_started) {
+        pthread_mutex_lock(&c->io_lock);
+        c->io_quit = 1;
+        pthread_cond_signal(&c->io_wake);
+        pthread_mutex_unlock(&c->io_lock);
+        pthread_join(c->io_thread, NULL);
+    }
+    pthread_mutex_destroy(&c->io_lock);
+    pthread_cond_destroy(&c->io_wake);
+    free(c->activations);
+    free(c->layer_ubatches);
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
         ggml_zipmoe_decoder_free(c->workers[i].decoder);
         free(c->workers[i].shard);
@@ -170,8 +206,11 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         return NULL;
     }
     pthread_mutex_init(&c->lock, NULL);
-    c->file    = file;
-    c->n_slots = p->n_slots;
+    pthread_mutex_init(&c->io_lock, NULL);
+    pthread_cond_init(&c->io_wake, NULL);
+    c->file       = file;
+    c->n_slots    = p->n_slots;
+    c->n_decoders = p->n_decoders > 0 ? p->n_decoders : 0;
     for (int k = 0; k < 3; k++) {
         c->slot_data[k]   = (uint8_t *) p->slot_data[k];
         c->slot_stride[k] = p->slot_stride[k];
@@ -246,8 +285,11 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->seen          = (uint8_t *) calloc(n_exp, 1);
     c->pass_slot     = (int32_t *) malloc(n_exp * sizeof(int32_t));
     c->tasks         = (struct zipmoe_task *) malloc(3 * (size_t) c->n_slots * sizeof(struct zipmoe_task));
+    c->activations    = (atomic_uint_least64_t *) calloc(n_keys, sizeof(atomic_uint_least64_t));
+    c->layer_ubatches = (atomic_uint_least64_t *) calloc((size_t) (c->n_layer > 0 ? c->n_layer : 1),
+                                                         sizeof(atomic_uint_least64_t));
     if (!c->key_slot || !c->slot_key || !c->slot_last_use || !c->slot_pinned || !c->unique || !c->seen ||
-        !c->pass_slot || !c->tasks) {
+        !c->pass_slot || !c->tasks || !c->activations || !c->layer_ubatches) {
         set_error(err, err_size, "ggml_zipmoe_cache_new: out of memory");
         ggml_zipmoe_cache_free(c);
         return NULL;
@@ -316,6 +358,12 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     const int last  = first + c->n_slots < n_unique ? first + c->n_slots : n_unique;
     const uint64_t serial = ++c->call_serial;
     const int64_t base = (int64_t) layer * c->max_expert;
+    if (pass == 0) {
+        for (int i = 0; i < n_unique; i++) {
+            atomic_fetch_add(&c->activations[base + c->unique[i]], 1);
+        }
+        atomic_fetch_add(&c->layer_ubatches[layer], 1);
+    }
 
     for (int32_t e = 0; e < c->layer_n_expert[layer]; e++) {
         c->pass_slot[e] = -1;
@@ -399,12 +447,17 @@ static uint8_t * staged_chunk(const struct ggml_zipmoe_cache * c, const struct z
     return chunk == 0 ? s->mem : s->mem + c->sm_region + (size_t) (chunk - 1) * c->e_region;
 }
 
+// Waiting sleeps after a short spin: the I/O thread waits for decoders that may not run for a
+// while (the graph computes between a fetch's begin and end), and decoders wait for reads; a
+// spinning or yielding waiter would take a core from the thread it waits for (three threads
+// share two cores here)
 static void wait_until(atomic_int * value, int want) {
     for (unsigned spins = 0; atomic_load(value) != want; spins++) {
         if (spins < 1024) {
             ZIPMOE_PAUSE();
         } else {
-            sched_yield(); // a waiting thread must not take the core a reading/decoding thread needs
+            const struct timespec pause = { 0, 20000 };
+            nanosleep(&pause, NULL);
         }
     }
 }
@@ -501,19 +554,53 @@ static void decode_task(struct ggml_zipmoe_cache * c, int i, int ith) {
     atomic_store(&s->state, STAGE_FREE);
 }
 
-static void run_tasks(struct ggml_zipmoe_cache * c, int ith, int nth) {
-    if (ith == 0) {
-        if (nth == 1) {
-            for (int i = 0; i < c->n_tasks; i++) {
-                read_task(c, i);
-                decode_task(c, i, 0);
-            }
-            return;
+static void * io_thread_main(void * arg) {
+    struct ggml_zipmoe_cache * c = (struct ggml_zipmoe_cache *) arg;
+    uint64_t done = 0;
+    for (;;) {
+        pthread_mutex_lock(&c->io_lock);
+        while (!c->io_quit && c->io_job == done) {
+            pthread_cond_wait(&c->io_wake, &c->io_lock);
         }
+        const int      quit = c->io_quit;
+        const uint64_t job  = c->io_job;
+        pthread_mutex_unlock(&c->io_lock);
+        if (quit) {
+            return NULL;
+        }
+        // the task list is fixed until end has seen io_done reach this job
         for (int i = 0; i < c->n_tasks; i++) {
             read_task(c, i);
         }
+        done = job;
+        atomic_store(&c->io_done, done);
     }
+}
+
+static int ensure_io_thread(struct ggml_zipmoe_cache * c) {
+    if (c->io_started) {
+        return GGML_ZIPMOE_OK;
+    }
+    if (pthread_create(&c->io_thread, NULL, io_thread_main, c) != 0) {
+        snprintf(c->error, sizeof(c->error), "%s: cannot start the cache's I/O thread", c->file->path);
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    c->io_started = 1;
+    return GGML_ZIPMOE_OK;
+}
+
+// slots whose fill failed hold garbage: forget what they were meant to hold
+static void forget_tasks(struct ggml_zipmoe_cache * c) {
+    for (int i = 0; i < c->n_tasks; i++) {
+        const int32_t s = c->tasks[i].slot;
+        if (c->slot_key[s] >= 0) {
+            c->key_slot[c->slot_key[s]] = -1;
+            c->slot_key[s] = -1;
+        }
+    }
+}
+
+static void decode_tasks(struct ggml_zipmoe_cache * c, int ith) {
     // tasks are taken in order, so a decoder only ever waits for the read the I/O thread does next
     for (;;) {
         const int i = atomic_fetch_add(&c->next_task, 1);
@@ -524,56 +611,108 @@ static void run_tasks(struct ggml_zipmoe_cache * c, int ith, int nth) {
     }
 }
 
+// thread 0 of end, once every task is decoded: wait for the I/O thread, clean up, unlock
+static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
+    if (c->n_tasks > 0) {
+        const struct timespec pause = { 0, 20000 };
+        while (atomic_load(&c->io_done) != c->io_job) {
+            nanosleep(&pause, NULL);
+        }
+    }
+    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+        forget_tasks(c);
+    }
+    atomic_fetch_add(&c->fetch_calls, 1);
+    atomic_fetch_add(&c->fetch_ns, now_ns() - t_end);
+    c->fetch_open = 0;
+    pthread_mutex_unlock(&c->lock);
+}
+
+// a graph stopped between a fetch's begin and end (an abort callback): drain the I/O thread's
+// buffers without decoding and forget the slots they were for
+static void abandon_open_fetch(struct ggml_zipmoe_cache * c) {
+    int ok = GGML_ZIPMOE_OK;
+    atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG);
+    decode_tasks(c, 0);
+    finish_fetch(c, now_ns());
+}
+
+int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
+                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+    if (c == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (c->fetch_open && pthread_equal(c->fetch_owner, pthread_self())) {
+        abandon_open_fetch(c);
+    }
+    const uint64_t t0 = now_ns();
+    pthread_mutex_lock(&c->lock);
+    c->fetch_open  = 1;
+    c->fetch_owner = pthread_self();
+    c->n_tasks     = 0;
+    int status = GGML_ZIPMOE_ERR_ARG;
+    if (!ggml_zipmoe_cache_has_layer(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
+    } else {
+        c->error[0] = '\0';
+        status = plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+        if (status == GGML_ZIPMOE_OK && c->n_tasks > 0) {
+            status = ensure_staging(c);
+        }
+        if (status == GGML_ZIPMOE_OK && c->n_tasks > 0) {
+            status = ensure_io_thread(c);
+        }
+    }
+    if (status != GGML_ZIPMOE_OK) {
+        forget_tasks(c);
+        c->n_tasks = 0;
+    }
+    atomic_store(&c->status, status);
+    atomic_store(&c->next_task, 0);
+    if (c->n_tasks > 0) {
+        pthread_mutex_lock(&c->io_lock);
+        c->io_job++;
+        pthread_cond_signal(&c->io_wake);
+        pthread_mutex_unlock(&c->io_lock);
+    }
+    atomic_fetch_add(&c->fetch_ns, now_ns() - t0);
+    return status;
+}
+
+int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * c, int ith, int nth) {
+    if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    // begin ran before this op; nothing changes fetch_open until every thread is past the barrier
+    if (!c->fetch_open) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const uint64_t t0 = ith == 0 ? now_ns() : 0;
+    int n_decoders = c->n_decoders > 0 && c->n_decoders < nth ? c->n_decoders : nth;
+    n_decoders = n_decoders < ZIPMOE_MAX_THREADS ? n_decoders : ZIPMOE_MAX_THREADS;
+    if (ith < n_decoders) {
+        decode_tasks(c, ith);
+    }
+    barrier(c, nth);
+    const int status = atomic_load(&c->status);
+    if (ith == 0) {
+        finish_fetch(c, t0);
+    }
+    // the next fetch must not re-plan while another thread still reads this one's state
+    barrier(c, nth);
+    return status;
+}
+
 int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                             int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int ith, int nth) {
     if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
         return GGML_ZIPMOE_ERR_ARG;
     }
-    const int n_workers = nth < ZIPMOE_MAX_THREADS ? nth : ZIPMOE_MAX_THREADS;
-    uint64_t t0 = 0;
     if (ith == 0) {
-        t0 = now_ns();
-        pthread_mutex_lock(&c->lock);
-        c->n_tasks = 0;
-        int status = GGML_ZIPMOE_ERR_ARG;
-        if (!ggml_zipmoe_cache_has_layer(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
-            snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
-        } else {
-            c->error[0] = '\0';
-            status = plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
-            if (status == GGML_ZIPMOE_OK && c->n_tasks > 0) {
-                status = ensure_staging(c);
-            }
-        }
-        // after a failure the planned tasks still run (reads and decodes are skipped), so that the
-        // slots they were given are forgotten below
-        atomic_store(&c->status, status);
-        atomic_store(&c->next_task, 0);
+        ggml_zipmoe_cache_fetch_begin(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
     }
     barrier(c, nth);
-    if (ith < n_workers) {
-        run_tasks(c, ith, n_workers);
-    }
-    barrier(c, nth);
-    const int status = atomic_load(&c->status);
-    if (ith == 0) {
-        if (status != GGML_ZIPMOE_OK) {
-            // slots whose fill failed hold garbage: forget what they were meant to hold
-            for (int i = 0; i < c->n_tasks; i++) {
-                const int32_t s = c->tasks[i].slot;
-                if (c->slot_key[s] >= 0) {
-                    c->key_slot[c->slot_key[s]] = -1;
-                    c->slot_key[s] = -1;
-                }
-            }
-        }
-        atomic_fetch_add(&c->fetch_calls, 1);
-        atomic_fetch_add(&c->fetch_ns, now_ns() - t0);
-        pthread_mutex_unlock(&c->lock);
-    }
-    // the next call's thread 0 must not re-plan while another thread still reads this status
-    barrier(c, nth);
-    return status;
+    return ggml_zipmoe_cache_fetch_end(c, ith, nth);
 }
 
 void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
@@ -631,7 +770,27 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->fetch_ns      = atomic_load(&c->fetch_ns);
 }
 
+int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int layer, uint64_t * counts,
+                                      uint64_t * n_ubatches) {
+    if (!ggml_zipmoe_cache_has_layer(c, layer) || counts == NULL || n_ubatches == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const int64_t base = (int64_t) layer * c->max_expert;
+    for (int32_t e = 0; e < c->layer_n_expert[layer]; e++) {
+        counts[e] = atomic_load(&c->activations[base + e]);
+    }
+    *n_ubatches = atomic_load(&c->layer_ubatches[layer]);
+    return GGML_ZIPMOE_OK;
+}
+
 void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
+    const size_t n_keys = (size_t) (c->n_layer > 0 ? c->n_layer : 1) * (size_t) (c->max_expert > 0 ? c->max_expert : 1);
+    for (size_t i = 0; i < n_keys; i++) {
+        atomic_store(&c->activations[i], 0);
+    }
+    for (int l = 0; l < (c->n_layer > 0 ? c->n_layer : 1); l++) {
+        atomic_store(&c->layer_ubatches[l], 0);
+    }
     atomic_store(&c->fetch_calls, 0);
     atomic_store(&c->hits, 0);
     atomic_store(&c->misses, 0);

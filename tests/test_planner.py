@@ -1,0 +1,413 @@
+"""The cache planner (zipmoe_py/planner.py) against brute force: the IPF against the
+maximum-entropy distribution over k-sets, Algorithm 2 against enumeration, Algorithm 3 by hand,
+Algorithm 4's vectorised sum against its literal loops and an exhaustive grid search, and the CLI."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from zipmoe_py import planner
+from zipmoe_py.planner import Costs
+
+TWO_KB_EXPERT = {"F": 2000, "C": 1300, "S": 1000, "E": 300}  # C = S + E, E compressed to 0.6 of the exponents
+
+
+def random_marginals(rng: np.random.Generator, n: int, k: int, concentration: float, cap: float = 0.97) -> np.ndarray:
+    """Inclusion probabilities summing to k, each below cap: a Dirichlet draw (small concentration:
+    skewed, large: flat) scaled to k with the excess over cap spread over the others."""
+    f = rng.dirichlet(np.full(n, concentration)) * k
+    for _ in range(200):
+        f = np.minimum(f, cap)
+        f *= k / f.sum()
+        if f.max() <= cap:
+            break
+    assert abs(f.sum() - k) < 1e-12 and f.max() < 1
+    return f
+
+
+def k_subsets(n: int, k: int) -> np.ndarray:
+    """All k-subsets of range(n) as 0/1 rows."""
+    rows = []
+    for subset in itertools.combinations(range(n), k):
+        row = np.zeros(n)
+        row[list(subset)] = 1
+        rows.append(row)
+    return np.array(rows)
+
+
+def max_entropy_distribution(f: np.ndarray, k: int) -> np.ndarray:
+    """The maximum-entropy distribution over explicit k-subsets with marginals f, by damped Newton
+    on the convex dual log sum_S exp(lambda . 1_S) - lambda . f (independent of the IPF)."""
+    subsets = k_subsets(f.size, k)
+    lam = np.zeros(f.size)
+
+    def dual(lam):
+        scores = subsets @ lam
+        top = scores.max()
+        return top + math.log(np.exp(scores - top).sum()) - lam @ f
+
+    for _ in range(200):
+        scores = subsets @ lam
+        p = np.exp(scores - scores.max())
+        p /= p.sum()
+        marginals = subsets.T @ p
+        gradient = marginals - f
+        if np.abs(gradient).max() < 1e-14:
+            break
+        hessian = subsets.T @ (subsets * p[:, None]) - np.outer(marginals, marginals)
+        # the dual is flat along lambda + t*1 (every subset has k members): least-squares step
+        step = np.linalg.lstsq(hessian, -gradient, rcond=None)[0]
+        size, value = 1.0, dual(lam)
+        while dual(lam + size * step) > value + 1e-4 * size * (gradient @ step) and size > 1e-10:
+            size /= 2
+        lam = lam + size * step
+    return p
+
+
+def conditional_bernoulli(q: np.ndarray, k: int) -> np.ndarray:
+    """P(S) proportional to prod_{i in S} q_i/(1-q_i) over explicit k-subsets."""
+    subsets = k_subsets(q.size, k)
+    weights = np.prod(np.where(subsets == 1, q / (1 - q), 1.0), axis=1)
+    return weights / weights.sum()
+
+
+# ----------------------------------------------------------------------------------------------- IPF
+
+@pytest.mark.parametrize("n, k, concentration", [
+    (8, 2, 0.3), (16, 3, 5.0), (32, 4, 0.2), (64, 6, 0.5), (64, 6, 50.0), (64, 8, 0.3), (48, 8, 1.0), (64, 1, 0.5)])
+def test_ipf_reproduces_inclusion_probabilities(n, k, concentration):
+    rng = np.random.default_rng(n * 100 + k)
+    f = random_marginals(rng, n, k, concentration, cap=0.95)
+    fit = planner.ipf(f, k, tol=1e-11)
+    q = fit.selection_probabilities
+    assert np.abs(planner.conditional_inclusion_probabilities(q, k) - f).max() < 1e-9
+    assert fit.max_error < 1e-9 and fit.iterations < 2000
+    assert abs(q.sum() - k) < 1e-9  # the normalization of the scale
+    np.testing.assert_allclose(fit.weights, q / (1 - q))
+
+
+def test_ipf_inclusion_probabilities_match_subset_enumeration():
+    """The DP behind f^(t) (eq. 24) against sum over subsets containing i of P(S)."""
+    rng = np.random.default_rng(1)
+    f = random_marginals(rng, 9, 4, 0.5)
+    q = planner.ipf(f, 4).selection_probabilities
+    subsets = k_subsets(9, 4)
+    np.testing.assert_allclose(subsets.T @ conditional_bernoulli(q, 4), f, atol=1e-12)
+
+
+@pytest.mark.parametrize("n, k, seed", [(5, 2, 0), (6, 3, 1), (7, 2, 2), (8, 3, 3), (8, 1, 4), (8, 3, 5)])
+def test_ipf_gives_the_maximum_entropy_distribution(n, k, seed):
+    """Theorem D.1: the conditional Bernoulli distribution of the fitted q is the maximum-entropy
+    distribution over k-subsets with marginals f."""
+    f = random_marginals(np.random.default_rng(seed), n, k, 0.7 if seed % 2 else 3.0, cap=0.9)
+    q = planner.ipf(f, k, tol=1e-13).selection_probabilities
+    np.testing.assert_allclose(conditional_bernoulli(q, k), max_entropy_distribution(f, k), rtol=0, atol=1e-8)
+
+
+def test_ipf_handles_certain_and_impossible_experts():
+    f = np.array([1.0, 0.0, 0.6, 0.5, 0.4, 0.5, 0.0])
+    fit = planner.ipf(f, 3)
+    q = fit.selection_probabilities
+    assert q[0] == 1.0 and q[1] == 0.0 and q[6] == 0.0
+    assert math.isinf(fit.weights[0]) and fit.weights[1] == 0.0
+    # the conditional distribution over 3-subsets, enumerated with q = 1 and q = 0 entries
+    subsets = k_subsets(7, 3)
+    probs = np.prod(np.where(subsets == 1, q, 1 - q), axis=1)
+    np.testing.assert_allclose(subsets.T @ (probs / probs.sum()), f, atol=1e-10)
+    assert planner.ipf([1.0, 1.0, 0.0], 2).iterations == 0
+
+
+@pytest.mark.parametrize("f, k, message", [
+    ([0.5, 0.5, 0.5], 2, "sum to 1.5"),
+    ([1.2, 0.4, 0.4], 2, r"\[0, 1\]"),
+    ([-0.1, 1.0, 1.1], 2, r"\[0, 1\]"),
+    ([0.5, 0.5], 3, "cannot be selected"),
+    ([1.0, 0.5, 0.5], 1, "sum to 2"),
+    ([1.0, 1.0, 0.0, 0.0], 3, "sum to 2"),
+])
+def test_ipf_rejects_infeasible_marginals(f, k, message):
+    with pytest.raises(ValueError, match=message):
+        planner.ipf(f, k)
+
+
+# ---------------------------------------------------------------------------------------- Algorithm 2
+
+@pytest.mark.parametrize("n", [0, 1, 5, 12])
+def test_hit_distribution_equals_enumeration(n):
+    q = np.random.default_rng(n).uniform(0, 1, n)
+    expected = np.zeros(n + 1)
+    for outcome in itertools.product((0, 1), repeat=n):
+        bits = np.array(outcome, dtype=bool)
+        expected[bits.sum()] += np.prod(np.where(bits, q, 1 - q))
+    np.testing.assert_allclose(planner.hit_distribution(q), expected, rtol=0, atol=1e-15)
+
+
+def test_interval_hit_table_runs_algorithm_2_on_every_interval():
+    q = np.random.default_rng(3).uniform(0, 1, 9)
+    table = planner.interval_hit_table(q, 3)
+    for start in range(10):
+        for stop in range(start, 10):
+            expected = np.zeros(4)
+            full = planner.hit_distribution(q[start:stop])
+            expected[:min(4, full.size)] = full[:4]
+            np.testing.assert_allclose(table[start, stop], expected, atol=1e-15)
+
+
+def test_conditional_hit_pattern_probability_equals_subset_enumeration():
+    """Phi_M(k_rem) / Phi_N(k) * prod_p Phi_p(h_p) is the probability under P(S) of the hit pattern."""
+    n, k = 8, 3
+    f = random_marginals(np.random.default_rng(7), n, k, 0.6, cap=0.9)
+    q = planner.ipf(f, k).selection_probabilities
+    subsets, probs = k_subsets(n, k), conditional_bernoulli(q, k)
+    bounds = {"F": (0, 2), "C": (2, 3), "S": (3, 5), "E": (5, 6), "M": (6, 8)}
+    phi = {p: planner.hit_distribution(q[a:b]) for p, (a, b) in bounds.items()}
+    phi_n = planner.hit_distribution(q)
+    total = 0.0
+    for pattern in itertools.product(*(range(b - a + 1) for p, (a, b) in bounds.items() if p != "M")):
+        k_rem = k - sum(pattern)
+        if not 0 <= k_rem <= 2:
+            continue
+        formula = phi["M"][k_rem] / phi_n[k] * math.prod(phi[p][h] for p, h in zip(planner.POOLS, pattern))
+        counts = np.stack([subsets[:, a:b].sum(axis=1) for p, (a, b) in bounds.items() if p != "M"], axis=1)
+        enumerated = probs[(counts == pattern).all(axis=1)].sum()
+        assert formula == pytest.approx(enumerated, abs=1e-14)
+        total += formula
+    assert total == pytest.approx(1.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------- Algorithm 3
+
+def test_makespan_io_bound_by_hand():
+    # n_SM = 3 (6 - 3) = 9, n_E = 3*5 (6 - 3) = 45: T_io = 9*2 + 45*0.1 = 22.5
+    # n_D = 15 (6 - 1) = 75: T_decomp = (4.5 + 75*0.5) / 4 = 10.5
+    hits = {"F": 1, "C": 1, "S": 1, "E": 1}
+    assert planner.estimate_makespan(6, hits, 0.5, 0.1, 2.0, 4, 5, 3) == pytest.approx(22.5)
+    assert planner.estimate_makespan(6, (1, 1, 1, 1), 0.5, 0.1, 2.0, 4, 5, 3) == pytest.approx(22.5)
+
+
+def test_makespan_decompression_bound_by_hand():
+    # k=4, h_C=2, h_E=1: n_SM = 2 (4 - 2) = 4, n_E = 2*3 (4 - 3) = 6: T_io = 4*1 + 6*1 = 10
+    # n_D = 6 * 4 = 24: T_decomp = (6*1 + 24*2) / 2 = 27
+    assert planner.estimate_makespan(4, {"C": 2, "E": 1}, 2.0, 1.0, 1.0, 2, 3, 2) == pytest.approx(27.0)
+    assert planner.estimate_makespan(4, {"F": 4}, 2.0, 1.0, 1.0, 2, 3, 2) == 0.0
+    # all misses: T_io = 2*4*1 + 24*1 = 32, T_decomp = (24 + 48) / 2 = 36
+    assert planner.estimate_makespan(4, {}, 2.0, 1.0, 1.0, 2, 3, 2) == pytest.approx(36.0)
+
+
+def test_makespan_rejects_impossible_patterns():
+    with pytest.raises(ValueError, match="not possible"):
+        planner.estimate_makespan(2, (1, 1, 1, 0), 1, 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="unknown cache pools"):
+        planner.estimate_makespan(2, {"X": 1}, 1, 1, 1, 1, 1, 1)
+
+
+# ---------------------------------------------------------------------------------------- Algorithm 4
+
+@pytest.mark.parametrize("capacities", [
+    {"F": 2, "C": 3, "S": 1, "E": 4}, {"F": 0, "C": 0, "S": 0, "E": 0}, {"F": 16}, {"C": 5, "E": 11},
+    {"F": 1, "S": 7}, {"F": 3, "C": 3, "S": 3, "E": 3}])
+def test_vectorised_expected_makespan_equals_nested_loops(capacities):
+    n, k = 16, 4
+    q = planner.ipf(random_marginals(np.random.default_rng(11), n, k, 0.4), k).selection_probabilities
+    costs = Costs(u_s=2e-3, v_s=1.3e-4, c_s=3.6e-4)
+    patterns = planner.hit_patterns(k, costs, 3, 5, 3)
+    assert len(patterns.makespan) == math.comb(k + 4, 4)  # 4-tuples with sum <= k
+    fast = planner.expected_makespan(planner.interval_hit_table(q, k), capacities, patterns)
+    literal = planner.expected_makespan_nested(q, capacities, k, costs, 3, 5, 3)
+    assert fast == pytest.approx(literal, rel=1e-12)
+
+
+def plan_kwargs(**overrides) -> dict:
+    kwargs = dict(k=2, budget_bytes=4 * 2000 * 3, expert_bytes=TWO_KB_EXPERT, pools="FCSE",
+                  costs=Costs(u_s=1e-3, v_s=1e-4, c_s=1e-4), threads=4, n_shards=5, n_tensors_per_expert=3,
+                  n_layer_moe=3, grid=0.25)
+    kwargs.update(overrides)
+    return kwargs
+
+
+F8 = random_marginals(np.random.default_rng(5), 8, 2, 0.5, cap=0.9)
+
+
+def test_plan_with_one_pool_gives_it_all_memory():
+    result = planner.plan(F8, **plan_kwargs(pools=["F"], budget_bytes=10 * 2000 * 3 + 100))
+    assert result.ratios == {"F": 1.0}
+    assert result.capacities == {"F": 8}  # 10 fit, capped at the 8 experts of a layer
+    assert result.thresholds == {"F": 8}
+    result = planner.plan(F8, **plan_kwargs(pools=["F"], budget_bytes=5 * 2000 * 3 - 1, delta=2))
+    assert result.capacities == {"F": 4} and result.thresholds == {"F": 6} and result.delta == 2
+
+
+@pytest.mark.parametrize("pools", ["FCSE", "FC", "CSE", "SE"])
+@pytest.mark.parametrize("budget_experts", [1, 3, 6])
+def test_plan_ratios_sum_to_one_within_budget(pools, budget_experts):
+    budget = budget_experts * 2000 * 3
+    result = planner.plan(F8, **plan_kwargs(pools=pools, budget_bytes=budget))
+    assert result.pools == tuple(pools)
+    assert sum(result.ratios.values()) == pytest.approx(1.0)
+    assert sum(result.memory_bytes.values()) <= budget
+    assert sum(result.capacities.values()) <= 8
+    for pool in pools:
+        assert result.capacities[pool] * TWO_KB_EXPERT[pool] * 3 <= result.ratios[pool] * budget
+        assert result.memory_bytes[pool] == result.capacities[pool] * TWO_KB_EXPERT[pool] * 3
+    assert list(result.thresholds.values()) == list(itertools.accumulate(result.capacities[p] for p in pools))
+
+
+def test_plan_is_the_minimum_over_the_grid():
+    """Algorithm 4 against an exhaustive search with the literal nested loops."""
+    kwargs = plan_kwargs(budget_bytes=3 * 2000 * 3)
+    result = planner.plan(F8, **kwargs)
+    q = planner.ipf(F8, 2).selection_probabilities
+    best = math.inf
+    for shares in itertools.product(range(5), repeat=4):
+        if sum(shares) != 4:
+            continue
+        capacities, free = {}, 8
+        for pool, share in zip(planner.POOLS, shares):
+            capacities[pool] = min(int(share / 4 * kwargs["budget_bytes"] // (TWO_KB_EXPERT[pool] * 3)), free)
+            free -= capacities[pool]
+        best = min(best, planner.expected_makespan_nested(q, capacities, 2, kwargs["costs"], 4, 5, 3))
+    assert result.expected_makespan_s == pytest.approx(best, rel=1e-12)
+    assert result.expected_makespan_s == pytest.approx(
+        planner.expected_makespan_nested(q, result.capacities, 2, kwargs["costs"], 4, 5, 3), rel=1e-12)
+
+
+def test_slow_disk_prefers_compressed_experts():
+    """Reads dominate and decompression is cheap: caching 1.5 compressed experts per full one wins."""
+    costs = Costs(u_s=10e-3, v_s=2e-3, c_s=1e-5)
+    result = planner.plan(F8, **plan_kwargs(pools="FC", costs=costs, threads=8, budget_bytes=4 * 2000 * 3))
+    assert result.ratios == {"F": 0.0, "C": 1.0} and result.capacities == {"F": 0, "C": 6}
+
+
+def test_fast_disk_slow_decompression_prefers_full_experts():
+    """Decompressing costs more than reading: only full experts help."""
+    costs = Costs(u_s=1e-5, v_s=1e-6, c_s=5e-3)
+    result = planner.plan(F8, **plan_kwargs(pools="FCSE", costs=costs, threads=1, budget_bytes=4 * 2000 * 3))
+    assert result.ratios == {"F": 1.0, "C": 0.0, "S": 0.0, "E": 0.0} and result.capacities["F"] == 4
+
+
+def test_plan_is_fast_for_64_experts():
+    import time
+
+    f = random_marginals(np.random.default_rng(64), 64, 6, 0.5)
+    started = time.perf_counter()
+    expert = {"F": 3 * 2048 * 1408 * 2, "S": 3 * 2048 * 1408, "E": int(3 * 2048 * 1408 * 0.32)}
+    expert["C"] = expert["S"] + expert["E"]
+    result = planner.plan(f, 6, 4 << 30, expert, "FCSE", planner.default_costs(expert, 3, 5), 8, 5, 3, 26,
+                          grid=0.05)
+    assert time.perf_counter() - started < 5
+    assert sum(result.memory_bytes.values()) <= 4 << 30
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="grid step"):
+        planner.plan(F8, **plan_kwargs(grid=0.3))
+    with pytest.raises(ValueError, match="pools"):
+        planner.plan(F8, **plan_kwargs(pools="FX"))
+
+
+def test_round_to_subset_size():
+    f, k = planner.round_to_subset_size([0.98, 0.5, 0.4, 0.35, 0.3, 0.1])  # sums to 2.63
+    assert k == 3 and f.sum() == pytest.approx(3.0)
+    # 0.98 * 3/2.63 > 1: capped, the others share the remaining 2 in proportion
+    np.testing.assert_allclose(f, [1.0, *(2 / 1.65 * np.array([0.5, 0.4, 0.35, 0.3, 0.1]))])
+    f, k = planner.round_to_subset_size([0.9, 0.8, 0.6, 0.5])  # sums to 2.8: scaled up, none capped
+    assert k == 3 and np.allclose(f, np.array([0.9, 0.8, 0.6, 0.5]) * 3 / 2.8)
+
+
+def test_rank_inclusion_probabilities_sorts_per_layer_and_averages():
+    counts = [[0, 10, 4, 6], [8, 2, 10, 0]]
+    np.testing.assert_allclose(planner.rank_inclusion_probabilities(counts, 10), [1.0, 0.7, 0.3, 0.0])
+
+
+# ------------------------------------------------------------------------------------------------- files and CLI
+
+def write_profile(path, **overrides):
+    rng = np.random.default_rng(0)
+    counts = []
+    for _layer in range(2):  # 40 single-token ubatches, each selecting 2 of 8 experts
+        row = np.zeros(8, dtype=int)
+        for _ in range(40):
+            row[rng.choice(8, size=2, replace=False, p=np.arange(8, 0, -1) / 36)] += 1
+        counts.append(row.tolist())
+    doc = {"format": "zipmoe-profile", "version": 1, "model": "tiny", "n_layer_moe": 2, "n_expert": 8,
+           "n_expert_used": 2, "expert_bytes": TWO_KB_EXPERT, "n_tensors_per_expert": 3, "n_shards": 5,
+           "batches": {"1": {"n_ubatches": 40, "counts": counts},
+                       "4": {"n_ubatches": 10, "counts": [[10, 9, 8, 6, 5, 3, 2, 1], [9, 9, 9, 6, 4, 4, 2, 1]]}}}
+    doc.update(overrides)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_cli_writes_a_loadable_plan(tmp_path, capsys):
+    profile = write_profile(tmp_path / "profile.json")
+    out = tmp_path / "plan.json"
+    assert planner.main([str(profile), "--budget", "30K", "--grid", "0.25", "--threads", "2", "-o", str(out)]) == 0
+    result, meta = planner.load_plan(out)
+    assert result.pools == planner.POOLS and result.k == 2 and result.budget_bytes == 30 * 1024
+    assert sum(result.memory_bytes.values()) <= 30 * 1024 and meta["threads"] == 2
+    assert meta["costs"]["source"] == "default" and len(meta["inclusion_probabilities"]) == 8
+    assert "expected makespan" in capsys.readouterr().out
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"format": "zipmoe-costs", "version": 1, "u_s": 0.01, "v_s": 0.002, "c_s": 1e-5,
+                                 "threads": 8}))
+    assert planner.main([str(profile), "--budget", "24000", "--pools", "C,F", "--costs", str(costs),
+                         "--batch-size", "4", "--grid", "0.5", "--delta", "1", "-o", str(out)]) == 0
+    result, meta = planner.load_plan(out)
+    assert result.pools == ("F", "C") and meta["batch_size"] == 4 and meta["threads"] == 8
+    assert result.thresholds["C"] == result.capacities["F"] + result.capacities["C"] + 1
+
+
+@pytest.mark.parametrize("args, overrides, needle", [
+    (["--budget", "lots"], {}, "--budget"),
+    (["--budget", "1M", "--pools", "F,Q"], {}, "pools"),
+    (["--budget", "1M", "--batch-size", "2"], {}, "no batch size 2"),
+    (["--budget", "1M"], {"n_expert": "8"}, "'n_expert'"),
+    (["--budget", "1M"], {"expert_bytes": {"F": 1, "C": 1, "S": 1}}, "'expert_bytes'"),
+    (["--budget", "1M"], {"format": "zipmoe-plan"}, "'format'"),
+    (["--budget", "1M"], {"batches": {"1": {"n_ubatches": 40, "counts": [[1] * 8]}}}, "'batches.1.counts'"),
+    (["--budget", "1M"], {"n_expert_used": 3}, "'batches.1.counts'"),
+])
+def test_cli_errors_name_the_culprit(tmp_path, capsys, args, overrides, needle):
+    profile = write_profile(tmp_path / "profile.json", **overrides)
+    assert planner.main([str(profile), *args, "-o", str(tmp_path / "plan.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zipmoe-plan: error: ") and needle in err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_cli_missing_or_broken_files(tmp_path, capsys):
+    out = str(tmp_path / "plan.json")
+    assert planner.main([str(tmp_path / "nope.json"), "--budget", "1M", "-o", out]) == 1
+    err = capsys.readouterr().err
+    assert "profile file not found" in err and "nope.json" in err
+    profile = write_profile(tmp_path / "profile.json")
+    (tmp_path / "costs.json").write_text('{"format": "zipmoe-costs", "version": 1, "u_s": 1}')
+    assert planner.main([str(profile), "--budget", "1M", "--costs", str(tmp_path / "costs.json"), "-o", out]) == 1
+    err = capsys.readouterr().err
+    assert "costs.json" in err and "'v_s'" in err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert planner.main([str(tmp_path / "bad.json"), "--budget", "1M", "-o", out]) == 1
+    assert "bad.json" in capsys.readouterr().err
+
+
+def test_load_plan_validates_fields(tmp_path):
+    result = planner.plan(F8, **plan_kwargs())
+    path = tmp_path / "plan.json"
+    planner.save_plan(path, result, {"model": "tiny"})
+    loaded, meta = planner.load_plan(path)
+    assert loaded == result and meta == {"model": "tiny"}
+    saved = path.read_text()
+    for change, message in [(lambda d: d["thresholds"].update(F=d["thresholds"]["F"] + 1), "field 'thresholds.F'"),
+                            (lambda d: d.pop("selection_probabilities"), "'selection_probabilities' is missing"),
+                            (lambda d: d["ratios"].update(F=0.9), "field 'ratios' must sum to 1"),
+                            (lambda d: d.update(version=2), "field 'version'")]:
+        doc = json.loads(saved)
+        change(doc)
+        path.write_text(json.dumps(doc))
+        with pytest.raises(planner.ZipMoEError, match=r"plan\.json: .*" + message):
+            planner.load_plan(path)
