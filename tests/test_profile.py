@@ -1,0 +1,67 @@
+"""zipmoe-profile on a tiny ZipMoE model, and zipmoe-plan on what it writes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zipmoe_py import format as zformat
+from zipmoe_py import planner, profile
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts models route each token",
+           "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time", "SELECT * FROM"]
+
+
+@pytest.fixture(scope="module")
+def zipmoe_qwen(tiny_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "qwen2moe.zipmoe.gguf"
+    zformat.repack(tiny_gguf("qwen2moe"), out)
+    return out
+
+
+def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n\n")
+    out = tmp_path / "profile.json"
+    assert profile.main([str(zipmoe_qwen), "--prompts", str(prompts), "--batch-sizes", "1,3", "-n", "5", "-t", "2",
+                         "-o", str(out), "-q"]) == 0
+    doc = planner.load_profile(out)  # the planner's own validation
+    k, n_expert = doc["n_expert_used"], doc["n_expert"]
+    assert (k, n_expert, doc["n_tensors_per_expert"]) == (4, 16, 3)
+    one = doc["batches"]["1"]
+    assert one["n_ubatches"] == len(PROMPTS) * 5  # one ubatch per decode step, prefills not counted
+    counts = np.array(one["counts"])
+    assert counts.shape == (doc["n_layer_moe"], n_expert)
+    # batch 1: every ubatch chooses exactly k distinct experts in every layer
+    assert (counts.sum(axis=1) == k * one["n_ubatches"]).all()
+    three = doc["batches"]["3"]
+    assert three["n_ubatches"] == 2 * 5
+    per_layer = np.array(three["counts"]).sum(axis=1)
+    assert ((per_layer >= k * three["n_ubatches"]) & (per_layer <= 3 * k * three["n_ubatches"])).all()
+    f = np.array(one["f"])
+    assert np.all(np.diff(f) <= 0) and f.sum() == pytest.approx(k)
+    # the state sizes come from the file: SM is half of BF16, compressed E is smaller than the other half
+    b = doc["expert_bytes"]
+    assert b["S"] * 2 == b["F"] and 0 < b["E"] < b["S"] and b["C"] == b["S"] + b["E"]
+
+    plan = tmp_path / "plan.json"
+    assert planner.main([str(out), "--budget", str(4 * b["F"] * doc["n_layer_moe"]), "--pools", "F,C",
+                         "-o", str(plan)]) == 0
+    result, meta = planner.load_plan(plan)
+    assert sum(result.ratios.values()) == pytest.approx(1.0)
+    assert json.loads(plan.read_text())["format"] == "zipmoe-plan"
+
+
+def test_profile_errors_name_what_is_wrong(zipmoe_qwen, tiny_gguf, tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    assert profile.main([str(zipmoe_qwen), "--prompts", str(empty), "-o", str(tmp_path / "p.json")]) == 1
+    assert "holds no prompt" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    assert profile.main([str(tiny_gguf("qwen2moe")), "--prompts", str(prompts), "-o", str(tmp_path / "p.json"),
+                         "-q"]) == 1
+    assert "not a ZipMoE GGUF" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile.main([str(zipmoe_qwen), "--prompts", str(prompts), "--batch-sizes", "0", "-o", "x"])

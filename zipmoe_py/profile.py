@@ -1,0 +1,205 @@
+"""zipmoe-profile: record which experts a ZipMoE model's routers choose, per decode batch size.
+
+For each batch size B, the prompts are taken B at a time and decoded together as B sequences
+(greedy), so every decode ubatch has B tokens. The expert cache counts, for every MoE layer, in
+how many ubatches each expert was chosen (ggml_zipmoe_cache_get_activations); prefills are not
+counted. The result is the PROFILE document of zipmoe_py.planner (module docstring there), with
+the rank-based inclusion probabilities f_r of each batch size added under "f" for reading (the
+planner derives them again from the counts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import _lib
+from .errors import ZipMoEError
+from .planner import FORMAT_VERSION, PROFILE_FORMAT, rank_inclusion_probabilities
+
+
+def expert_bytes(path: Path) -> tuple[dict, int, int]:
+    """({F, C, S, E}: bytes of one expert in each compression state, averaged over the file's experts
+    for E), tensors per expert, shards per tensor."""
+    from . import format as zformat
+
+    with zformat.ZipMoEFile(path) as zf:
+        layers: dict[str, list[str]] = {}
+        for name in zf.tensors:
+            layers.setdefault(name.split(".")[1], []).append(name)
+        n_tensors = len(next(iter(layers.values())))
+        first = next(iter(layers.values()))
+        full = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in first)
+        e_total, n_experts = 0, 0
+        for names in layers.values():
+            for e in range(zf.shape(names[0])[2]):
+                e_total += sum(c.size for t in names for c in zf.chunks(t, e)[1:])
+                n_experts += 1
+        shards = zf.shards
+    sm = full // 2
+    e = round(e_total / n_experts)
+    return {"F": full, "C": sm + e, "S": sm, "E": e}, n_tensors, shards
+
+
+def read_prompts(path: Path) -> list[str]:
+    try:
+        prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ZipMoEError(f"cannot read prompts from {path}: {e}") from None
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise ZipMoEError(f"{path} holds no prompt (one prompt per line)")
+    return prompts
+
+
+def served_layers(cache) -> list[int]:
+    return [il for il in range(4096) if _lib.lib().ggml_zipmoe_cache_has_layer(cache, il)]
+
+
+def activation_counts(cache, layers: list[int]) -> tuple[np.ndarray, int]:
+    """[n_layer_moe, n_expert] counts and the ubatch count since the last reset."""
+    rows, n_ubatches = [], 0
+    for il in layers:
+        counts, n = _lib.cache_activations(cache, il)
+        rows.append(counts)
+        n_ubatches = n
+    return np.array(rows, dtype=np.int64), n_ubatches
+
+
+def decode_group(llm, prompts: list[str], n_tokens: int, n_ctx: int, threads: int | None, cache, layers) \
+        -> tuple[np.ndarray, int]:
+    """Decode the prompts as parallel sequences, n_tokens greedy steps; activation counts of the steps."""
+    from .bindings import llama_cpp as lc
+
+    n_vocab = llm.n_vocab()
+    tokens = [llm.tokenize(p.encode(), add_bos=True, special=False) for p in prompts]
+    longest = max(len(t) for t in tokens)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = max(n_ctx, (longest + n_tokens) * len(prompts) + 16)
+    cparams.n_batch = cparams.n_ubatch = max(512, longest * len(prompts))
+    cparams.n_seq_max = len(prompts)
+    if threads:
+        cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(llm._model.model, cparams)
+    if not ctx:
+        raise ZipMoEError("llama_init_from_model failed (context too large for memory?)")
+    batch = lc.llama_batch_init(cparams.n_batch, 0, len(prompts))
+    try:
+        def decode(entries, want_logits):
+            batch.n_tokens = len(entries)
+            for i, (tok, pos, seq) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, i in want_logits
+            if lc.llama_decode(ctx, batch) != 0:
+                raise ZipMoEError("llama_decode failed")
+
+        entries = [(tok, pos, s) for s, toks in enumerate(tokens) for pos, tok in enumerate(toks)]
+        last_of = {s: max(i for i, e in enumerate(entries) if e[2] == s) for s in range(len(prompts))}
+        decode(entries, set(last_of.values()))
+        rows = {s: i for s, i in last_of.items()}
+        pos = [len(t) for t in tokens]
+        before, ubatches_before = activation_counts(cache, layers)
+        for _ in range(n_tokens):
+            step = []
+            for s in range(len(prompts)):
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, rows[s]), (n_vocab,))
+                step.append((int(np.argmax(logits)), pos[s], s))
+                pos[s] += 1
+            decode(step, set(range(len(step))))
+            rows = {s: s for s in range(len(prompts))}
+        after, ubatches_after = activation_counts(cache, layers)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+    return after - before, ubatches_after - ubatches_before
+
+
+def profile(model: Path, prompts: list[str], batch_sizes: list[int], n_tokens: int, budget=None,
+            threads: int | None = None, progress: bool = True) -> dict:
+    from .bindings import Llama
+
+    bytes_by_state, n_tensors, n_shards = expert_bytes(model)
+    llm = Llama(model_path=str(model), n_ctx=512, n_threads=threads, verbose=False, zipmoe_budget=budget)
+    try:
+        cache = _lib.llama_model_zipmoe_cache(llm._model.model)
+        if not cache:
+            raise ZipMoEError(f"{model} is not a ZipMoE GGUF (convert it with zipmoe-convert)")
+        layers = served_layers(cache)
+        arch = llm.metadata.get("general.architecture", "")
+        n_used = int(llm.metadata.get(f"{arch}.expert_used_count", 0))
+        n_expert = _lib.lib().ggml_zipmoe_cache_n_expert(cache, layers[0])
+        batches = {}
+        for b in batch_sizes:
+            groups = [[prompts[(g * b + i) % len(prompts)] for i in range(b)]
+                      for g in range(max(1, len(prompts) // b))]
+            total, n_ubatches = np.zeros((len(layers), n_expert), np.int64), 0
+            for gi, group in enumerate(groups):
+                if progress:
+                    print(f"\rzipmoe-profile: batch {b}: group {gi + 1}/{len(groups)}", end="", file=sys.stderr,
+                          flush=True)
+                counts, n = decode_group(llm, group, n_tokens, 512, threads, cache, layers)
+                total += counts
+                n_ubatches += n
+            if progress:
+                print(file=sys.stderr)
+            batches[str(b)] = {"n_ubatches": int(n_ubatches), "counts": total.tolist(),
+                               "f": rank_inclusion_probabilities(total, n_ubatches).tolist()}
+    finally:
+        llm.close()
+    return {"format": PROFILE_FORMAT, "version": FORMAT_VERSION, "model": str(model), "n_layer_moe": len(layers),
+            "n_expert": int(n_expert), "n_expert_used": n_used, "expert_bytes": bytes_by_state,
+            "n_tensors_per_expert": n_tensors, "n_shards": n_shards, "batches": batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="zipmoe-profile",
+        description="Decode prompts with a ZipMoE GGUF and record, per MoE layer and decode batch size, how "
+                    "often its router chose each expert; writes the profile zipmoe-plan takes.")
+    ap.add_argument("model", type=Path, help="ZipMoE GGUF (made by zipmoe-convert)")
+    ap.add_argument("--prompts", type=Path, required=True, help="text file, one prompt per line")
+    ap.add_argument("--batch-sizes", default="1", metavar="B[,B...]",
+                    help="decode batch sizes to profile: prompts are decoded B at a time as parallel sequences "
+                         "(default: %(default)s)")
+    ap.add_argument("-n", "--tokens", type=int, default=32,
+                    help="greedy decode steps per group of prompts (default: %(default)s)")
+    ap.add_argument("-b", "--budget", default=None, metavar="SIZE",
+                    help="expert-cache memory while profiling, like 4G (default: half the available memory)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    ap.add_argument("-o", "--output", type=Path, required=True, help="profile JSON to write")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.batch_sizes.split(",")]
+    except ValueError:
+        ap.error(f"--batch-sizes must be comma-separated positive integers, got {args.batch_sizes!r}")
+    if any(s <= 0 for s in sizes):
+        ap.error(f"--batch-sizes must be positive, got {args.batch_sizes!r}")
+    if args.tokens <= 0:
+        ap.error(f"--tokens must be positive, got {args.tokens}")
+    if args.threads is not None and args.threads <= 0:
+        ap.error(f"--threads must be positive, got {args.threads}")
+    try:
+        from .bindings import check_model_file
+
+        check_model_file(args.model)
+        doc = profile(args.model, read_prompts(args.prompts), sizes, args.tokens, args.budget, args.threads,
+                      progress=not args.quiet)
+    except ZipMoEError as e:
+        print(f"zipmoe-profile: error: {e}", file=sys.stderr)
+        return 1
+    args.output.write_text(json.dumps(doc) + "\n")
+    if not args.quiet:
+        for b, batch in doc["batches"].items():
+            f = batch["f"]
+            print(f"batch {b}: {batch['n_ubatches']} ubatches; top-rank inclusion {f[0]:.3f}, "
+                  f"median rank {f[len(f) // 2]:.3f}, last rank {f[-1]:.3f}")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
