@@ -10,9 +10,9 @@ the page cache before every run.
 Missing ZipMoE files are made from the BF16 GGUF (fhuf, and raw for the ablation). Every run is
 `capped-run --mem CAP --evict FILE -- python -c <probe>` (../shared/tools/capped-run: a child
 memory cgroup, page cache included); the probe loads the model, evaluates a prompt of
---prompt-tokens tokens (TTFT: until the first generated token) and generates --gen-tokens
-tokens greedily (TPOT: mean time per token after the first; cache statistics of the decode
-steps only). The ZipMoE expert-cache budget is what the cap leaves after the non-expert weights
+--prompt-tokens tokens (TTFT) and then decodes --gen-tokens seeded random tokens one at a time
+(TPOT: their mean time; cache statistics of these steps only), as llama-bench's tg does:
+greedy decoding of a random-weight model repeats one token, whose routing would always hit. The ZipMoE expert-cache budget is what the cap leaves after the non-expert weights
 a decode step reads (all but the token embedding) and a fixed allowance for the runtime.
 
 The O_DIRECT bandwidth of the model's disk is measured in the same run, and so is the compute
@@ -36,10 +36,10 @@ from pathlib import Path
 CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run"
 
 PROBE = r"""
-import json, os, sys, time
-path, n_prompt, n_gen, threads, budget, direct = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1"
+import json, os, random, sys, time
+path, n_prompt, n_gen, threads, budget, direct, eviction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1", sys.argv[7]
 from zipmoe_py import Llama
-opts = {} if budget == "-" else {"zipmoe_budget": int(budget), "zipmoe_direct_io": direct}
+opts = {} if budget == "-" else {"zipmoe_budget": int(budget), "zipmoe_direct_io": direct, "zipmoe_eviction": eviction}
 t0 = time.perf_counter()
 llm = Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads, verbose=False, **opts)
 t_load = time.perf_counter() - t0
@@ -53,23 +53,22 @@ while len(tokens) < n_prompt:
 tokens = tokens[:n_prompt]
 def read_bytes():
     return int(dict(line.split(":") for line in open("/proc/self/io"))["read_bytes"])
-stamps = []
-prefill = None
+# decode steps feed seeded random tokens, as llama-bench's tg does: greedy decoding of a random-weight
+# model repeats one token, which would route every step to the same experts
+rng = random.Random(1234)
 t0 = time.perf_counter()
-for tok in llm.generate(tokens, temp=0.0, repeat_penalty=1.0):
-    stamps.append(time.perf_counter())
-    if len(stamps) == 1:
-        # decode statistics start after the first token
-        prefill = llm.zipmoe_stats()
-        llm.zipmoe_reset_stats()
-        decode_read0 = read_bytes()
-    if len(stamps) == n_gen:
-        break
-ttft = stamps[0] - t0
-tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+llm.eval(tokens)
+ttft = time.perf_counter() - t0
+prefill = llm.zipmoe_stats()
+llm.zipmoe_reset_stats()
+decode_read0 = read_bytes()
+t0 = time.perf_counter()
+for _ in range(n_gen):
+    llm.eval([rng.randrange(llm.n_vocab())])
+tpot = (time.perf_counter() - t0) / n_gen
 print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": 1 / tpot,
                   "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
-                  "decode_tokens": len(stamps) - 1, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats()}))
+                  "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats()}))
 """
 
 
@@ -117,13 +116,16 @@ def main() -> int:
     ap.add_argument("--caps", default="25,50,75", help="memory caps in %% of the BF16 model size (default: %(default)s)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=32,
-                    help="tokens generated; TPOT is their mean time after the first (default: %(default)s)")
+                    help="decode steps (random tokens); TPOT is their mean time (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runtime-allowance", default="400M",
                     help="memory kept for the runtime (Python, compute buffers, KV, staging) when sizing the "
                          "expert cache: budget = cap - non-expert weights a decode step reads (all but the token "
                          "embedding) - this (default: %(default)s)")
     ap.add_argument("--direct-io", action="store_true", help="ZipMoE reads chunks with O_DIRECT")
+    ap.add_argument("--eviction", default="lru",
+                    help="ZipMoE's eviction policies to run, comma-separated among lru, fifo, marking, lfu, rank "
+                         "(zipmoe_eviction; default: %(default)s); the ratios printed use the first")
     ap.add_argument("--systems", default="stock,zipmoe,raw", help="which systems to run (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_bench.json"))
     args = ap.parse_args()
@@ -150,7 +152,8 @@ def main() -> int:
 
     # the compute floor: stock llama.cpp with the whole model in the page cache, no cap
     warm_page_cache(bf16)
-    warm = subprocess.run([sys.executable, "-c", PROBE, bf16, args.prompt_tokens, args.gen_tokens, args.threads, "-", 0],
+    warm = subprocess.run([sys.executable, "-c", PROBE, *map(str, (bf16, args.prompt_tokens, args.gen_tokens,
+                                                                    args.threads, "-", 0, "-"))],
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     warm = json.loads([l for l in warm.stdout.splitlines() if l.startswith("{")][-1])
     compute_s = warm["tpot_s"]
@@ -158,20 +161,27 @@ def main() -> int:
 
     rows = []
     systems = args.systems.split(",")
+    evictions = args.eviction.split(",")
+    unknown = [e for e in evictions if e not in ("lru", "fifo", "marking", "lfu", "rank")]
+    if unknown:
+        ap.error(f"--eviction: unknown policies {unknown}")
     for pct in [int(c) for c in args.caps.split(",")]:
         cap = model_bytes * pct // 100
         budget = max(cap - fixed_read - allowance, one_expert)
-        for system in systems:
+        runs = [(s, None) if s == "stock" else (s, e) for s in systems for e in (["-"] if s == "stock" else evictions)]
+        for system, eviction in runs:
+            label = system if len(evictions) == 1 or eviction is None else f"{system}/{eviction}"
             path = {"stock": bf16, "zipmoe": zipmoe, "raw": raw}[system]
             cmd = [sys.executable, "-c", PROBE, path, args.prompt_tokens, args.gen_tokens, args.threads,
-                   "-" if system == "stock" else budget, int(args.direct_io)]
+                   "-" if system == "stock" else budget, int(args.direct_io), eviction or "-"]
             t = time.perf_counter()
             probe, capped = run_capped(cap, path, cmd)
-            row = {"system": system, "cap_pct": pct, "cap_bytes": cap, "budget_bytes": None if system == "stock" else budget,
+            row = {"system": system, "eviction": eviction, "cap_pct": pct, "cap_bytes": cap,
+                   "budget_bytes": None if system == "stock" else budget,
                    "wall_s": time.perf_counter() - t, "peak_bytes": capped.get("peak_bytes"), **probe}
             rows.append(row)
             if "error" in probe:
-                print(f"{pct:>3}% {system:7s} FAILED: {probe['error'][-300:]}", flush=True)
+                print(f"{pct:>3}% {label:7s} FAILED: {probe['error'][-300:]}", flush=True)
                 continue
             n_tok = probe["decode_tokens"]
             row["decode_read_gbps"] = probe["decode_read_bytes"] / (probe["tpot_s"] * n_tok) / 1e9
@@ -186,11 +196,12 @@ def main() -> int:
                 row["io_gbps"] = z["bytes_read"] / z["io_ns"] if z["io_ns"] else None
                 extra = (f"  hit {z['hit_rate'] or 0:.2f} slots {z['n_slots']}  floor {row['floor_s'] * 1e3:6.1f} ms "
                          f"(x{probe['tpot_s'] / row['floor_s']:.2f})  read {(row['io_gbps'] or 0):.2f} GB/s")
-            print(f"{pct:>3}% {system:7s} TTFT {probe['ttft_s']:7.2f} s  TPOT {probe['tpot_s'] * 1e3:8.1f} ms  "
+            print(f"{pct:>3}% {label:7s} TTFT {probe['ttft_s']:7.2f} s  TPOT {probe['tpot_s'] * 1e3:8.1f} ms  "
                   f"{probe['tok_per_s']:6.2f} tok/s  decode read {probe['decode_read_bytes'] / n_tok / 1e6:7.1f} MB/tok "
                   f"({row['decode_read_gbps']:.2f} GB/s)  peak {(capped.get('peak_bytes') or 0) / 1e9:5.2f} GB" + extra,
                   flush=True)
-        by = {r["system"]: r for r in rows if r["cap_pct"] == pct and "tok_per_s" in r}
+        by = {r["system"]: r for r in rows if r["cap_pct"] == pct and "tok_per_s" in r
+              and r["eviction"] in (None, evictions[0])}
         if "stock" in by and "zipmoe" in by:
             print(f"{pct:>3}% ZipMoE / stock: {by['zipmoe']['tok_per_s'] / by['stock']['tok_per_s']:.2f}x"
                   + (f"; compressed / raw: {by['zipmoe']['tok_per_s'] / by['raw']['tok_per_s']:.2f}x" if "raw" in by else ""),
@@ -200,7 +211,7 @@ def main() -> int:
               "non_expert_bytes": fixed, "non_expert_read_bytes": fixed_read, "one_expert_bytes": one_expert,
               "odirect_gbps": bw["odirect_gbps"], "compute_tpot_s": compute_s, "warm": warm,
               "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-              "direct_io": args.direct_io, "runtime_allowance": allowance, "machine": platform.platform(),
+              "direct_io": args.direct_io, "eviction": args.eviction, "runtime_allowance": allowance, "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "rows": rows,
               "command": " ".join(sys.argv)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -212,10 +223,12 @@ def main() -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for system in systems:
-            pts = [(r["cap_pct"], r["tok_per_s"]) for r in rows if r["system"] == system and "tok_per_s" in r]
+        for system, eviction in runs:
+            pts = [(r["cap_pct"], r["tok_per_s"]) for r in rows
+                   if r["system"] == system and r["eviction"] == eviction and "tok_per_s" in r]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=system)
+                ax.plot(*zip(*pts), marker="o", label=system if eviction in (None, "-") or len(evictions) == 1
+                        else f"{system}/{eviction}")
         ax.set_xlabel("memory cap, % of the BF16 model")
         ax.set_ylabel("decode tokens/s")
         ax.set_yscale("log")

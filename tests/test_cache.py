@@ -26,7 +26,7 @@ KINDS = ("gate", "up", "down")
 
 
 class Cache:
-    def __init__(self, path, n_slots, n_decoders=0):
+    def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0):
         lib = self.lib = _lib.lib()
         err = ctypes.create_string_buffer(512)
         self.file = lib.ggml_zipmoe_file_open(str(path).encode(), 0, err, len(err))
@@ -38,6 +38,7 @@ class Cache:
             self.shapes[lib.ggml_zipmoe_file_tensor_name(self.file, i).decode()] = list(ne)
         params = _lib.CacheParams()
         params.file, params.n_slots, params.n_decoders = self.file, n_slots, n_decoders
+        params.eviction, params.rank_delta = eviction, rank_delta
         self.slots = []
         for k, kind in enumerate(KINDS):
             ne0, ne1, _ = self.shapes[f"blk.0.ffn_{kind}_exps.weight"]
@@ -106,8 +107,8 @@ def setup(tmp_path):
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
     caches = []
 
-    def make(n_slots, n_decoders=0):
-        caches.append(Cache(path, n_slots, n_decoders))
+    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0):
+        caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta))
         return caches[-1]
 
     yield make, experts
@@ -152,6 +153,63 @@ def test_lru_evicts_the_least_recent_and_never_what_the_pass_needs(setup):
     assert cache.stats()["expert_misses"] == before  # 2 survived
     cache.fetch(0, [[1]])
     assert cache.stats()["expert_misses"] == before + 1  # 1 was the one evicted
+
+
+def resident(cache, layer, expert) -> bool:
+    """True if fetching the expert is a hit (the fetch itself then changes nothing but recency)."""
+    misses = cache.stats()["expert_misses"]
+    assert cache.fetch(layer, [[expert]])[0] == 0
+    return cache.stats()["expert_misses"] == misses
+
+
+def test_fifo_evicts_the_first_filled_even_if_just_used(setup):
+    make, experts = setup
+    cache = make(3, eviction=_lib.EVICT_FIFO)
+    cache.fetch(0, [[0, 1, 2]])
+    cache.fetch(0, [[0]])
+    status, slots = cache.fetch(0, [[3]])
+    assert status == 0
+    assert_resident(cache, experts, 0, [[3]], slots)
+    assert [resident(cache, 0, e) for e in (2, 1)] == [True, True]
+    assert not resident(cache, 0, 0)
+
+
+def test_lfu_evicts_the_least_often_chosen(setup):
+    make, _ = setup
+    cache = make(3, eviction=_lib.EVICT_LFU)
+    for ids in ([[0, 1, 2]], [[0, 1]], [[0]], [[2]], [[2]]):  # chosen: 0 thrice, 1 twice, 2 thrice
+        cache.fetch(0, ids)
+    cache.fetch(0, [[3]])
+    assert [resident(cache, 0, e) for e in (0, 2)] == [True, True]
+    assert not resident(cache, 0, 1)
+
+
+def test_rank_policy_evicts_experts_ranked_beyond_the_layers_share_first(setup):
+    make, _ = setup
+    cache = make(4, eviction=_lib.EVICT_RANK)  # 2 served layers: a share of 2 slots per layer
+    for ids in ([[0, 1]], [[0, 1]], [[2]], [[3]]):  # ranks: 0, 1 (kept), 2, 3 (beyond the share)
+        cache.fetch(0, ids)
+    cache.fetch(0, [[4]])  # evicts 2 (beyond the share, then least often chosen, then least recent)
+    assert [resident(cache, 0, e) for e in (0, 1, 3)] == [True, True, True]
+    assert not resident(cache, 0, 2)
+    # with a margin of 2 the same ranks all count as in the share: LFU then evicts the least often chosen
+    wide = make(4, eviction=_lib.EVICT_RANK, rank_delta=2)
+    for ids in ([[0, 1]], [[0, 1]], [[2]], [[3]], [[3]], [[4]]):
+        wide.fetch(0, ids)
+    assert [resident(wide, 0, e) for e in (0, 1, 3)] == [True, True, True]
+
+
+def test_marking_never_evicts_a_marked_expert_while_an_unmarked_one_is_resident(setup):
+    make, _ = setup
+    for seed_round in range(3):
+        cache = make(3, eviction=_lib.EVICT_MARKING)
+        for _ in range(seed_round):  # other random choices
+            cache.fetch(1, [[0, 1, 2]])
+            cache.fetch(1, [[3, 4, 5]])
+        cache.fetch(0, [[0, 1, 2]])  # all marked
+        cache.fetch(0, [[3]])        # a new phase: 3 replaces one of 0, 1, 2 and is marked
+        cache.fetch(0, [[4]])        # must replace an unmarked one of 0, 1, 2, never 3
+        assert resident(cache, 0, 3)
 
 
 def test_passes_split_distinct_experts_in_ascending_order_and_merge_takes_rows_from_their_pass(setup):
@@ -251,8 +309,10 @@ def test_activation_counts_give_each_experts_ubatches(setup):
     assert _lib.cache_activations(cache.handle, 0) == ([0] * 6, 0)
 
 
-def test_out_of_range_ids_and_unserved_layers_are_errors(setup):
+def test_out_of_range_ids_unserved_layers_and_unknown_policies_are_errors(setup, tmp_path):
     make, _ = setup
+    with pytest.raises(AssertionError, match="unknown eviction policy"):
+        make(2, eviction=9)
     cache = make(2)
     status, _ = cache.fetch(0, [[6]])
     assert status == _lib.ERR_ARG and b"outside 0..5" in cache.lib.ggml_zipmoe_cache_error(cache.handle)

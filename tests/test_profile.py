@@ -24,8 +24,9 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_pa
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n\n")
     out = tmp_path / "profile.json"
+    costs = tmp_path / "costs.json"
     assert profile.main([str(zipmoe_qwen), "--prompts", str(prompts), "--batch-sizes", "1,3", "-n", "5", "-t", "2",
-                         "-o", str(out), "-q"]) == 0
+                         "-o", str(out), "--costs", str(costs), "-q"]) == 0
     doc = planner.load_profile(out)  # the planner's own validation
     k, n_expert = doc["n_expert_used"], doc["n_expert"]
     assert (k, n_expert, doc["n_tensors_per_expert"]) == (4, 16, 3)
@@ -45,9 +46,12 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_pa
     b = doc["expert_bytes"]
     assert b["S"] * 2 == b["F"] and 0 < b["E"] < b["S"] and b["C"] == b["S"] + b["E"]
 
+    measured, threads = planner.load_costs(costs)  # the planner's own validation
+    assert threads == 2 and 0 < measured.v_s and 0 < measured.c_s and 0 < measured.u_s
+
     plan = tmp_path / "plan.json"
     assert planner.main([str(out), "--budget", str(4 * b["F"] * doc["n_layer_moe"]), "--pools", "F,C",
-                         "-o", str(plan)]) == 0
+                         "--costs", str(costs), "-o", str(plan)]) == 0
     result, meta = planner.load_plan(plan)
     assert sum(result.ratios.values()) == pytest.approx(1.0)
     assert json.loads(plan.read_text())["format"] == "zipmoe-plan"

@@ -159,6 +159,22 @@ def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):
     assert got_tokens == want_tokens and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("eviction", ["fifo", "marking", "lfu", "rank"])
+def test_every_eviction_policy_is_bit_identical(eviction, zipmoe_gguf, reference):
+    """The policy only decides which slot a miss takes: output must not change (lru: the test above)."""
+    path = zipmoe_gguf("qwen2moe")
+    _, _, everything = expert_geometry(path)
+    llm = load(path, zipmoe_budget=everything // 3, zipmoe_eviction=eviction)
+    try:
+        got, got_tokens = logits_trace(llm, PROMPTS[:4])
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    want, want_tokens = reference("qwen2moe", 4)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert stats["expert_hits"] > 0 and stats["expert_misses"] > 0
+
+
 def test_fork_cli_with_warmup_matches_the_bf16_gguf_at_the_smallest_budget(arch, tiny_gguf, zipmoe_gguf):
     """llama-completion's warmup selects every expert of every layer: it must fit a top-k budget too."""
     path = zipmoe_gguf(arch)
@@ -200,7 +216,7 @@ def test_plain_bf16_gguf_has_no_expert_cache(tiny_gguf):
         llm.close()
 
 
-def test_bad_budgets_and_thread_counts_are_clear_errors(zipmoe_gguf):
+def test_bad_budgets_thread_counts_and_policies_are_clear_errors(zipmoe_gguf):
     path = zipmoe_gguf("qwen2moe")
     for bad in ["lots", "-1G", 0, True, "1K"]:
         with pytest.raises(ZipMoEError, match="zipmoe_budget"):
@@ -208,6 +224,8 @@ def test_bad_budgets_and_thread_counts_are_clear_errors(zipmoe_gguf):
     for bad in [-1, 1.5, "2", True]:
         with pytest.raises(ZipMoEError, match="zipmoe_threads"):
             load(path, zipmoe_threads=bad)
+    with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank"):
+        load(path, zipmoe_eviction="random")
 
 
 MEMORY_PROBE = """

@@ -15,6 +15,9 @@ OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECK
 CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_COUNT = range(7)
 
 FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
+# enum ggml_zipmoe_eviction
+EVICTION_POLICIES = ("lru", "fifo", "marking", "lfu", "rank")
+EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
 # enum ggml_zipmoe_open_flags
 OPEN_DIRECT = 1
 
@@ -32,7 +35,8 @@ class CacheStats(ctypes.Structure):
 
 class CacheParams(ctypes.Structure):
     _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
-                ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32)]
+                ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
+                ("rank_delta", ctypes.c_int32)]
 
 
 # enum ggml_zipmoe_expert_state

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import _paths
+from . import _lib, _paths
 from .errors import ZipMoEError
 
 GGUF_MAGIC = b"GGUF"
@@ -94,15 +94,22 @@ def parse_size(value, what: str = "zipmoe_budget") -> int:
 
 
 def parse_threads(value, what: str = "zipmoe_threads") -> int:
-    """A thread count: a positive int, or 0 for all of the graph's threads."""
+    """A count >= 0 (for zipmoe_threads, 0 means all of the graph's threads)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ZipMoEError(f"{what} must be a whole number of threads (0: all of the graph's threads); got {value!r}")
+        raise ZipMoEError(f"{what} must be a whole number >= 0; got {value!r}")
     return value
 
 
-def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None) -> dict:
+def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
+                     rank_delta=None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader."""
     out = {}
+    if eviction is not None:
+        if eviction not in _lib.EVICTION_POLICIES:
+            raise ZipMoEError(f"zipmoe_eviction must be one of {', '.join(_lib.EVICTION_POLICIES)}; got {eviction!r}")
+        out["zipmoe.eviction"] = eviction
+    if rank_delta is not None:
+        out["zipmoe.rank_delta"] = parse_threads(rank_delta, "zipmoe_rank_delta")
     if budget is not None:
         out["zipmoe.budget"] = parse_size(budget)
     if direct_io is not None:
@@ -138,35 +145,38 @@ class Llama(llama_cpp.Llama):
       zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
       zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
                         all (0). Reads run on the cache's own I/O thread either way.
+      zipmoe_eviction:  which resident expert a miss replaces: "lru" (default), "fifo", "marking"
+                        (randomized marking), "lfu" (least often chosen), "rank" (ZipMoE's rank
+                        dispatch: experts ranked beyond their layer's share of the cache go first)
+      zipmoe_rank_delta: the "rank" policy's tolerance margin (default 0)
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
         check_model_file(model_path)
         options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
-                                   kwargs.get("zipmoe_threads"))
+                                   kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
+                                   kwargs.get("zipmoe_rank_delta"))
         if "zipmoe.budget" in options:
             _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
-                 zipmoe_threads: int | None = None, **kwargs):
+                 zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
+                 zipmoe_rank_delta: int | None = None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
-        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads))
+        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
+                                          zipmoe_rank_delta))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)
 
     def zipmoe_stats(self) -> dict | None:
         """Cumulative expert-cache statistics, or None for a model that is not a ZipMoE GGUF."""
-        from . import _lib
-
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
         return _lib.cache_stats(cache) if cache else None
 
     def zipmoe_reset_stats(self) -> None:
-        from . import _lib
-
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
         if cache:
             _lib.lib().ggml_zipmoe_cache_reset_stats(cache)

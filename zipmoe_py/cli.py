@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import _lib
 from .errors import ZipMoEError
 
 HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this"
@@ -105,7 +106,7 @@ def chat(args) -> int:
                   file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
                 verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None,
-                zipmoe_threads=args.zipmoe_threads)
+                zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -171,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "quarter of its experts)")
     ap.add_argument("--direct-io", action="store_true",
                     help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
+    ap.add_argument("--eviction", choices=_lib.EVICTION_POLICIES, default=None,
+                    help="ZipMoE GGUFs: which cached expert a miss replaces: lru (default), fifo, marking "
+                         "(randomized marking), lfu (least often chosen), rank (ZipMoE: experts ranked beyond their "
+                         "layer's share of the cache go first)")
     ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
                     help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
                          "(default: all; reads run on the cache's own I/O thread)")

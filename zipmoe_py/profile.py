@@ -6,19 +6,27 @@ how many ubatches each expert was chosen (ggml_zipmoe_cache_get_activations); pr
 counted. The result is the PROFILE document of zipmoe_py.planner (module docstring there), with
 the rank-based inclusion probabilities f_r of each batch size added under "f" for reading (the
 planner derives them again from the counts).
+
+With --costs, it also measures this machine's delays once (the scheduler's and planner's u, v
+and c: reading one SM-chunk, reading one E-chunk, decoding and recovering one E-chunk) on
+sampled expert tensors of the model, and saves them as the planner's COSTS document.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from . import _lib
 from .errors import ZipMoEError
-from .planner import FORMAT_VERSION, PROFILE_FORMAT, rank_inclusion_probabilities
+from .planner import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT, rank_inclusion_probabilities
 
 
 def expert_bytes(path: Path) -> tuple[dict, int, int]:
@@ -42,6 +50,56 @@ def expert_bytes(path: Path) -> tuple[dict, int, int]:
     sm = full // 2
     e = round(e_total / n_experts)
     return {"F": full, "C": sm + e, "S": sm, "E": e}, n_tensors, shards
+
+
+def measure_costs(model: Path, samples: int = 24, threads: int = 1) -> dict:
+    """The COSTS document for this machine: medians over `samples` random expert tensors of the time
+    to read one SM-chunk (u) and one E-chunk (v) with O_DIRECT (or, where the filesystem has none,
+    buffered after dropping the file from the page cache), and to decode and recover one E-chunk (c,
+    one thread)."""
+    from . import codec
+    from . import format as zformat
+
+    lib = _lib.lib()
+    try:
+        zf = zformat.ZipMoEFile(model, direct_io=True)
+        direct = True
+    except ZipMoEError:
+        zf = zformat.ZipMoEFile(model)
+        direct = False
+    with zf:
+        if not direct:
+            fd = os.open(model, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        size = lib.ggml_zipmoe_file_chunk_buffer_size(zf._handle)
+        raw = np.empty(size + _lib.CHUNK_ALIGNMENT, np.uint8)
+        buf = raw[(-raw.ctypes.data) % _lib.CHUNK_ALIGNMENT:][:size]  # O_DIRECT wants an aligned buffer
+        rng = random.Random(0)
+        decoder = codec.Decoder()
+        u, v, c = [], [], []
+        for _ in range(samples):
+            name = rng.choice(zf.tensors)
+            expert = rng.randrange(zf.shape(name)[2])
+            tensor = zf.tensors.index(name)
+            stored = []
+            for k, ref in enumerate(zf.chunks(name, expert)):
+                t0 = time.perf_counter()
+                status = lib.ggml_zipmoe_file_read_chunk(zf._handle, tensor, expert, k, buf.ctypes.data, size)
+                (u if k == 0 else v).append(time.perf_counter() - t0)
+                if status != _lib.OK:
+                    raise ZipMoEError(f"{model}: reading {ref.describe()}: {_lib.status_string(status)}")
+                stored.append((bytes(buf[:ref.size]), lib.ggml_zipmoe_codec_name(ref.codec).decode()))
+            sm = np.frombuffer(stored[0][0], np.uint8)
+            job = codec.ExpertDecode(decoder, [s for s, _ in stored[1:]], [n for _, n in stored[1:]], sm)
+            job()  # first call: page faults of the output
+            t0 = time.perf_counter()
+            job()
+            c.append((time.perf_counter() - t0) / (len(stored) - 1))
+        decoder.close()
+    return {"format": COSTS_FORMAT, "version": FORMAT_VERSION, "u_s": statistics.median(u),
+            "v_s": statistics.median(v), "c_s": statistics.median(c), "threads": threads,
+            "measured_on": {"model": str(model), "samples": samples, "direct_io": direct}}
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -170,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="expert-cache memory while profiling, like 4G (default: half the available memory)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
     ap.add_argument("-o", "--output", type=Path, required=True, help="profile JSON to write")
+    ap.add_argument("--costs", type=Path, default=None, metavar="FILE",
+                    help="also measure this machine's read and decode delays (u, v, c) on the model and save "
+                         "them here, for zipmoe-plan --costs")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     args = ap.parse_args(argv)
     try:
@@ -188,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         check_model_file(args.model)
         doc = profile(args.model, read_prompts(args.prompts), sizes, args.tokens, args.budget, args.threads,
                       progress=not args.quiet)
+        if args.costs is not None:
+            costs = measure_costs(args.model, threads=args.threads or os.cpu_count() or 1)
+            args.costs.write_text(json.dumps(costs, indent=1) + "\n")
+            if not args.quiet:
+                print(f"costs: SM-chunk read {costs['u_s'] * 1e3:.2f} ms, E-chunk read {costs['v_s'] * 1e3:.3f} ms, "
+                      f"E-chunk decode {costs['c_s'] * 1e3:.3f} ms; wrote {args.costs}")
     except ZipMoEError as e:
         print(f"zipmoe-profile: error: {e}", file=sys.stderr)
         return 1

@@ -219,12 +219,27 @@ enum ggml_zipmoe_expert_kind {
     GGML_ZIPMOE_DOWN = 2, // ffn_down_exps
 };
 
+// which resident expert a miss replaces (among slots the pass does not need)
+enum ggml_zipmoe_eviction {
+    GGML_ZIPMOE_EVICT_LRU     = 0, // least recently used
+    GGML_ZIPMOE_EVICT_FIFO    = 1, // first filled
+    GGML_ZIPMOE_EVICT_MARKING = 2, // randomized marking: a random unmarked slot; uses mark; all
+                                   // marks clear when every candidate is marked
+    GGML_ZIPMOE_EVICT_LFU     = 3, // least often chosen (runtime activation counts), ties LRU
+    GGML_ZIPMOE_EVICT_RANK    = 4, // ZipMoE's dispatch (paper 3.4) for a single full pool: an expert
+                                   // whose activation rank in its layer is not below the layer's
+                                   // share of slots (n_slots / served layers) + rank_delta is evicted
+                                   // first, after its use; LFU among the others
+};
+
 struct ggml_zipmoe_cache_params {
     const struct ggml_zipmoe_file * file;           // must outlive the cache
     int32_t                         n_slots;        // experts resident at once (each: gate + up + down)
     void *                          slot_data[3];   // by kind: start of a [ne0, ne1, n_slots] BF16 tensor
     size_t                          slot_stride[3]; // by kind: bytes from one slot to the next (nb[2])
     int32_t                         n_decoders;     // graph threads that decode in fetch_end (0: all of them)
+    int32_t                         eviction;       // enum ggml_zipmoe_eviction
+    int32_t                         rank_delta;     // GGML_ZIPMOE_EVICT_RANK's tolerance margin delta (>= 0)
 };
 
 struct ggml_zipmoe_cache_stats {

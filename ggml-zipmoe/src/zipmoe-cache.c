@@ -37,7 +37,9 @@ enum { STAGE_FREE = 0, STAGE_READY = 1 };
 
 // one expert tensor's stored chunks, as read by the I/O thread
 struct zipmoe_staging {
-    uint8_t *  mem;     // SM-chunk region, then K E-chunk regions, each aligned for O_DIRECT
+    uint8_t *  mem;     // the task's chunks: one read of their span, or an SM-chunk region then K
+                        // E-chunk regions, each aligned for O_DIRECT
+    uint64_t   base;    // file offset at mem when the span was read in one go, else UINT64_MAX
     atomic_int state;   // STAGE_FREE or STAGE_READY
     atomic_int task;    // task whose chunks it holds or is about to hold
     int        status;  // read status of that task
@@ -72,9 +74,16 @@ struct ggml_zipmoe_cache {
     // residency (guarded by lock; workers only read the task list thread 0 built)
     int32_t *  key_slot;        // [n_layer * max_expert] slot holding (layer, expert), or -1
     int64_t *  slot_key;        // [n_slots] (layer * max_expert + expert), or -1
-    uint64_t * slot_last_use;   // [n_slots] LRU tick
+    uint64_t * slot_last_use;   // [n_slots] tick of the last use (LRU)
+    uint64_t * slot_inserted;   // [n_slots] tick of the fill (FIFO)
+    uint8_t *  slot_marked;     // [n_slots] marking algorithm's marks
+    uint8_t *  slot_transient;  // [n_slots] RANK: its expert ranks beyond the layer's share
     uint64_t * slot_pinned;     // [n_slots] call serial of the last call that needs it
     uint64_t   tick;
+    uint64_t * freq;            // [n_layer * max_expert] ubatches that chose each expert (never reset)
+    int32_t    eviction;        // enum ggml_zipmoe_eviction
+    int32_t    rank_threshold;  // RANK: ranks below it stay (slots per served layer + rank_delta)
+    uint64_t   rng;             // MARKING: xorshift64 state
     uint64_t   call_serial;
     int32_t *  unique;          // [max_expert] distinct experts of the current call, ascending
     uint8_t *  seen;            // [max_expert]
@@ -184,6 +193,10 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->key_slot);
     free(c->slot_key);
     free(c->slot_last_use);
+    free(c->slot_inserted);
+    free(c->slot_marked);
+    free(c->slot_transient);
+    free(c->freq);
     free(c->slot_pinned);
     free(c->unique);
     free(c->seen);
@@ -211,6 +224,15 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->file       = file;
     c->n_slots    = p->n_slots;
     c->n_decoders = p->n_decoders > 0 ? p->n_decoders : 0;
+    if (p->eviction < GGML_ZIPMOE_EVICT_LRU || p->eviction > GGML_ZIPMOE_EVICT_RANK) {
+        set_error(err, err_size, "ggml_zipmoe_cache_new: unknown eviction policy");
+        pthread_mutex_destroy(&c->lock);
+        pthread_mutex_destroy(&c->io_lock);
+        pthread_cond_destroy(&c->io_wake);
+        free(c);
+        return NULL;
+    }
+    c->eviction = p->eviction;
     for (int k = 0; k < 3; k++) {
         c->slot_data[k]   = (uint8_t *) p->slot_data[k];
         c->slot_stride[k] = p->slot_stride[k];
@@ -281,6 +303,10 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->slot_key      = (int64_t *) malloc((size_t) c->n_slots * sizeof(int64_t));
     c->slot_last_use = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
     c->slot_pinned   = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
+    c->slot_inserted  = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
+    c->slot_marked    = (uint8_t *) calloc((size_t) c->n_slots, 1);
+    c->slot_transient = (uint8_t *) calloc((size_t) c->n_slots, 1);
+    c->freq           = (uint64_t *) calloc(n_keys, sizeof(uint64_t));
     c->unique        = (int32_t *) malloc(n_exp * sizeof(int32_t));
     c->seen          = (uint8_t *) calloc(n_exp, 1);
     c->pass_slot     = (int32_t *) malloc(n_exp * sizeof(int32_t));
@@ -289,6 +315,7 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->layer_ubatches = (atomic_uint_least64_t *) calloc((size_t) (c->n_layer > 0 ? c->n_layer : 1),
                                                          sizeof(atomic_uint_least64_t));
     if (!c->key_slot || !c->slot_key || !c->slot_last_use || !c->slot_pinned || !c->unique || !c->seen ||
+        !c->slot_inserted || !c->slot_marked || !c->slot_transient || !c->freq ||
         !c->pass_slot || !c->tasks || !c->activations || !c->layer_ubatches) {
         set_error(err, err_size, "ggml_zipmoe_cache_new: out of memory");
         ggml_zipmoe_cache_free(c);
@@ -300,6 +327,12 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     for (int32_t s = 0; s < c->n_slots; s++) {
         c->slot_key[s] = -1;
     }
+    int n_served = 0;
+    for (int l = 0; l < c->n_layer; l++) {
+        n_served += ggml_zipmoe_cache_has_layer(c, l);
+    }
+    c->rank_threshold = c->n_slots / (n_served > 0 ? n_served : 1) + (p->rank_delta > 0 ? p->rank_delta : 0);
+    c->rng = 0x9E3779B97F4A7C15ull;
     return c;
 }
 
@@ -345,6 +378,91 @@ static int collect_unique(const struct ggml_zipmoe_cache * c, int layer, const i
     return n;
 }
 
+// rank of expert e in its layer by runtime activation counts (0: the most chosen; ties by id)
+static int32_t expert_rank(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    const uint64_t * f = c->freq + (int64_t) layer * c->max_expert;
+    int32_t rank = 0;
+    for (int32_t o = 0; o < c->layer_n_expert[layer]; o++) {
+        rank += f[o] > f[e] || (f[o] == f[e] && o < e);
+    }
+    return rank;
+}
+
+static uint64_t slot_freq(const struct ggml_zipmoe_cache * c, int32_t s) {
+    return c->freq[c->slot_key[s]];
+}
+
+// a slot the current call (serial) does not need, by the eviction policy; one exists, since a pass
+// never holds more experts than slots
+static int32_t choose_victim(struct ggml_zipmoe_cache * c, uint64_t serial) {
+    int32_t victim = -1;
+    for (int32_t s = 0; s < c->n_slots; s++) {
+        if (c->slot_key[s] < 0 && c->slot_pinned[s] != serial) {
+            return s; // an empty slot first, whatever the policy
+        }
+    }
+    if (c->eviction == GGML_ZIPMOE_EVICT_MARKING) {
+        // randomized marking: a random unmarked slot; when every candidate is marked a new phase starts
+        for (int phase = 0; phase < 2 && victim < 0; phase++) {
+            int32_t n = 0;
+            for (int32_t s = 0; s < c->n_slots; s++) {
+                n += c->slot_pinned[s] != serial && !c->slot_marked[s];
+            }
+            if (n == 0) {
+                for (int32_t s = 0; s < c->n_slots; s++) {
+                    c->slot_marked[s] = c->slot_pinned[s] == serial;
+                }
+                continue;
+            }
+            c->rng ^= c->rng << 13;
+            c->rng ^= c->rng >> 7;
+            c->rng ^= c->rng << 17;
+            int32_t pick = (int32_t) (c->rng % (uint64_t) n);
+            for (int32_t s = 0; s < c->n_slots; s++) {
+                if (c->slot_pinned[s] != serial && !c->slot_marked[s] && pick-- == 0) {
+                    victim = s;
+                    break;
+                }
+            }
+        }
+        return victim;
+    }
+    for (int32_t s = 0; s < c->n_slots; s++) {
+        if (c->slot_pinned[s] == serial) {
+            continue;
+        }
+        if (victim < 0) {
+            victim = s;
+            continue;
+        }
+        int better = 0;
+        switch (c->eviction) {
+            case GGML_ZIPMOE_EVICT_FIFO:
+                better = c->slot_inserted[s] < c->slot_inserted[victim];
+                break;
+            case GGML_ZIPMOE_EVICT_RANK:
+                // experts ranked beyond the layer's share were to be evicted after use: they go first
+                if (c->slot_transient[s] != c->slot_transient[victim]) {
+                    better = c->slot_transient[s] > c->slot_transient[victim];
+                    break;
+                }
+                // fall through - LFU among the rest
+            case GGML_ZIPMOE_EVICT_LFU: {
+                const uint64_t fs = slot_freq(c, s), fv = slot_freq(c, victim);
+                better = fs < fv || (fs == fv && c->slot_last_use[s] < c->slot_last_use[victim]);
+                break;
+            }
+            default: // LRU
+                better = c->slot_last_use[s] < c->slot_last_use[victim];
+                break;
+        }
+        if (better) {
+            victim = s;
+        }
+    }
+    return victim;
+}
+
 // thread 0, under the lock: residency for the experts of this pass, the task list, the slot ids
 static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                      int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
@@ -361,6 +479,7 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     if (pass == 0) {
         for (int i = 0; i < n_unique; i++) {
             atomic_fetch_add(&c->activations[base + c->unique[i]], 1);
+            c->freq[base + c->unique[i]]++;
         }
         atomic_fetch_add(&c->layer_ubatches[layer], 1);
     }
@@ -372,8 +491,11 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     for (int i = first; i < last; i++) {
         const int32_t s = c->key_slot[base + c->unique[i]];
         if (s >= 0) {
-            c->slot_pinned[s]   = serial;
-            c->slot_last_use[s] = ++c->tick;
+            c->slot_pinned[s]    = serial;
+            c->slot_last_use[s]  = ++c->tick;
+            c->slot_marked[s]    = 1;
+            c->slot_transient[s] = c->eviction == GGML_ZIPMOE_EVICT_RANK &&
+                                   expert_rank(c, layer, c->unique[i]) >= c->rank_threshold;
             c->pass_slot[c->unique[i]] = s;
             atomic_fetch_add(&c->hits, 1);
         }
@@ -383,21 +505,19 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
         if (c->pass_slot[e] >= 0) {
             continue;
         }
-        int32_t victim = -1;
-        for (int32_t s = 0; s < c->n_slots; s++) {
-            if (c->slot_pinned[s] != serial && (victim < 0 || c->slot_last_use[s] < c->slot_last_use[victim])) {
-                victim = s;
-            }
-        }
-        // a pass never holds more experts than slots, so a free slot exists
+        const int32_t victim = choose_victim(c, serial);
         if (c->slot_key[victim] >= 0) {
             c->key_slot[c->slot_key[victim]] = -1;
         }
-        c->slot_key[victim]      = base + e;
-        c->key_slot[base + e]    = victim;
-        c->slot_pinned[victim]   = serial;
-        c->slot_last_use[victim] = ++c->tick;
-        c->pass_slot[e]          = victim;
+        c->slot_key[victim]       = base + e;
+        c->key_slot[base + e]     = victim;
+        c->slot_pinned[victim]    = serial;
+        c->slot_last_use[victim]  = ++c->tick;
+        c->slot_inserted[victim]  = c->tick;
+        c->slot_marked[victim]    = 1;
+        c->slot_transient[victim] = c->eviction == GGML_ZIPMOE_EVICT_RANK &&
+                                    expert_rank(c, layer, e) >= c->rank_threshold;
+        c->pass_slot[e]           = victim;
         for (int k = 0; k < 3; k++) {
             c->tasks[c->n_tasks++] = (struct zipmoe_task) { victim, k, c->layer_tensor[layer * 3 + k], e };
         }
@@ -443,8 +563,37 @@ static int ensure_staging(struct ggml_zipmoe_cache * c) {
     return GGML_ZIPMOE_OK;
 }
 
-static uint8_t * staged_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_staging * s, int chunk) {
+static uint8_t * staged_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_staging * s,
+                               const struct zipmoe_task * t, int chunk) {
+    if (s->base != UINT64_MAX) {
+        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, chunk)->offset - s->base);
+    }
     return chunk == 0 ? s->mem : s->mem + c->sm_region + (size_t) (chunk - 1) * c->e_region;
+}
+
+// a task's chunks are stored next to each other (SM, E0, ..., each 4096-aligned: docs/FORMAT.md),
+// so one read of their span replaces K + 1 small ones: the disk sees one large request instead
+// of K + 1 at queue depth one. Chunks placed otherwise are read one by one.
+// Returns 0 when the chunks are not packed (nothing read), else 1 with the read's status in *status.
+static int read_span(struct ggml_zipmoe_cache * c, struct zipmoe_staging * s, const struct zipmoe_task * t,
+                     uint64_t * bytes, int * status) {
+    uint64_t lo = UINT64_MAX, hi = 0, stored = 0;
+    for (int k = 0; k <= c->file->n_shards; k++) {
+        const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+        lo = ch->offset < lo ? ch->offset : lo;
+        hi = ch->offset + ch->size > hi ? ch->offset + ch->size : hi;
+        stored += ch->size;
+    }
+    const size_t capacity = c->sm_region + (size_t) c->file->n_shards * c->e_region;
+    if (lo % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0 ||
+        zipmoe_align_up(hi - lo, GGML_ZIPMOE_CHUNK_ALIGNMENT) > capacity) {
+        return 0;
+    }
+    const struct zipmoe_chunk span = { lo, hi - lo, 0, 0 };
+    s->base = lo;
+    *status = zipmoe_read_chunk_unchecked(c->file, &span, s->mem, capacity, &s->sys_errno);
+    *bytes  = *status == GGML_ZIPMOE_OK ? stored : 0;
+    return 1;
 }
 
 // Waiting sleeps after a short spin: the I/O thread waits for decoders that may not run for a
@@ -473,10 +622,16 @@ static void read_task(struct ggml_zipmoe_cache * c, int i) {
     s->sys_errno = 0;
     const uint64_t t0 = now_ns();
     uint64_t bytes = 0;
-    if (atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+    s->base = UINT64_MAX;
+    int span_status = GGML_ZIPMOE_OK;
+    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+        // a failed fetch: the task is drained without reading
+    } else if (read_span(c, s, t, &bytes, &span_status)) {
+        s->status = span_status; // a failed read of the span is named by its first chunk
+    } else {
         for (int k = 0; k <= c->file->n_shards; k++) {
             const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
-            const int status = zipmoe_read_chunk_unchecked(c->file, ch, staged_chunk(c, s, k),
+            const int status = zipmoe_read_chunk_unchecked(c->file, ch, staged_chunk(c, s, t, k),
                                                            k == 0 ? c->sm_region : c->e_region, &s->sys_errno);
             if (status != GGML_ZIPMOE_OK) {
                 s->status = status;
@@ -527,7 +682,7 @@ static void decode_task(struct ggml_zipmoe_cache * c, int i, int ith) {
         uint64_t decode_ns = 0, recover_ns = 0;
         for (int k = 0; k <= c->file->n_shards; k++) {
             const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
-            if (ggml_zipmoe_checksum(staged_chunk(c, s, k), ch->size) != ch->checksum) {
+            if (ggml_zipmoe_checksum(staged_chunk(c, s, t, k), ch->size) != ch->checksum) {
                 fail_once(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
                 break;
             }
@@ -537,7 +692,7 @@ static void decode_task(struct ggml_zipmoe_cache * c, int i, int ith) {
             uint64_t first, count;
             zipmoe_shard_range(n, c->file->n_shards, k - 1, &first, &count);
             const uint64_t t0 = now_ns();
-            const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, staged_chunk(c, s, k), ch->size, w->shard,
+            const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, staged_chunk(c, s, t, k), ch->size, w->shard,
                                                       count);
             const uint64_t t1 = now_ns();
             decode_ns += t1 - t0;
@@ -545,7 +700,7 @@ static void decode_task(struct ggml_zipmoe_cache * c, int i, int ith) {
                 fail_once(c, status, t, k, 0);
                 break;
             }
-            ggml_zipmoe_recover_bf16(w->shard, staged_chunk(c, s, 0) + first, count, dst + first);
+            ggml_zipmoe_recover_bf16(w->shard, staged_chunk(c, s, t, 0) + first, count, dst + first);
             recover_ns += now_ns() - t1;
         }
         atomic_fetch_add(&c->decode_ns, decode_ns);
