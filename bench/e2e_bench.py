@@ -123,7 +123,7 @@ def main() -> int:
                          "expert cache: budget = cap - non-expert weights a decode step reads (all but the token "
                          "embedding) - this (default: %(default)s)")
     ap.add_argument("--direct-io", action="store_true", help="ZipMoE reads chunks with O_DIRECT")
-    ap.add_argument("--eviction", default="lru",
+    ap.add_argument("--eviction", default="rank",
                     help="ZipMoE's eviction policies to run, comma-separated among lru, fifo, marking, lfu, rank "
                          "(zipmoe_eviction; default: %(default)s); the ratios printed use the first")
     ap.add_argument("--systems", default="stock,zipmoe,raw", help="which systems to run (default: %(default)s)")

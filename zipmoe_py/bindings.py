@@ -145,9 +145,10 @@ class Llama(llama_cpp.Llama):
       zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
       zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
                         all (0). Reads run on the cache's own I/O thread either way.
-      zipmoe_eviction:  which resident expert a miss replaces: "lru" (default), "fifo", "marking"
-                        (randomized marking), "lfu" (least often chosen), "rank" (ZipMoE's rank
-                        dispatch: experts ranked beyond their layer's share of the cache go first)
+      zipmoe_eviction:  which resident expert a miss replaces: "rank" (default; ZipMoE's rank
+                        dispatch: experts ranked beyond their layer's share of the cache go first,
+                        then the least often chosen), "lru", "fifo", "marking" (randomized
+                        marking), "lfu" (least often chosen)
       zipmoe_rank_delta: the "rank" policy's tolerance margin (default 0)
     """
 

@@ -173,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--direct-io", action="store_true",
                     help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
     ap.add_argument("--eviction", choices=_lib.EVICTION_POLICIES, default=None,
-                    help="ZipMoE GGUFs: which cached expert a miss replaces: lru (default), fifo, marking "
-                         "(randomized marking), lfu (least often chosen), rank (ZipMoE: experts ranked beyond their "
-                         "layer's share of the cache go first)")
+                    help="ZipMoE GGUFs: which cached expert a miss replaces: rank (default; ZipMoE: experts "
+                         "ranked beyond their layer's share of the cache go first, then the least often chosen), "
+                         "lru, fifo, marking (randomized marking), lfu (least often chosen)")
     ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
                     help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
                          "(default: all; reads run on the cache's own I/O thread)")

@@ -238,7 +238,7 @@ struct ggml_zipmoe_cache_params {
     void *                          slot_data[3];   // by kind: start of a [ne0, ne1, n_slots] BF16 tensor
     size_t                          slot_stride[3]; // by kind: bytes from one slot to the next (nb[2])
     int32_t                         n_decoders;     // graph threads that decode in fetch_end (0: all of them)
-    int32_t                         eviction;       // enum ggml_zipmoe_eviction
+    int32_t                         eviction;       // enum ggml_zipmoe_eviction (llama.cpp's default: RANK)
     int32_t                         rank_delta;     // GGML_ZIPMOE_EVICT_RANK's tolerance margin delta (>= 0)
 };
 
