@@ -205,12 +205,15 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_r
 // expert cache: BF16 slots filled on demand from a ZipMoE GGUF, driven from inside a ggml graph
 //
 // The caller owns three slot tensors (gate, up, down), each [ne0, ne1, n_slots] BF16, shared by
-// all layers. For a layer's top-k choice, ggml_zipmoe_cache_fetch makes the chosen experts
-// resident (LRU over slots not needed by the current call) and returns slot ids to use in
-// place of expert ids in ggml_mul_mat_id. When a ubatch selects more distinct experts than
-// there are slots, the work is split in passes of at most n_slots experts each (experts in
+// all layers. For a layer's top-k choice, a fetch makes the chosen experts resident (the
+// eviction policy picks among slots the current call does not need) and returns slot ids to
+// use in place of expert ids in ggml_mul_mat_id. When a ubatch selects more distinct experts
+// than there are slots, the work is split in passes of at most n_slots experts each (experts in
 // ascending id order); ggml_zipmoe_cache_merge_pass then picks every row from its own pass.
 // The slots are filled bit-exactly, so the product is bit-identical to using the experts in place.
+// Memory beyond the slots: a ring of 8 staging buffers (each one expert tensor's stored chunks:
+// its SM bytes plus K E-chunks of at most the largest stored chunk), per decoding thread one
+// decoder and one decoded shard, the I/O thread, and the chunk index.
 //
 
 enum ggml_zipmoe_expert_kind {
