@@ -37,7 +37,7 @@ CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-
 
 PROBE = r"""
 import json, os, random, sys, time
-path, n_prompt, n_gen, threads, budget, direct, eviction = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1", sys.argv[7]
+path, n_prompt, n_gen, threads, budget, direct, eviction, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1", sys.argv[7], int(sys.argv[8])
 from zipmoe_py import Llama
 opts = {} if budget == "-" else {"zipmoe_budget": int(budget), "zipmoe_direct_io": direct, "zipmoe_eviction": eviction}
 t0 = time.perf_counter()
@@ -56,17 +56,44 @@ def read_bytes():
 # decode steps feed seeded random tokens, as llama-bench's tg does: greedy decoding of a random-weight
 # model repeats one token, which would route every step to the same experts
 rng = random.Random(1234)
-t0 = time.perf_counter()
-llm.eval(tokens)
-ttft = time.perf_counter() - t0
-prefill = llm.zipmoe_stats()
-llm.zipmoe_reset_stats()
-decode_read0 = read_bytes()
-t0 = time.perf_counter()
-for _ in range(n_gen):
-    llm.eval([rng.randrange(llm.n_vocab())])
-tpot = (time.perf_counter() - t0) / n_gen
-print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": 1 / tpot,
+if batch == 1:
+    t0 = time.perf_counter()
+    llm.eval(tokens)
+    ttft = time.perf_counter() - t0
+    prefill = llm.zipmoe_stats()
+    llm.zipmoe_reset_stats()
+    decode_read0 = read_bytes()
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        llm.eval([rng.randrange(llm.n_vocab())])
+    tpot = (time.perf_counter() - t0) / n_gen
+else:
+    # batch sequences decoded together: each step is one ubatch of `batch` tokens
+    from zipmoe_py.bindings import llama_cpp as lc
+    cp = lc.llama_context_default_params()
+    cp.n_ctx = (n_prompt + n_gen) * batch + 64
+    cp.n_batch = cp.n_ubatch = n_prompt * batch
+    cp.n_seq_max = batch
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(llm._model.model, cp)
+    lb = lc.llama_batch_init(cp.n_batch, 0, batch)
+    def decode(entries):
+        lb.n_tokens = len(entries)
+        for i, (tok, pos, seq) in enumerate(entries):
+            lb.token[i], lb.pos[i], lb.n_seq_id[i], lb.seq_id[i][0] = tok, pos, 1, seq
+            lb.logits[i] = i == len(entries) - 1
+        assert lc.llama_decode(ctx, lb) == 0
+    t0 = time.perf_counter()
+    decode([(tokens[(i + 7 * s) % n_prompt], i, s) for s in range(batch) for i in range(n_prompt)])
+    ttft = time.perf_counter() - t0
+    prefill = llm.zipmoe_stats()
+    llm.zipmoe_reset_stats()
+    decode_read0 = read_bytes()
+    t0 = time.perf_counter()
+    for step in range(n_gen):
+        decode([(rng.randrange(llm.n_vocab()), n_prompt + step, s) for s in range(batch)])
+    tpot = (time.perf_counter() - t0) / n_gen
+print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": batch / tpot, "batch": batch,
                   "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
                   "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats()}))
 """
@@ -118,6 +145,9 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=32,
                     help="decode steps (random tokens); TPOT is their mean time (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together (each decode step is one ubatch of this many tokens); "
+                         "tokens/s counts all of them, TPOT is the time of one step (default: %(default)s)")
     ap.add_argument("--runtime-allowance", default="400M",
                     help="memory kept for the runtime (Python, compute buffers, KV, staging) when sizing the "
                          "expert cache: budget = cap - non-expert weights a decode step reads (all but the token "
@@ -153,7 +183,7 @@ def main() -> int:
     # the compute floor: stock llama.cpp with the whole model in the page cache, no cap
     warm_page_cache(bf16)
     warm = subprocess.run([sys.executable, "-c", PROBE, *map(str, (bf16, args.prompt_tokens, args.gen_tokens,
-                                                                    args.threads, "-", 0, "-"))],
+                                                                    args.threads, "-", 0, "-", args.batch))],
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     warm = json.loads([l for l in warm.stdout.splitlines() if l.startswith("{")][-1])
     compute_s = warm["tpot_s"]
@@ -173,7 +203,7 @@ def main() -> int:
             label = system if len(evictions) == 1 or eviction is None else f"{system}/{eviction}"
             path = {"stock": bf16, "zipmoe": zipmoe, "raw": raw}[system]
             cmd = [sys.executable, "-c", PROBE, path, args.prompt_tokens, args.gen_tokens, args.threads,
-                   "-" if system == "stock" else budget, int(args.direct_io), eviction or "-"]
+                   "-" if system == "stock" else budget, int(args.direct_io), eviction or "-", args.batch]
             t = time.perf_counter()
             probe, capped = run_capped(cap, path, cmd)
             row = {"system": system, "eviction": eviction, "cap_pct": pct, "cap_bytes": cap,
@@ -210,7 +240,7 @@ def main() -> int:
     result = {"bf16": str(bf16), "zipmoe": str(zipmoe), "raw": str(raw), "model_bytes": model_bytes,
               "non_expert_bytes": fixed, "non_expert_read_bytes": fixed_read, "one_expert_bytes": one_expert,
               "odirect_gbps": bw["odirect_gbps"], "compute_tpot_s": compute_s, "warm": warm,
-              "threads": args.threads, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+              "threads": args.threads, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
               "direct_io": args.direct_io, "eviction": args.eviction, "runtime_allowance": allowance, "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "rows": rows,
               "command": " ".join(sys.argv)}
