@@ -33,13 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run"
 
 PROBE = r"""
 import json, os, random, sys, time
-path, n_prompt, n_gen, threads, budget, direct, eviction, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6] == "1", sys.argv[7], int(sys.argv[8])
-from zipmoe_py import Llama
-opts = {} if budget == "-" else {"zipmoe_budget": int(budget), "zipmoe_direct_io": direct, "zipmoe_eviction": eviction}
+path, n_prompt, n_gen, threads, opts, batch, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+from zipmoe_py import Llama, _lib
 t0 = time.perf_counter()
 llm = Llama(model_path=path, n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads, verbose=False, **opts)
 t_load = time.perf_counter() - t0
@@ -55,7 +56,7 @@ def read_bytes():
     return int(dict(line.split(":") for line in open("/proc/self/io"))["read_bytes"])
 # decode steps feed seeded random tokens, as llama-bench's tg does: greedy decoding of a random-weight
 # model repeats one token, which would route every step to the same experts
-rng = random.Random(1234)
+rng = random.Random(seed)
 if batch == 1:
     t0 = time.perf_counter()
     llm.eval(tokens)
@@ -72,7 +73,8 @@ else:
     from zipmoe_py.bindings import llama_cpp as lc
     cp = lc.llama_context_default_params()
     cp.n_ctx = (n_prompt + n_gen) * batch + 64
-    cp.n_batch = cp.n_ubatch = n_prompt * batch
+    cp.n_batch = n_prompt * batch
+    cp.n_ubatch = min(cp.n_batch, 128)  # compute buffers of a 128-token ubatch at most, whatever the batch
     cp.n_seq_max = batch
     cp.n_threads = cp.n_threads_batch = threads
     ctx = lc.llama_init_from_model(llm._model.model, cp)
@@ -93,9 +95,14 @@ else:
     for step in range(n_gen):
         decode([(rng.randrange(llm.n_vocab()), n_prompt + step, s) for s in range(batch)])
     tpot = (time.perf_counter() - t0) / n_gen
+cache = _lib.llama_model_zipmoe_cache(llm._model.model)
+activations = None
+if cache:  # per served layer: in how many decode ubatches each expert was chosen (a profile)
+    activations = [a for a in (_lib.cache_activations(cache, il) for il in range(4096)) if a is not None]
 print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": batch / tpot, "batch": batch,
                   "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
-                  "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats()}))
+                  "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats(),
+                  "activations": activations}))
 """
 
 
@@ -135,6 +142,77 @@ def ensure_zipmoe(bf16: Path, out: Path, codec: str) -> Path:
     return out
 
 
+SEED = 1234          # the decode steps' random tokens
+PROFILE_SEED = 4321  # the plan variant's profiling run: another token stream than the one measured
+VARIANTS = ("lru", "fifo", "marking", "lfu", "rank", "pools", "plan")
+
+
+def top_k(zipmoe_path: Path) -> int:
+    from zipmoe_py import gguf_file
+
+    header = gguf_file.read_header(zipmoe_path)
+    arch = header.metadata["general.architecture"]
+    return int(header.metadata[f"{arch}.expert_used_count"])
+
+
+def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
+    """zipmoe-profile's PROFILE of this workload (batch args.batch), from an uncapped run with every
+    expert cached and another token stream, plus measured costs for the planner."""
+    from zipmoe_py import profile as zprofile
+    from zipmoe_py.planner import FORMAT_VERSION, PROFILE_FORMAT
+
+    print("plan: profiling the workload (uncapped, another seed) and measuring u, v, c ...", flush=True)
+    cmd = [sys.executable, "-c", PROBE, zipmoe_path, args.prompt_tokens, args.gen_tokens, args.threads,
+           json.dumps({"zipmoe_budget": zipmoe_path.stat().st_size * 2}), args.batch, PROFILE_SEED]
+    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, cwd=tempfile.gettempdir())
+    probe = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
+    counts = [a[0] for a in probe["activations"]]
+    n_ubatches = probe["activations"][0][1]
+    bytes_by_state, n_tensors, n_shards = zprofile.expert_bytes(zipmoe_path)
+    costs = zprofile.measure_costs(zipmoe_path, threads=args.threads)
+    return {"format": PROFILE_FORMAT, "version": FORMAT_VERSION, "model": str(zipmoe_path),
+            "n_layer_moe": len(counts), "n_expert": len(counts[0]), "n_expert_used": top_k(zipmoe_path),
+            "expert_bytes": bytes_by_state, "n_tensors_per_expert": n_tensors, "n_shards": n_shards,
+            "batches": {str(args.batch): {"n_ubatches": n_ubatches, "counts": counts}}, "costs": costs}
+
+
+def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: dict | None, one_expert: int) -> dict:
+    """Llama keyword arguments of a ZipMoE variant under an expert-cache budget (pools + working slots)."""
+    from zipmoe_py import planner, profile as zprofile
+
+    opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
+    if variant not in ("pools", "plan"):
+        return {**opts, "zipmoe_eviction": variant}
+    pool_budget = budget - work_slots * one_expert
+    if profile is None:
+        bytes_by_state, _, _ = zprofile.expert_bytes(Path(args.zipmoe_resolved))
+        n_moe = n_moe_layers(Path(args.zipmoe_resolved))
+    else:
+        bytes_by_state, n_moe = profile["expert_bytes"], profile["n_layer_moe"]
+    if variant == "pools":
+        # the four pools with equal shares of the memory, no planning
+        caps = {p: max(0, pool_budget // 4 // (bytes_by_state[p] * n_moe)) for p in "FCSE"}
+        return {**opts, "zipmoe_pools": caps, "zipmoe_work_slots": work_slots}
+    counts = np.array(profile["batches"][str(args.batch)]["counts"])
+    f = planner.rank_inclusion_probabilities(counts, profile["batches"][str(args.batch)]["n_ubatches"])
+    f, k = planner.round_to_subset_size(f)
+    c = profile["costs"]
+    costs = planner.Costs(u_s=c["u_s"], v_s=c["v_s"], c_s=c["c_s"])
+    result = planner.plan(f, k, pool_budget, bytes_by_state, planner.POOLS, costs, args.threads,
+                          profile["n_shards"], profile["n_tensors_per_expert"], n_moe)
+    print(f"plan for {pool_budget / 1e9:.2f} GB of pools: capacities {result.capacities} (per layer), "
+          f"expected makespan {result.expected_makespan_s * 1e3:.2f} ms", flush=True)
+    return {**opts, "zipmoe_pools": dict(result.capacities), "zipmoe_rank_delta": result.delta,
+            "zipmoe_work_slots": work_slots}
+
+
+def n_moe_layers(zipmoe_path: Path) -> int:
+    from zipmoe_py import format as zformat
+
+    with zformat.ZipMoEFile(zipmoe_path) as zf:
+        return len([t for t in zf.tensors if "ffn_gate_exps" in t])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bf16", type=Path, required=True, help="BF16 GGUF (stock llama.cpp's input)")
@@ -153,9 +231,14 @@ def main() -> int:
                          "expert cache: budget = cap - non-expert weights a decode step reads (all but the token "
                          "embedding) - this (default: %(default)s)")
     ap.add_argument("--direct-io", action="store_true", help="ZipMoE reads chunks with O_DIRECT")
-    ap.add_argument("--eviction", default="rank",
-                    help="ZipMoE's eviction policies to run, comma-separated among lru, fifo, marking, lfu, rank "
-                         "(zipmoe_eviction; default: %(default)s); the ratios printed use the first")
+    ap.add_argument("--variants", "--eviction", dest="variants", default="rank",
+                    help="ZipMoE configurations to run, comma-separated: the eviction policies lru, fifo, marking, "
+                         "lfu, rank (one F pool of the whole budget); pools (the four pools F, C, S, E with equal "
+                         "shares of the budget); plan (the pools and shares zipmoe-plan chooses from a profile of "
+                         "this workload, taken in an uncapped run with another seed). Default: %(default)s; the "
+                         "ratios printed use the first")
+    ap.add_argument("--work-slots", type=int, default=None,
+                    help="working slots of the pools and plan variants (default: 2 x top-k x batch, at most 64)")
     ap.add_argument("--systems", default="stock,zipmoe,raw", help="which systems to run (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_bench.json"))
     args = ap.parse_args()
@@ -165,6 +248,7 @@ def main() -> int:
     bf16 = args.bf16.resolve()
     zipmoe = (args.zipmoe or ensure_zipmoe(bf16, bf16.with_suffix(".zipmoe.gguf"), "fhuf")).resolve()
     raw = (args.raw or ensure_zipmoe(bf16, bf16.with_suffix(".raw.gguf"), "raw")).resolve()
+    args.zipmoe_resolved = str(zipmoe)
     model_bytes = bf16.stat().st_size
     fixed, fixed_read = non_expert_bytes(zipmoe)
     allowance = parse_size(args.runtime_allowance, "--runtime-allowance")
@@ -183,7 +267,7 @@ def main() -> int:
     # the compute floor: stock llama.cpp with the whole model in the page cache, no cap
     warm_page_cache(bf16)
     warm = subprocess.run([sys.executable, "-c", PROBE, *map(str, (bf16, args.prompt_tokens, args.gen_tokens,
-                                                                    args.threads, "-", 0, "-", args.batch))],
+                                                                    args.threads, "{}", args.batch, SEED))],
                           capture_output=True, text=True, cwd=tempfile.gettempdir())
     warm = json.loads([l for l in warm.stdout.splitlines() if l.startswith("{")][-1])
     compute_s = warm["tpot_s"]
@@ -191,10 +275,15 @@ def main() -> int:
 
     rows = []
     systems = args.systems.split(",")
-    evictions = args.eviction.split(",")
-    unknown = [e for e in evictions if e not in ("lru", "fifo", "marking", "lfu", "rank")]
+    evictions = args.variants.split(",")
+    unknown = [e for e in evictions if e not in VARIANTS]
     if unknown:
-        ap.error(f"--eviction: unknown policies {unknown}")
+        ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)}")
+    k = top_k(zipmoe)
+    work_slots = args.work_slots or min(64, 2 * k * args.batch)
+    profile = None
+    if "plan" in evictions:
+        profile = take_profile(zipmoe, args, work_slots)
     for pct in [int(c) for c in args.caps.split(",")]:
         cap = model_bytes * pct // 100
         budget = max(cap - fixed_read - allowance, one_expert)
@@ -202,12 +291,13 @@ def main() -> int:
         for system, eviction in runs:
             label = system if len(evictions) == 1 or eviction is None else f"{system}/{eviction}"
             path = {"stock": bf16, "zipmoe": zipmoe, "raw": raw}[system]
+            opts = {} if system == "stock" else zipmoe_options(eviction, budget, args, work_slots, profile, one_expert)
             cmd = [sys.executable, "-c", PROBE, path, args.prompt_tokens, args.gen_tokens, args.threads,
-                   "-" if system == "stock" else budget, int(args.direct_io), eviction or "-", args.batch]
+                   json.dumps(opts), args.batch, SEED]
             t = time.perf_counter()
             probe, capped = run_capped(cap, path, cmd)
             row = {"system": system, "eviction": eviction, "cap_pct": pct, "cap_bytes": cap,
-                   "budget_bytes": None if system == "stock" else budget,
+                   "budget_bytes": None if system == "stock" else budget, "options": opts,
                    "wall_s": time.perf_counter() - t, "peak_bytes": capped.get("peak_bytes"), **probe}
             rows.append(row)
             if "error" in probe:
@@ -224,7 +314,8 @@ def main() -> int:
                 row["floor_s"] = max(compute_s, io_s, decode_s)
                 row["floor_parts_s"] = {"compute": compute_s, "io": io_s, "decode": decode_s}
                 row["io_gbps"] = z["bytes_read"] / z["io_ns"] if z["io_ns"] else None
-                extra = (f"  hit {z['hit_rate'] or 0:.2f} slots {z['n_slots']}  floor {row['floor_s'] * 1e3:6.1f} ms "
+                pooled = "".join(f" {p}{z[p.lower() + '_hits'] / n_tok:.1f}" for p in "CSE" if z[p.lower() + "_hits"])
+                extra = (f"  hit {z['hit_rate'] or 0:.2f}{pooled} slots {z['n_slots']}  floor {row['floor_s'] * 1e3:6.1f} ms "
                          f"(x{probe['tpot_s'] / row['floor_s']:.2f})  read {(row['io_gbps'] or 0):.2f} GB/s")
             print(f"{pct:>3}% {label:7s} TTFT {probe['ttft_s']:7.2f} s  TPOT {probe['tpot_s'] * 1e3:8.1f} ms  "
                   f"{probe['tok_per_s']:6.2f} tok/s  decode read {probe['decode_read_bytes'] / n_tok / 1e6:7.1f} MB/tok "
@@ -241,7 +332,7 @@ def main() -> int:
               "non_expert_bytes": fixed, "non_expert_read_bytes": fixed_read, "one_expert_bytes": one_expert,
               "odirect_gbps": bw["odirect_gbps"], "compute_tpot_s": compute_s, "warm": warm,
               "threads": args.threads, "batch": args.batch, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-              "direct_io": args.direct_io, "eviction": args.eviction, "runtime_allowance": allowance, "machine": platform.platform(),
+              "direct_io": args.direct_io, "variants": args.variants, "work_slots": work_slots, "profile": profile, "runtime_allowance": allowance, "machine": platform.platform(),
               "cpu_count": os.cpu_count(), "rows": rows,
               "command": " ".join(sys.argv)}
     args.out.parent.mkdir(parents=True, exist_ok=True)

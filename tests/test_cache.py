@@ -26,7 +26,7 @@ KINDS = ("gate", "up", "down")
 
 
 class Cache:
-    def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0):
+    def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0)):
         lib = self.lib = _lib.lib()
         err = ctypes.create_string_buffer(512)
         self.file = lib.ggml_zipmoe_file_open(str(path).encode(), 0, err, len(err))
@@ -39,6 +39,7 @@ class Cache:
         params = _lib.CacheParams()
         params.file, params.n_slots, params.n_decoders = self.file, n_slots, n_decoders
         params.eviction, params.rank_delta = eviction, rank_delta
+        params.pool_capacity[:] = pools
         self.slots = []
         for k, kind in enumerate(KINDS):
             ne0, ne1, _ = self.shapes[f"blk.0.ffn_{kind}_exps.weight"]

@@ -20,7 +20,7 @@ def zipmoe_qwen(tiny_gguf, tmp_path_factory):
     return out
 
 
-def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_path):
+def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tiny_gguf, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n\n")
     out = tmp_path / "profile.json"
@@ -42,9 +42,10 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_pa
     assert ((per_layer >= k * three["n_ubatches"]) & (per_layer <= 3 * k * three["n_ubatches"])).all()
     f = np.array(one["f"])
     assert np.all(np.diff(f) <= 0) and f.sum() == pytest.approx(k)
-    # the state sizes come from the file: SM is half of BF16, compressed E is smaller than the other half
+    # the state sizes are the runtime's store entries (64-byte aligned): SM is half of BF16, compressed E
+    # is smaller than the other half
     b = doc["expert_bytes"]
-    assert b["S"] * 2 == b["F"] and 0 < b["E"] < b["S"] and b["C"] == b["S"] + b["E"]
+    assert b["S"] == -(-b["F"] // 128) * 64 and 0 < b["E"] < b["S"] and b["S"] + b["E"] - 64 <= b["C"] <= b["S"] + b["E"]
 
     measured, threads = planner.load_costs(costs)  # the planner's own validation
     assert threads == 2 and 0 < measured.v_s and 0 < measured.c_s and 0 < measured.u_s
@@ -55,6 +56,23 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tmp_pa
     result, meta = planner.load_plan(plan)
     assert sum(result.ratios.values()) == pytest.approx(1.0)
     assert json.loads(plan.read_text())["format"] == "zipmoe-plan"
+
+    # the runtime takes the plan: its pools as planned, logits bit-identical to the BF16 GGUF
+    from test_serve import load, logits_trace
+
+    reference = load(tiny_gguf("qwen2moe"))
+    want = logits_trace(reference, PROMPTS[:2], n_decode=8)
+    reference.close()
+    llm = load(zipmoe_qwen, zipmoe_plan=plan, zipmoe_work_slots=4)
+    try:
+        got = logits_trace(llm, PROMPTS[:2], n_decode=8)
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert got[1] == want[1] and np.array_equal(got[0], want[0])
+    for pool in "FCSE":
+        assert stats["pools"][pool]["experts"] == result.capacities.get(pool, 0) * doc["n_layer_moe"]
+    assert stats["n_slots"] == result.capacities["F"] * doc["n_layer_moe"] + 4
 
 
 def test_profile_errors_name_what_is_wrong(zipmoe_qwen, tiny_gguf, tmp_path, capsys):

@@ -176,6 +176,60 @@ def test_every_eviction_policy_is_bit_identical(eviction, zipmoe_gguf, reference
     assert stats["expert_hits"] > 0 and stats["expert_misses"] > 0
 
 
+POOL_MIXES = {"C": "C=4", "F+S+E": "F=2,S=3,E=3", "F+C+S+E": "F=1,C=2,S=2,E=2"}
+
+
+@pytest.mark.parametrize("mix", POOL_MIXES)
+def test_every_pool_mix_is_bit_identical(arch, mix, zipmoe_gguf, reference):
+    """Experts decoded from the C, S and E stores (and read in Algorithm 1's order) give the same logits;
+    the working slots are just the top-k, so a prefill runs in several passes per layer."""
+    path = zipmoe_gguf(arch)
+    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    llm = load(path, zipmoe_pools=POOL_MIXES[mix], zipmoe_work_slots=top_k)
+    try:
+        got, got_tokens = logits_trace(llm, PROMPTS[:4])
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    want, want_tokens = reference(arch, 4)
+    assert got_tokens == want_tokens
+    differing = int((got != want).any(axis=1).sum())
+    assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF"
+    capacities = dict(item.split("=") for item in POOL_MIXES[mix].split(","))
+    n_moe = len([t for t in zformat.ZipMoEFile(path).tensors if "ffn_gate_exps" in t])
+    for pool in "CSE":
+        want_entries = int(capacities.get(pool, 0)) * n_moe
+        assert stats["pools"][pool]["experts"] == want_entries
+        assert (stats[f"{pool.lower()}_hits"] > 0) == (want_entries > 0), (pool, stats)
+    assert stats["n_slots"] == int(capacities.get("F", 0)) * n_moe + top_k
+
+
+def test_pool_options_are_checked(zipmoe_gguf, tiny_gguf, tmp_path):
+    path = zipmoe_gguf("qwen2moe")
+    for bad in ["F=2,X=1", "F=-1", "F", "F=0", {"F": "many"}, 7, "F=1,F=2"]:
+        with pytest.raises(ZipMoEError, match="pools"):
+            load(path, zipmoe_pools=bad)
+    with pytest.raises(ZipMoEError, match="dispatch experts by rank"):
+        load(path, zipmoe_pools="F=2", zipmoe_eviction="lru")
+    with pytest.raises(ZipMoEError, match="zipmoe_work_slots"):
+        load(path, zipmoe_pools="F=2", zipmoe_work_slots=0)
+    with pytest.raises(ZipMoEError, match="not both"):
+        load(path, zipmoe_pools="F=2", zipmoe_plan=tmp_path / "plan.json")
+    with pytest.raises(ZipMoEError, match="plan.json"):
+        load(path, zipmoe_plan=tmp_path / "plan.json")
+    # the loader checks the pools against the budget once it knows the stores' entry sizes
+    one, _, _ = expert_geometry(path)
+    common = [_paths.program("llama-completion"), "-p", PROMPTS[0], "-n", 8, "--temp", 0, "--seed", 1, "-no-cnv",
+              "-t", THREADS]
+    pools = ["--override-kv", "zipmoe.pool_f=int:2", "--override-kv", "zipmoe.pool_c=int:4"]
+    over = run(common + ["-m", path, *pools, "--override-kv", f"zipmoe.budget=int:{4 * one}"], stdin=subprocess.DEVNULL)
+    assert over.returncode != 0 and b"more than zipmoe.budget" in over.stderr, over.stderr.decode()[-2000:]
+    # and the CLI runs the same pools, bit-exact, when no budget limits them
+    want = run(common + ["-m", tiny_gguf("qwen2moe")], stdin=subprocess.DEVNULL)
+    got = run(common + ["-m", path, *pools], stdin=subprocess.DEVNULL)
+    assert got.returncode == 0 and got.stdout == want.stdout, got.stderr.decode()[-2000:]
+
+
 def test_fork_cli_with_warmup_matches_the_bf16_gguf_at_the_smallest_budget(arch, tiny_gguf, zipmoe_gguf):
     """llama-completion's warmup selects every expert of every layer: it must fit a top-k budget too."""
     path = zipmoe_gguf(arch)

@@ -18,6 +18,8 @@ FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
 # enum ggml_zipmoe_eviction
 EVICTION_POLICIES = ("lru", "fifo", "marking", "lfu", "rank")
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
+# enum ggml_zipmoe_pool: the cache hierarchy, in order
+POOLS = ("F", "C", "S", "E")
 # enum ggml_zipmoe_open_flags
 OPEN_DIRECT = 1
 
@@ -30,13 +32,15 @@ class ChunkInfo(ctypes.Structure):
 
 class CacheStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("fetch_calls", "expert_hits", "expert_misses", "bytes_read",
-                                                     "io_ns", "decode_ns", "recover_ns", "fetch_ns")]
+                                                     "io_ns", "decode_ns", "recover_ns", "fetch_ns",
+                                                     "c_hits", "s_hits", "e_hits")]
 
 
 class CacheParams(ctypes.Structure):
     _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
                 ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
-                ("rank_delta", ctypes.c_int32)]
+                ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
+                ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double)]
 
 
 # enum ggml_zipmoe_expert_state
@@ -125,6 +129,7 @@ _PROTOTYPES = {
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                             ctypes.c_size_t]),
     "ggml_zipmoe_cache_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_pool_entries": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
@@ -178,7 +183,11 @@ def cache_stats(cache) -> dict:
     lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
     out = {name: getattr(stats, name) for name, _ in CacheStats._fields_}
     out["n_slots"] = lib().ggml_zipmoe_cache_n_slots(cache)
-    lookups = out["expert_hits"] + out["expert_misses"]
+    entry = ctypes.c_size_t()
+    out["pools"] = {name: {"experts": lib().ggml_zipmoe_cache_pool_entries(cache, i, ctypes.byref(entry)),
+                           "entry_bytes": entry.value} for i, name in enumerate(POOLS)}
+    lookups = out["expert_hits"] + out["c_hits"] + out["s_hits"] + out["e_hits"] + out["expert_misses"]
+    # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
     return out
 

@@ -100,10 +100,58 @@ def parse_threads(value, what: str = "zipmoe_threads") -> int:
     return value
 
 
+def parse_pools(value, what: str = "zipmoe_pools") -> dict:
+    """The KV overrides zipmoe.pool_f, pool_c, pool_s, pool_e from {"F": 4, "C": 8} or "F=4,C=8"
+    (experts per MoE layer of the pools F, C, S, E)."""
+    if isinstance(value, str):
+        items = [item.split("=", 1) for item in value.replace(" ", "").split(",") if item]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    else:
+        raise ZipMoEError(f"{what} must be like 'F=4,C=8,E=2' or {{'F': 4, 'C': 8}}; got {value!r}")
+    pools = {}
+    for item in items:
+        name, count = (item + [None])[:2] if isinstance(item, list) else item
+        name = str(name).upper()
+        try:
+            count = int(count)
+        except (TypeError, ValueError):
+            count = -1
+        if name not in _lib.POOLS or name in pools or count < 0:
+            raise ZipMoEError(f"{what}: {value!r} must name each of the pools F, C, S, E at most once with a "
+                              "count >= 0 of experts per MoE layer, like 'F=4,C=8,E=2'")
+        pools[name] = count
+    if not pools or not any(pools.values()):
+        raise ZipMoEError(f"{what}: {value!r} holds no expert; give e.g. 'F=4,C=8,E=2'")
+    return {f"zipmoe.pool_{p.lower()}": pools[p] for p in _lib.POOLS if p in pools}
+
+
+def plan_overrides(plan_path) -> dict:
+    """zipmoe.pools and zipmoe.rank_delta from a zipmoe-plan PLAN file."""
+    from .planner import load_plan
+
+    result, _ = load_plan(Path(plan_path))
+    if not any(result.capacities.values()):
+        raise ZipMoEError(f"{plan_path}: the plan keeps no expert in any pool (its budget is below one expert per layer)")
+    return {**parse_pools(dict(result.capacities), f"{plan_path}: capacities"), "zipmoe.rank_delta": int(result.delta)}
+
+
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
-                     rank_delta=None) -> dict:
+                     rank_delta=None, pools=None, work_slots=None, plan=None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader."""
     out = {}
+    if plan is not None and pools is not None:
+        raise ZipMoEError("give zipmoe_plan or zipmoe_pools, not both (a plan sets the pools)")
+    if plan is not None:
+        out.update(plan_overrides(plan))
+    if pools is not None:
+        out.update(parse_pools(pools))
+    if work_slots is not None:
+        if isinstance(work_slots, bool) or not isinstance(work_slots, int) or work_slots < 1:
+            raise ZipMoEError(f"zipmoe_work_slots must be a whole number >= 1; got {work_slots!r}")
+        out["zipmoe.work_slots"] = work_slots
+    if any(key.startswith("zipmoe.pool_") for key in out) and eviction not in (None, "rank"):
+        raise ZipMoEError(f"pools dispatch experts by rank: zipmoe_eviction={eviction!r} cannot be used with them")
     if eviction is not None:
         if eviction not in _lib.EVICTION_POLICIES:
             raise ZipMoEError(f"zipmoe_eviction must be one of {', '.join(_lib.EVICTION_POLICIES)}; got {eviction!r}")
@@ -149,7 +197,14 @@ class Llama(llama_cpp.Llama):
                         dispatch: experts ranked beyond their layer's share of the cache go first,
                         then the least often chosen), "lru", "fifo", "marking" (randomized
                         marking), "lfu" (least often chosen)
-      zipmoe_rank_delta: the "rank" policy's tolerance margin (default 0)
+      zipmoe_rank_delta: the "rank" dispatch's tolerance margin delta (default 0, or the plan's)
+      zipmoe_pools:     the hierarchical pools (ZipMoE §3.2), experts per MoE layer kept full (F),
+                        compressed (C: SM + E-chunks), as SM-chunks (S) or as E-chunks (E), e.g.
+                        "F=4,C=8,E=2" or {"F": 4, "C": 8}; default: one F pool of the whole budget
+      zipmoe_plan:      a zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools)
+      zipmoe_work_slots: with pools, the slots beyond F's where other experts are made full for a
+                        pass (default 8; a ubatch choosing more distinct experts per layer than the
+                        free slots runs in several passes)
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
@@ -157,17 +212,19 @@ class Llama(llama_cpp.Llama):
         check_model_file(model_path)
         options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
                                    kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
-                                   kwargs.get("zipmoe_rank_delta"))
+                                   kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
+                                   kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"))
         if "zipmoe.budget" in options:
             _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
                  zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
-                 zipmoe_rank_delta: int | None = None, **kwargs):
+                 zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
+                 zipmoe_plan=None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
-                                          zipmoe_rank_delta))
+                                          zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

@@ -51,9 +51,12 @@ def experts_bytes(model: Path) -> int | None:
 
 
 def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
-    lookups = stats["expert_hits"] + stats["expert_misses"]
+    pooled = stats["c_hits"] + stats["s_hits"] + stats["e_hits"]
+    lookups = stats["expert_hits"] + pooled + stats["expert_misses"]
     text = (f"experts: {stats['expert_hits']} hits, {stats['expert_misses']} misses"
             f" ({100 * stats['expert_hits'] / lookups:.1f}% hits)" if lookups else "experts: no lookups")
+    if pooled:
+        text += f"; from pools C/S/E: {stats['c_hits']}/{stats['s_hits']}/{stats['e_hits']}"
     text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
              f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
              f"{stats['fetch_ns'] / 1e6:.1f} ms")
@@ -67,7 +70,8 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
     if now is None:
         print("[stats] not a ZipMoE model: no expert cache", file=sys.stderr)
         return None
-    delta = {k: now[k] - (before or {}).get(k, 0) for k in ("expert_hits", "expert_misses", "bytes_read", "io_ns",
+    delta = {k: now[k] - (before or {}).get(k, 0) for k in ("expert_hits", "c_hits", "s_hits", "e_hits",
+                                                             "expert_misses", "bytes_read", "io_ns",
                                                              "decode_ns", "recover_ns", "fetch_ns")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
@@ -106,7 +110,8 @@ def chat(args) -> int:
                   file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
                 verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None,
-                zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction)
+                zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
+                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -176,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZipMoE GGUFs: which cached expert a miss replaces: rank (default; ZipMoE: experts "
                          "ranked beyond their layer's share of the cache go first, then the least often chosen), "
                          "lru, fifo, marking (randomized marking), lfu (least often chosen)")
+    ap.add_argument("--plan", type=Path, default=None, metavar="PLAN.json",
+                    help="ZipMoE GGUFs: use the hierarchical cache pools of a zipmoe-plan file (made by "
+                         "zipmoe-profile then zipmoe-plan for this model and a budget)")
+    ap.add_argument("--pools", default=None, metavar="F=N,C=N,S=N,E=N",
+                    help="ZipMoE GGUFs: hierarchical cache pools by hand, experts per MoE layer kept full (F), "
+                         "compressed (C), as sign+mantissa chunks (S) or as exponent chunks (E); an expert goes "
+                         "to the first pool whose cumulative size exceeds its activation rank (instead of --plan)")
+    ap.add_argument("--work-slots", type=int, default=None, metavar="N",
+                    help="ZipMoE GGUFs with pools: slots beyond F's where experts from C, S, E or disk are made "
+                         "full for use (default: 8)")
     ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
                     help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
                          "(default: all; reads run on the cache's own I/O thread)")
@@ -189,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.plan is not None and args.pools is not None:
+        ap.error("give --plan or --pools, not both (a plan sets the pools)")
+    if args.work_slots is not None and args.work_slots < 1:
+        ap.error(f"--work-slots must be >= 1, got {args.work_slots}")
     if args.zipmoe_threads is not None and args.zipmoe_threads < 0:
         ap.error(f"--zipmoe-threads must be >= 0, got {args.zipmoe_threads}")
     for name in ("threads", "ctx_size"):

@@ -30,8 +30,9 @@ from .planner import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT, rank_inclusio
 
 
 def expert_bytes(path: Path) -> tuple[dict, int, int]:
-    """({F, C, S, E}: bytes of one expert in each compression state, averaged over the file's experts
-    for E), tensors per expert, shards per tensor."""
+    """({F, C, S, E}: bytes of one expert in each compression state as the runtime keeps it: a slot
+    for F; for C, S and E a store entry, sized for the file's largest E-chunks and 64-byte aligned as
+    in ggml-zipmoe), tensors per expert, shards per tensor."""
     from . import format as zformat
 
     with zformat.ZipMoEFile(path) as zf:
@@ -41,15 +42,17 @@ def expert_bytes(path: Path) -> tuple[dict, int, int]:
         n_tensors = len(next(iter(layers.values())))
         first = next(iter(layers.values()))
         full = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in first)
-        e_total, n_experts = 0, 0
+        e_max = 0
         for names in layers.values():
             for e in range(zf.shape(names[0])[2]):
-                e_total += sum(c.size for t in names for c in zf.chunks(t, e)[1:])
-                n_experts += 1
+                e_max = max(e_max, sum(c.size for t in names for c in zf.chunks(t, e)[1:]))
         shards = zf.shards
     sm = full // 2
-    e = round(e_total / n_experts)
-    return {"F": full, "C": sm + e, "S": sm, "E": e}, n_tensors, shards
+
+    def entry(n: int) -> int:
+        return -(-n // 64) * 64
+
+    return {"F": full, "C": entry(sm + e_max), "S": entry(sm), "E": entry(e_max)}, n_tensors, shards
 
 
 def measure_costs(model: Path, samples: int = 24, threads: int = 1) -> dict:

@@ -205,15 +205,27 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_r
 // expert cache: BF16 slots filled on demand from a ZipMoE GGUF, driven from inside a ggml graph
 //
 // The caller owns three slot tensors (gate, up, down), each [ne0, ne1, n_slots] BF16, shared by
-// all layers. For a layer's top-k choice, a fetch makes the chosen experts resident (the
-// eviction policy picks among slots the current call does not need) and returns slot ids to
-// use in place of expert ids in ggml_mul_mat_id. When a ubatch selects more distinct experts
-// than there are slots, the work is split in passes of at most n_slots experts each (experts in
-// ascending id order); ggml_zipmoe_cache_merge_pass then picks every row from its own pass.
-// The slots are filled bit-exactly, so the product is bit-identical to using the experts in place.
-// Memory beyond the slots: a ring of 8 staging buffers (each one expert tensor's stored chunks:
-// its SM bytes plus K E-chunks of at most the largest stored chunk), per decoding thread one
-// decoder and one decoded shard, the I/O thread, and the chunk index.
+// all layers. For a layer's top-k choice, a fetch makes the chosen experts full in slots and
+// returns slot ids to use in place of expert ids in ggml_mul_mat_id. When a ubatch selects more
+// distinct experts than there are slots, the work is split in passes of at most n_slots experts
+// each (experts in ascending id order); ggml_zipmoe_cache_merge_pass then picks every row from
+// its own pass. The slots are filled bit-exactly, so the product is bit-identical to using the
+// experts in place.
+//
+// Pools (ZipMoE paper §3.2-3.4). Without pool capacities every slot belongs to one F pool and the
+// eviction policy picks victims. With them (pool_capacity, experts per served layer), the cache
+// keeps experts in four compression states: F (full BF16, in slots), C (SM-chunks + E-chunks),
+// S (SM-chunks) and E (E-chunks), the last three in stores of fixed-size entries the cache
+// allocates. Slots beyond F's capacity are working slots, where experts from C, S, E or the file
+// are made full. After each use an expert goes to the first active pool p (order F, C, S, E) whose
+// threshold tau_p = sum_{j <= p} pool_capacity[j] + rank_delta exceeds its runtime activation rank
+// in its layer, LFU eviction inside a pool; beyond every threshold it is not kept. The reads and
+// decompressions of a fetch follow the cache-affinity scheduler (ggml_zipmoe_schedule below) on a
+// cost model of the rates in the params.
+//
+// Memory beyond the slots and stores: two rings of 8 staging buffers (SM-chunks: the largest
+// tensor's n bytes; E-chunks: K times the largest stored chunk), one decoder per decoding thread,
+// the scheduler's workspace, the I/O thread, and the chunk index.
 //
 
 enum ggml_zipmoe_expert_kind {
@@ -232,7 +244,15 @@ enum ggml_zipmoe_eviction {
     GGML_ZIPMOE_EVICT_RANK    = 4, // ZipMoE's dispatch (paper 3.4) for a single full pool: an expert
                                    // whose activation rank in its layer is not below the layer's
                                    // share of slots (n_slots / served layers) + rank_delta is evicted
-                                   // first, after its use; LFU among the others
+                                   // first, after its use; LFU among the others. Pools need it.
+};
+
+// the cache hierarchy, in order (index of ggml_zipmoe_cache_params.pool_capacity)
+enum ggml_zipmoe_pool {
+    GGML_ZIPMOE_POOL_F = 0, // full BF16 experts, in slots
+    GGML_ZIPMOE_POOL_C = 1, // SM-chunks and E-chunks
+    GGML_ZIPMOE_POOL_S = 2, // SM-chunks
+    GGML_ZIPMOE_POOL_E = 3, // E-chunks
 };
 
 struct ggml_zipmoe_cache_params {
@@ -243,17 +263,25 @@ struct ggml_zipmoe_cache_params {
     int32_t                         n_decoders;     // graph threads that decode in fetch_end (0: all of them)
     int32_t                         eviction;       // enum ggml_zipmoe_eviction (llama.cpp's default: RANK)
     int32_t                         rank_delta;     // GGML_ZIPMOE_EVICT_RANK's tolerance margin delta (>= 0)
+    int32_t                         pool_capacity[4]; // experts per served layer in F, C, S, E (all 0: one
+                                                      // F pool of every slot); F's must leave a working slot
+    double                          rate_read;      // scheduler cost model, bytes per second (0: defaults):
+    double                          rate_decode;    //   reads, decode + recovery of BF16 output per thread,
+    double                          rate_compute;   //   an expert's products per token (its BF16 weight bytes)
 };
 
 struct ggml_zipmoe_cache_stats {
     uint64_t fetch_calls;    // calls of ggml_zipmoe_cache_fetch (one per layer per pass)
-    uint64_t expert_hits;    // (layer, expert) selections found resident
-    uint64_t expert_misses;  // (layer, expert) selections read from the file
+    uint64_t expert_hits;    // (layer, expert) selections found full in a slot
+    uint64_t expert_misses;  // (layer, expert) selections found nowhere (read from the file)
     uint64_t bytes_read;     // stored chunk bytes read
     uint64_t io_ns;          // time in reads (summed over threads)
     uint64_t decode_ns;      // time decoding E-chunks (summed over threads)
     uint64_t recover_ns;     // time recovering BF16 (summed over threads)
     uint64_t fetch_ns;       // wall time of thread 0 inside fetch begin and end (what the graph waits)
+    uint64_t c_hits;         // selections found in pool C (no read)
+    uint64_t s_hits;         // selections found in pool S (E-chunks read)
+    uint64_t e_hits;         // selections found in pool E (SM-chunks read)
 };
 
 struct ggml_zipmoe_cache;
@@ -265,6 +293,11 @@ GGML_ZIPMOE_API struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct gg
 GGML_ZIPMOE_API void                       ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * cache);
 
 GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * cache);
+
+// experts pool p (enum ggml_zipmoe_pool) holds over all layers, and the bytes of one (a slot for
+// F, a store entry for C, S, E); -1 for an unknown pool
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_pool_entries(const struct ggml_zipmoe_cache * cache, int pool,
+                                                       size_t * entry_bytes);
 
 // 1 if the layer's routed experts are served by this cache
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_has_layer(const struct ggml_zipmoe_cache * cache, int layer);
@@ -285,9 +318,9 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cach
 // in pairs (a begin not followed by its end, e.g. after a graph abort, is drained by that
 // thread's next begin).
 // ggml_zipmoe_cache_fetch_end: the body of a ggml custom op, called by every thread (ith in
-// [0, nth)) of the graph; the first n_decoders threads check, decode and recover the read chunks
-// into the slots. Returns when the slots are filled: OK or the first failure of the fetch,
-// which ggml_zipmoe_cache_error names.
+// [0, nth)) of the graph; the first n_decoders threads decode and recover the chunks (read and
+// checked by the I/O thread, or kept in a store) into the slots. Returns when the slots are
+// filled: OK or the first failure of the fetch, which ggml_zipmoe_cache_error names.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * cache, int layer, int pass,
                                                   const int32_t * ids, int64_t n_used, int64_t n_tokens,
                                                   int64_t ids_stride, int32_t * slot_ids);
@@ -325,8 +358,9 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_ca
 // A task is one expert tensor to make ready. Its stored chunks are an SM-chunk, read in time u,
 // and K E-chunks, each read in rho*u/K (rho: compressed size of the exponent plane over its raw
 // size) and decompressed in time c, which includes the shard's share of BF16 recovery (the paper
-// runs recovery as a separate kernel; our workers recover right after decoding). The expert's
-// compression state says which chunks are cached:
+// runs recovery as a separate kernel; the cache's workers recover right after decoding, or as
+// soon as the SM-chunk is in memory if it is not yet). The expert's compression state says
+// which chunks are cached:
 //
 //   M  nothing cached      reads the K E-chunks and the SM-chunk, K decompressions   Type-I
 //   E  E-chunks cached     reads the SM-chunk, K decompressions                      Type-I

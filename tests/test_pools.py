@@ -1,0 +1,176 @@
+"""The hierarchical cache pools of the expert cache (ZipMoE paper §3.2-3.4), driven directly.
+
+Pools F (full, in slots), C (SM + E-chunks), S (SM-chunks) and E (E-chunks) with per-layer
+capacities: each expert goes after use to the first active pool whose threshold exceeds its
+runtime rank; a later fetch of an expert kept in C reads nothing, in S reads only its E-chunks, in
+E only its SM-chunks. What matters most: the slots are bit-exact under every pool mix, every
+recovery path (the exponents are decoded into the slot and recovered in place) and thread count,
+and a failed fill leaves no store entry behind.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from zipmoe_py import _lib
+from zipmoe_py import format as zformat
+
+from test_cache import KINDS, Cache, assert_resident
+from test_format import make_moe_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pools")
+    src = make_moe_gguf(tmp / "src.gguf", shape=(67, 45, 8))
+    path = tmp / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    with zformat.ZipMoEFile(path) as zf:
+        experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
+        sizes = {}
+        for layer, e in itertools.product(range(2), range(8)):
+            refs = [zf.chunks(f"blk.{layer}.ffn_{kind}_exps.weight", e) for kind in KINDS]
+            sizes[layer, e] = (sum(r[0].size for r in refs), sum(c.size for r in refs for c in r[1:]))
+    return path, experts, sizes
+
+
+@pytest.fixture
+def make(model):
+    caches = []
+
+    def make_cache(n_slots, pools, rank_delta=0, n_decoders=0):
+        caches.append(Cache(model[0], n_slots, n_decoders, _lib.EVICT_RANK, rank_delta, pools))
+        return caches[-1]
+
+    yield make_cache
+    for c in caches:
+        c.close()
+
+
+def read_by(cache, layer, ids):
+    """(bytes read, stats delta) of one fetch, after checking the slots hold the exact experts"""
+    before = cache.stats()
+    status, slots = cache.fetch(layer, ids)
+    assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+    after = cache.stats()
+    return after["bytes_read"] - before["bytes_read"], {k: after[k] - before[k] for k in
+                                                        ("expert_hits", "c_hits", "s_hits", "e_hits", "expert_misses")}
+
+
+def test_experts_are_dispatched_by_rank_and_a_pool_hit_reads_only_what_it_lacks(make, model):
+    _, experts, sizes = model
+    # one expert per layer in each pool; 2 served layers -> F takes 2 of the 6 slots
+    cache = make(6, (1, 1, 1, 1))
+    pools = cache.stats()["pools"]
+    assert pools["F"]["experts"] == 2 and [pools[p]["experts"] for p in "CSE"] == [2, 2, 2]
+    sm, e = sizes[0, 0]
+    assert pools["S"]["entry_bytes"] >= sm and pools["C"]["entry_bytes"] >= sm + e
+    # one ubatch: equal counts, ranks by id -> 0 to F, 1 to C, 2 to S, 3 to E, 4 nowhere
+    read, d = read_by(cache, 0, [[0, 1, 2, 3, 4]])
+    assert d["expert_misses"] == 5 and read == sum(sum(sizes[0, x]) for x in range(5))
+    assert_resident(cache, experts, 0, [[0, 1, 2, 3, 4]], cache.fetch(0, [[0, 1, 2, 3, 4]])[1])
+    # push layer 0's working slots out with layer 1's experts (F keeps 0 of layer 0)
+    read_by(cache, 1, [[0, 1, 2, 3, 4]])
+    read_by(cache, 1, [[5, 6, 7]])
+    read, d = read_by(cache, 0, [[0]])
+    assert (read, d["expert_hits"]) == (0, 1)
+    read, d = read_by(cache, 0, [[1]])
+    assert (read, d["c_hits"]) == (0, 1)             # C: decompression only
+    read, d = read_by(cache, 0, [[2]])
+    assert (read, d["s_hits"]) == (sizes[0, 2][1], 1)  # S: the E-chunks only
+    read, d = read_by(cache, 0, [[3]])
+    assert (read, d["e_hits"]) == (sizes[0, 3][0], 1)  # E: the SM-chunks only
+    read, d = read_by(cache, 1, [[4]])
+    assert d["expert_misses"] == 1                      # rank 4 was kept nowhere
+    for layer, ids in ((0, [[0, 1, 2, 3]]), (1, [[4]])):
+        status, slots = cache.fetch(layer, ids)
+        assert_resident(cache, experts, layer, ids, slots)
+
+
+def test_an_expert_moves_between_pools_as_its_rank_changes(make, model):
+    _, experts, sizes = model
+    cache = make(4, (0, 1, 0, 1))  # C and E, one each per layer; every slot a working slot
+    read_by(cache, 0, [[0, 1]])  # 0 -> C, 1 -> E
+    read_by(cache, 1, [[0, 1, 2, 3]])  # evict layer 0's slots
+    read, d = read_by(cache, 0, [[1]])  # 1 now ranks first: E -> C
+    assert d["e_hits"] == 1 and read == sizes[0, 1][0]
+    read_by(cache, 1, [[0, 1, 2, 3]])
+    read, d = read_by(cache, 0, [[1]])
+    assert d["c_hits"] == 1 and read == 0
+    read_by(cache, 1, [[0, 1, 2, 3]])
+    read, d = read_by(cache, 0, [[0]])  # 0 was pushed from C (rank 1 now): kept in E
+    read_by(cache, 1, [[0, 1, 2, 3]])
+    read, d = read_by(cache, 0, [[0]])
+    assert d["e_hits"] == 1 and read == sizes[0, 0][0]
+
+
+POOL_MIXES = [(0, 2, 0, 0), (0, 0, 2, 0), (0, 0, 0, 2), (1, 1, 0, 0), (1, 0, 1, 1), (1, 1, 1, 1), (2, 1, 2, 1)]
+
+
+@pytest.mark.parametrize("pools", POOL_MIXES, ids=lambda p: "".join(f"{n}{c}" for n, c in zip("FCSE", p) if c))
+@pytest.mark.parametrize("nth", [1, 3])
+def test_slots_stay_bit_exact_under_every_pool_mix(make, model, pools, nth):
+    _, experts, _ = model
+    rng = np.random.default_rng(sum(pools) * 7 + nth)
+    cache = make(2 * pools[0] + 3, pools, rank_delta=int(rng.integers(0, 2)))  # one pass per ubatch
+    popularity = rng.permutation(1.0 / np.arange(1, 9) ** 0.8)  # Zipf-like: ranks settle, every rank recurs
+    popularity /= popularity.sum()
+    for step in range(80):
+        layer = step % 2  # the other layer's experts push this one's out of the working slots
+        ids = rng.choice(8, size=(1, 3), replace=False, p=popularity)
+        status, slots = cache.fetch(layer, ids, nth=nth)
+        assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        assert_resident(cache, experts, layer, ids, slots)
+    s = cache.stats()
+    for p, n in zip("CSE", pools[1:]):
+        assert (s[f"{p.lower()}_hits"] > 0) == (n > 0), (p, s)
+
+
+@pytest.mark.parametrize("impl", ["scalar", "avx2", "avx512bw"])
+def test_in_place_recovery_is_exact_on_every_recovery_path(make, model, impl):
+    lib = _lib.lib()
+    if lib.ggml_zipmoe_set_recover_impl(impl.encode()) != 0:
+        pytest.skip(f"this CPU has no {impl}")  # the other paths still run here
+    try:
+        _, experts, _ = model
+        cache = make(5, (1, 1, 1, 1))
+        for ids in ([[0, 1, 2, 3]], [[4, 5, 6, 7]], [[1, 2, 3]], [[0, 7]]):
+            status, slots = cache.fetch(0, ids, nth=2)
+            assert status == 0
+            assert_resident(cache, experts, 0, ids, slots)
+    finally:
+        lib.ggml_zipmoe_set_recover_impl(None)
+
+
+def test_pool_configurations_that_cannot_work_are_refused(model):
+    path = model[0]
+    with pytest.raises(AssertionError, match="at least one must be a working slot"):
+        Cache(path, 4, 0, _lib.EVICT_RANK, 0, (2, 1, 0, 0))
+    with pytest.raises(AssertionError, match="the eviction policy must be rank"):
+        Cache(path, 4, 0, _lib.EVICT_LRU, 0, (1, 1, 0, 0))
+    with pytest.raises(AssertionError, match="negative"):
+        Cache(path, 4, 0, _lib.EVICT_RANK, 0, (1, -1, 0, 0))
+
+
+def test_a_failed_fill_keeps_no_store_entry(tmp_path):
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 6))
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    with zformat.ZipMoEFile(path) as zf:
+        ref = zf.chunks("blk.0.ffn_down_exps.weight", 1)[3]
+    data = bytearray(path.read_bytes())
+    data[ref.offset + 5] ^= 0x10
+    path.write_bytes(bytes(data))
+    cache = Cache(path, 3, 0, _lib.EVICT_RANK, 0, (0, 2, 0, 0))  # expert 1 would go to C
+    try:
+        status, _ = cache.fetch(0, [[0, 1]], nth=2)
+        assert status == _lib.ERR_CHECKSUM
+        assert b"expert 1, E-chunk (shard 2)" in cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        before = cache.stats()
+        status, _ = cache.fetch(0, [[1]])
+        assert status == _lib.ERR_CHECKSUM  # read again, not decoded from a half-kept entry
+        assert cache.stats()["c_hits"] == before["c_hits"]
+    finally:
+        cache.close()
