@@ -102,7 +102,9 @@ if cache:  # per served layer: in how many decode ubatches each expert was chose
 print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": batch / tpot, "batch": batch,
                   "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
                   "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats(),
-                  "activations": activations}))
+                  "activations": activations,
+                  "status_kb": {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/status"))
+                                if k in ("VmHWM", "RssAnon", "RssFile")}}))
 """
 
 
@@ -151,8 +153,8 @@ def top_k(zipmoe_path: Path) -> int:
     from zipmoe_py import gguf_file
 
     header = gguf_file.read_header(zipmoe_path)
-    arch = header.metadata["general.architecture"]
-    return int(header.metadata[f"{arch}.expert_used_count"])
+    arch = header.value("general.architecture")
+    return int(header.value(f"{arch}.expert_used_count"))
 
 
 def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
@@ -238,7 +240,8 @@ def main() -> int:
                          "this workload, taken in an uncapped run with another seed). Default: %(default)s; the "
                          "ratios printed use the first")
     ap.add_argument("--work-slots", type=int, default=None,
-                    help="working slots of the pools and plan variants (default: 2 x top-k x batch, at most 64)")
+                    help="working slots of the pools and plan variants (default: top-k x batch, at most 64: one "
+                         "pass per decode step; prefills run in more passes)")
     ap.add_argument("--systems", default="stock,zipmoe,raw", help="which systems to run (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_bench.json"))
     args = ap.parse_args()
@@ -280,7 +283,7 @@ def main() -> int:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)}")
     k = top_k(zipmoe)
-    work_slots = args.work_slots or min(64, 2 * k * args.batch)
+    work_slots = args.work_slots or min(64, k * args.batch)
     profile = None
     if "plan" in evictions:
         profile = take_profile(zipmoe, args, work_slots)

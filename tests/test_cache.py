@@ -321,15 +321,21 @@ def test_out_of_range_ids_unserved_layers_and_unknown_policies_are_errors(setup,
     assert status == _lib.ERR_ARG
 
 
-def test_a_failed_fill_is_named_and_its_slot_forgotten(tmp_path):
+def corrupt_chunk(tmp_path, tensor: str, expert: int, chunk: int, byte: int = 0, flip: int = 0x01):
+    """A repacked test file (3 shards, 6 experts) with one bit of one stored chunk flipped."""
     src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 6))
     path = tmp_path / "z.gguf"
     zformat.repack(src, path, shards=3)
     with zformat.ZipMoEFile(path) as zf:
-        ref = zf.chunks("blk.0.ffn_up_exps.weight", 1)[2]
+        ref = zf.chunks(tensor, expert)[chunk]
     data = bytearray(path.read_bytes())
-    data[ref.offset] ^= 0x01
+    data[ref.offset + byte] ^= flip
     path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_failed_fill_is_named_and_its_slot_forgotten(tmp_path):
+    path = corrupt_chunk(tmp_path, "blk.0.ffn_up_exps.weight", 1, 2)
     cache = Cache(path, 2)
     try:
         for nth in (1, 2):

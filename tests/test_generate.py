@@ -98,7 +98,7 @@ def test_zipmoe_chat_help_explains_every_option():
     proc = run([zipmoe_command("zipmoe-chat"), "--help"])
     assert proc.returncode == 0
     for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit", b"--budget", b"--direct-io",
-                 b"--stats"):
+                 b"--stats", b"--eviction", b"--plan", b"--pools", b"--work-slots", b"--zipmoe-threads"):
         assert flag in proc.stdout
 
 
@@ -114,6 +114,11 @@ def test_zipmoe_chat_on_a_zipmoe_gguf_under_a_budget_answers_like_bf16(tiny_gguf
     assert b"[stats] this reply" in got.stderr and b"misses" in got.stderr and b"per token" in got.stderr
     bad = _chat(model, "-p", "Hello", "--budget", "lots")
     assert bad.returncode == 1 and b"zipmoe_budget must be a size" in bad.stderr
+    pooled = _chat(model, "-p", "Hello", "--pools", "C=2,E=4", "--work-slots", "4", "--stats")
+    assert pooled.returncode == 0, pooled.stderr.decode()[-2000:]
+    assert pooled.stdout == want.stdout and b"from pools C/S/E" in pooled.stderr
+    bad = _chat(model, "-p", "Hello", "--pools", "F=1", "--plan", tmp_path / "plan.json")
+    assert bad.returncode == 2 and b"not both" in bad.stderr
 
 
 def test_missing_and_invalid_model_files_are_named(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from zipmoe_py import _lib
 from zipmoe_py import format as zformat
 
-from test_cache import KINDS, Cache, assert_resident
+from test_cache import KINDS, Cache, assert_resident, corrupt_chunk
 from test_format import make_moe_gguf
 
 
@@ -155,14 +155,7 @@ def test_pool_configurations_that_cannot_work_are_refused(model):
 
 
 def test_a_failed_fill_keeps_no_store_entry(tmp_path):
-    src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 6))
-    path = tmp_path / "z.gguf"
-    zformat.repack(src, path, shards=3)
-    with zformat.ZipMoEFile(path) as zf:
-        ref = zf.chunks("blk.0.ffn_down_exps.weight", 1)[3]
-    data = bytearray(path.read_bytes())
-    data[ref.offset + 5] ^= 0x10
-    path.write_bytes(bytes(data))
+    path = corrupt_chunk(tmp_path, "blk.0.ffn_down_exps.weight", 1, 3, byte=5, flip=0x10)
     cache = Cache(path, 3, 0, _lib.EVICT_RANK, 0, (0, 2, 0, 0))  # expert 1 would go to C
     try:
         status, _ = cache.fetch(0, [[0, 1]], nth=2)
