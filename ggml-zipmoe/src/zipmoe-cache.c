@@ -708,6 +708,9 @@ static int32_t choose_victim(struct ggml_zipmoe_cache * c, uint64_t serial) {
 
 // F holds at most f_capacity experts: the least frequent F experts beyond it become working slots
 static void enforce_f_capacity(struct ggml_zipmoe_cache * c) {
+    if (c->f_capacity >= c->n_slots) {
+        return; // one F pool of every slot
+    }
     int32_t n_f = 0;
     for (int32_t s = 0; s < c->n_slots; s++) {
         n_f += c->slot_key[s] >= 0 && !c->slot_transient[s];
