@@ -58,16 +58,10 @@ def read_bytes():
 # model repeats one token, which would route every step to the same experts
 rng = random.Random(seed)
 if batch == 1:
-    t0 = time.perf_counter()
-    llm.eval(tokens)
-    ttft = time.perf_counter() - t0
-    prefill = llm.zipmoe_stats()
-    llm.zipmoe_reset_stats()
-    decode_read0 = read_bytes()
-    t0 = time.perf_counter()
-    for _ in range(n_gen):
+    def prefill():
+        llm.eval(tokens)
+    def step(i):
         llm.eval([rng.randrange(llm.n_vocab())])
-    tpot = (time.perf_counter() - t0) / n_gen
 else:
     # batch sequences decoded together: each step is one ubatch of `batch` tokens
     from zipmoe_py.bindings import llama_cpp as lc
@@ -85,23 +79,27 @@ else:
             lb.token[i], lb.pos[i], lb.n_seq_id[i], lb.seq_id[i][0] = tok, pos, 1, seq
             lb.logits[i] = i == len(entries) - 1
         assert lc.llama_decode(ctx, lb) == 0
-    t0 = time.perf_counter()
-    decode([(tokens[(i + 7 * s) % n_prompt], i, s) for s in range(batch) for i in range(n_prompt)])
-    ttft = time.perf_counter() - t0
-    prefill = llm.zipmoe_stats()
-    llm.zipmoe_reset_stats()
-    decode_read0 = read_bytes()
-    t0 = time.perf_counter()
-    for step in range(n_gen):
-        decode([(rng.randrange(llm.n_vocab()), n_prompt + step, s) for s in range(batch)])
-    tpot = (time.perf_counter() - t0) / n_gen
+    def prefill():
+        decode([(tokens[(i + 7 * s) % n_prompt], i, s) for s in range(batch) for i in range(n_prompt)])
+    def step(i):
+        decode([(rng.randrange(llm.n_vocab()), n_prompt + i, s) for s in range(batch)])
+t0 = time.perf_counter()
+prefill()
+ttft = time.perf_counter() - t0
+prefill_stats = llm.zipmoe_stats()
+llm.zipmoe_reset_stats()
+decode_read0 = read_bytes()
+t0 = time.perf_counter()
+for i in range(n_gen):
+    step(i)
+tpot = (time.perf_counter() - t0) / n_gen
 cache = _lib.llama_model_zipmoe_cache(llm._model.model)
 activations = None
 if cache:  # per served layer: in how many decode ubatches each expert was chosen (a profile)
     activations = [a for a in (_lib.cache_activations(cache, il) for il in range(4096)) if a is not None]
 print(json.dumps({"load_s": t_load, "ttft_s": ttft, "tpot_s": tpot, "tok_per_s": batch / tpot, "batch": batch,
                   "read_bytes": read_bytes(), "decode_read_bytes": read_bytes() - decode_read0,
-                  "decode_tokens": n_gen, "zipmoe_prefill": prefill, "zipmoe": llm.zipmoe_stats(),
+                  "decode_tokens": n_gen, "zipmoe_prefill": prefill_stats, "zipmoe": llm.zipmoe_stats(),
                   "activations": activations,
                   "status_kb": {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/status"))
                                 if k in ("VmHWM", "RssAnon", "RssFile")}}))
