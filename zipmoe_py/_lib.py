@@ -36,6 +36,19 @@ class CacheStats(ctypes.Structure):
                                                      "c_hits", "s_hits", "e_hits")]
 
 
+class Memory(ctypes.Structure):
+    _fields_ = [("available", ctypes.c_uint64), ("mem_available", ctypes.c_uint64), ("cgroup_limit", ctypes.c_uint64),
+                ("cgroup_used", ctypes.c_uint64), ("cgroup_version", ctypes.c_int32), ("cgroup_path", ctypes.c_char * 512)]
+
+
+class MemoryPlan(ctypes.Structure):
+    """struct llama_zipmoe_memory_plan (llama.h of the fork)."""
+    _fields_ = [(name, ctypes.c_uint64) for name in ("available", "non_expert", "contexts", "cache_buffers", "margin",
+                                                     "fits", "budget", "expert_bytes")] + \
+               [(name, ctypes.c_int32) for name in ("n_contexts", "n_slots", "slot_capacity", "min_slots")] + \
+               [("source", ctypes.c_char * 256)]
+
+
 class CacheParams(ctypes.Structure):
     _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
                 ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
@@ -124,11 +137,16 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_get_activations": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int,
                                                          ctypes.POINTER(ctypes.c_uint64),
                                                          ctypes.POINTER(ctypes.c_uint64)]),
-    "ggml_zipmoe_cache_merge_pass": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    "ggml_zipmoe_cache_merge_pass": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
                                             ctypes.c_size_t]),
     "ggml_zipmoe_cache_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_slot_capacity": (ctypes.c_int32, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_set_n_slots": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32]),
+    "ggml_zipmoe_cache_extra_bytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_cache_cancel": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_zipmoe_memory_available": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_void_p]),
     "ggml_zipmoe_cache_pool_entries": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
@@ -168,7 +186,41 @@ def _libllama() -> ctypes.CDLL:
     handle = ctypes.CDLL(str(_paths.shared_library("llama")))
     handle.llama_model_zipmoe_cache.restype = ctypes.c_void_p
     handle.llama_model_zipmoe_cache.argtypes = [ctypes.c_void_p]
+    handle.llama_zipmoe_last_error.restype = ctypes.c_char_p
+    handle.llama_zipmoe_last_error.argtypes = [ctypes.c_void_p]
+    handle.llama_model_zipmoe_memory_plan.restype = ctypes.c_bool
+    handle.llama_model_zipmoe_memory_plan.argtypes = [ctypes.c_void_p, ctypes.POINTER(MemoryPlan)]
     return handle
+
+
+def memory_plan(model) -> dict | None:
+    """How the expert cache of a llama-cpp-python model wrapper (or llama_model pointer) was last
+    sized: fits = available - non_expert - contexts - cache_buffers - margin; None if not ZipMoE."""
+    ptr = getattr(model, "model", model)
+    ptr = ctypes.cast(ptr, ctypes.c_void_p).value if ptr is not None else None
+    plan = MemoryPlan()
+    if not ptr or not _libllama().llama_model_zipmoe_memory_plan(ptr, ctypes.byref(plan)):
+        return None
+    out = {name: getattr(plan, name) for name, _ in MemoryPlan._fields_}
+    out["source"] = plan.source.decode(errors="replace")
+    return out
+
+
+def memory_available(root: str | None = None) -> dict:
+    """ggml_zipmoe_memory_available: what this process may still take, and which limit says so
+    (root: a folder standing in for / , for tests)."""
+    mem = Memory()
+    status = lib().ggml_zipmoe_memory_available(root.encode() if root else None, ctypes.byref(mem))
+    out = {name: getattr(mem, name) for name, _ in Memory._fields_}
+    out["cgroup_path"] = mem.cgroup_path.decode()
+    out["status"] = status
+    return out
+
+
+def llama_zipmoe_last_error(ctx) -> str:
+    """Why the last llama_decode of a llama_context failed fetching an expert ("" if it did not)."""
+    ptr = ctypes.cast(ctx, ctypes.c_void_p).value if ctx is not None else None
+    return (_libllama().llama_zipmoe_last_error(ptr) or b"").decode(errors="replace") if ptr else ""
 
 
 def llama_model_zipmoe_cache(model) -> int | None:
@@ -183,6 +235,7 @@ def cache_stats(cache) -> dict:
     lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
     out = {name: getattr(stats, name) for name, _ in CacheStats._fields_}
     out["n_slots"] = lib().ggml_zipmoe_cache_n_slots(cache)
+    out["slot_capacity"] = lib().ggml_zipmoe_cache_slot_capacity(cache)
     entry = ctypes.c_size_t()
     out["pools"] = {name: {"experts": lib().ggml_zipmoe_cache_pool_entries(cache, i, ctypes.byref(entry)),
                            "entry_bytes": entry.value} for i, name in enumerate(POOLS)}

@@ -137,8 +137,9 @@ def plan_overrides(plan_path) -> dict:
 
 
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
-                     rank_delta=None, pools=None, work_slots=None, plan=None) -> dict:
-    """The KV overrides that carry ZipMoE options to the fork's model loader."""
+                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None) -> dict:
+    """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
+    not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
     if plan is not None and pools is not None:
         raise ZipMoEError("give zipmoe_plan or zipmoe_pools, not both (a plan sets the pools)")
@@ -160,6 +161,8 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         out["zipmoe.rank_delta"] = parse_threads(rank_delta, "zipmoe_rank_delta")
     if budget is not None:
         out["zipmoe.budget"] = parse_size(budget)
+    if mem_limit is not None:
+        out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
     if direct_io is not None:
         out["zipmoe.direct_io"] = bool(direct_io)
     if threads is not None:
@@ -187,9 +190,18 @@ def _check_budget(path: Path, budget: int) -> None:
 class Llama(llama_cpp.Llama):
     """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
 
-    Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwise):
-      zipmoe_budget:    bytes (or "4G", "512M") of expert cache; default: half the available memory,
-                        at most every expert
+    Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwise). An option not
+    given is taken from its environment variable (ZIPMOE_BUDGET, ZIPMOE_MEM_LIMIT, ZIPMOE_DIRECT_IO,
+    ZIPMOE_THREADS, ZIPMOE_EVICTION, ZIPMOE_RANK_DELTA, ZIPMOE_POOL_F/C/S/E, ZIPMOE_WORK_SLOTS), else
+    its default:
+      zipmoe_budget:    bytes (or "4G", "512M") of expert slots; default: what the process may use
+                        (its cgroup limits and MemAvailable) minus the non-expert weights, every
+                        context's KV cache and compute buffers, the cache's own buffers and a margin,
+                        at most every expert and at least one token's experts of a layer; sized
+                        again whenever a context is made or freed. A budget that does not fit is
+                        reduced, with a warning giving the numbers
+      zipmoe_mem_limit: memory this process may use in all (bytes or "16G"), when it must share the
+                        machine below what its cgroup and MemAvailable allow
       zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
       zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
                         all (0). Reads run on the cache's own I/O thread either way.
@@ -213,7 +225,8 @@ class Llama(llama_cpp.Llama):
         options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
                                    kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
                                    kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
-                                   kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"))
+                                   kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
+                                   kwargs.get("zipmoe_mem_limit"))
         if "zipmoe.budget" in options:
             _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
@@ -221,18 +234,36 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
                  zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
-                 zipmoe_plan=None, **kwargs):
+                 zipmoe_plan=None, zipmoe_mem_limit=None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
-                                          zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan))
+                                          zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
+                                          zipmoe_mem_limit))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)
 
+    def eval(self, tokens):
+        """llama-cpp-python's eval; an expert that cannot be fetched (I/O error, checksum mismatch,
+        corrupt chunk) raises ZipMoEError naming layer, tensor, expert and chunk. The model and this
+        object stay usable: the failed batch leaves nothing in the KV cache."""
+        try:
+            return super().eval(tokens)
+        except RuntimeError as e:
+            message = _lib.llama_zipmoe_last_error(self._ctx.ctx) if self._ctx is not None else ""
+            if not message:
+                raise
+            self._ctx.kv_cache_seq_rm(-1, self.n_tokens, -1)
+            raise ZipMoEError(message) from e
+
     def zipmoe_stats(self) -> dict | None:
         """Cumulative expert-cache statistics, or None for a model that is not a ZipMoE GGUF."""
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
-        return _lib.cache_stats(cache) if cache else None
+        if not cache:
+            return None
+        stats = _lib.cache_stats(cache)
+        stats["memory"] = _lib.memory_plan(self._model.model)
+        return stats
 
     def zipmoe_reset_stats(self) -> None:
         cache = _lib.llama_model_zipmoe_cache(self._model.model)

@@ -75,6 +75,14 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
                                                              "decode_ns", "recover_ns", "fetch_ns")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
+    plan = now.get("memory")
+    if plan:
+        gib = 1 << 30
+        print(f"[stats] memory: {plan['n_slots']} slots x {plan['expert_bytes'] / 2**20:.2f} MiB; available "
+              f"{plan['available'] / gib:.2f} GiB ({plan['source']}) - non-expert weights {plan['non_expert'] / gib:.2f} "
+              f"- {plan['n_contexts']} context(s) {plan['contexts'] / gib:.2f} - cache buffers "
+              f"{plan['cache_buffers'] / gib:.2f} - margin {plan['margin'] / gib:.2f} = {plan['fits'] / gib:.2f} GiB "
+              "for slots", file=sys.stderr)
     return now
 
 
@@ -111,7 +119,7 @@ def chat(args) -> int:
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
                 verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None,
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
-                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots)
+                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -148,6 +156,10 @@ def chat(args) -> int:
             print("\n[interrupted]", file=sys.stderr)
             history.pop()
             continue
+        except ZipMoEError as e:  # an expert could not be read: this turn is lost, the chat goes on
+            print(f"\nzipmoe-chat: error: {e}", file=sys.stderr)
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": reply})
     return 0
 
@@ -172,9 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: %(default)s)")
     ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
     ap.add_argument("-b", "--budget", default=None, metavar="SIZE",
-                    help="ZipMoE GGUFs: memory for the expert cache, in bytes or like 4G, 512M "
-                         "(default: half the available memory, at most all experts; the demo model uses a "
-                         "quarter of its experts)")
+                    help="ZipMoE GGUFs: memory for the expert slots, in bytes or like 4G, 512M (default: "
+                         "$ZIPMOE_BUDGET, else what this process may use, from its cgroup limits and "
+                         "MemAvailable, minus the non-expert weights, the context's buffers and a margin; "
+                         "the demo model uses a quarter of its experts). A budget that does not fit is "
+                         "reduced, with a warning")
+    ap.add_argument("--mem-limit", default=None, metavar="SIZE",
+                    help="ZipMoE GGUFs: memory this process may use in all, when it must leave room for "
+                         "others below its cgroup limit and MemAvailable (default: $ZIPMOE_MEM_LIMIT, else none)")
     ap.add_argument("--direct-io", action="store_true",
                     help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
     ap.add_argument("--eviction", choices=_lib.EVICTION_POLICIES, default=None,

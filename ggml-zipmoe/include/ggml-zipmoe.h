@@ -257,7 +257,8 @@ enum ggml_zipmoe_pool {
 
 struct ggml_zipmoe_cache_params {
     const struct ggml_zipmoe_file * file;           // must outlive the cache
-    int32_t                         n_slots;        // experts resident at once (each: gate + up + down)
+    int32_t                         n_slots;        // slots the slot tensors hold (each: gate + up + down);
+                                                    // all in use until ggml_zipmoe_cache_set_n_slots
     void *                          slot_data[3];   // by kind: start of a [ne0, ne1, n_slots] BF16 tensor
     size_t                          slot_stride[3]; // by kind: bytes from one slot to the next (nb[2])
     int32_t                         n_decoders;     // graph threads that decode in fetch_end (0: all of them)
@@ -292,7 +293,21 @@ GGML_ZIPMOE_API struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct gg
                                                                  char * err, size_t err_size);
 GGML_ZIPMOE_API void                       ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * cache);
 
+// slots in use (the first n of the slot tensors' params.n_slots), and how many the tensors hold
 GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * cache);
+GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_slot_capacity(const struct ggml_zipmoe_cache * cache);
+
+// use the first n_slots slots only (1 <= n_slots <= capacity; with pools, more than F's slots):
+// experts held in the slots given up are forgotten, so the caller may release their memory (the
+// cache never touches a slot beyond n_slots); slots taken on start empty. With one F pool, RANK's
+// per-layer share follows. No fetch of another thread may be open, and ggml_zipmoe_cache_n_passes
+// changes: graphs built for the old count must be rebuilt. Returns OK or ERR_ARG (message in
+// ggml_zipmoe_cache_error).
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * cache, int32_t n_slots);
+
+// host memory the cache allocates besides the slots, once it has fetched with n_threads graph
+// threads: the C, S, E stores, the staging rings, the decoders and the bookkeeping
+GGML_ZIPMOE_API size_t  ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * cache, int n_threads);
 
 // experts pool p (enum ggml_zipmoe_pool) holds over all layers, and the bytes of one (a slot for
 // F, a store entry for C, S, E); -1 for an unknown pool
@@ -326,6 +341,10 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * cac
                                                   int64_t ids_stride, int32_t * slot_ids);
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * cache, int ith, int nth);
 
+// abandon a fetch that this thread began and did not end (a graph stopped between the two ops):
+// its reads stop and the slots and entries it planned are forgotten. Returns 1 if there was one.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * cache);
+
 // begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
                                             const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
@@ -334,8 +353,8 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, in
 // multi-pass merge (single-threaded): rows are row_bytes wide, laid out [n_tokens][n_used] with
 // strides nb1 (between selections) and nb2 (between tokens) in acc, pass_out and out; out gets
 // pass_out's row for selections handled by `pass`, acc's row for the others (acc may be NULL
-// for pass 0, whose rows then come from pass_out too)
-GGML_ZIPMOE_API void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * cache, int layer, int pass,
+// for pass 0, whose rows then come from pass_out too). Returns OK, ERR_ARG or ERR_NOMEM.
+GGML_ZIPMOE_API int  ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * cache, int layer, int pass,
                                                   const int32_t * ids, int64_t n_used, int64_t n_tokens,
                                                   int64_t ids_stride, const void * acc, const void * pass_out,
                                                   void * out, size_t row_bytes, size_t nb1, size_t nb2);
@@ -351,6 +370,31 @@ GGML_ZIPMOE_API int          ggml_zipmoe_cache_get_activations(const struct ggml
 
 // message of the last failure ("" if none)
 GGML_ZIPMOE_API const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * cache);
+
+//
+// memory available to this process, for sizing the expert cache
+//
+// The limit that applies to a process is the lowest of MemAvailable (/proc/meminfo) and, for its
+// own memory cgroup and each ancestor that has a limit (cgroup v2: memory.max and memory.high;
+// v1: memory.limit_in_bytes, and hierarchical_memory_limit for ancestors outside the mounted
+// tree), what that limit leaves free: limit - (usage - reclaimable page cache). The cgroups are
+// found through /proc/self/cgroup and /proc/self/mountinfo, so nested cgroups and containers
+// (whose mount shows a subtree) are handled.
+//
+
+struct ggml_zipmoe_memory {
+    uint64_t available;        // bytes this process may still take: min(mem_available, cgroup headroom)
+    uint64_t mem_available;    // MemAvailable (UINT64_MAX when /proc/meminfo cannot be read)
+    uint64_t cgroup_limit;     // limit of the cgroup leaving the least headroom (UINT64_MAX: none)
+    uint64_t cgroup_used;      // that cgroup's usage beyond reclaimable page cache
+    int32_t  cgroup_version;   // 1 or 2 for that cgroup; 0 when no cgroup limit applies
+    char     cgroup_path[512]; // that cgroup's folder ("" when none)
+};
+
+// fills *mem; root prefixes every path read ("" or NULL: the real /proc and /sys; tests pass a
+// folder holding proc/self/cgroup, proc/self/mountinfo, proc/meminfo and the mounted cgroup files).
+// Returns OK, or ERR_IO when not even MemAvailable could be read (available is then UINT64_MAX).
+GGML_ZIPMOE_API int ggml_zipmoe_memory_available(const char * root, struct ggml_zipmoe_memory * mem);
 
 //
 // cache-affinity scheduling of a layer's expert tensors (ZipMoE paper §3.3, Appendix A Algorithm 1)

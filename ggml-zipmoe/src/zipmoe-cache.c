@@ -43,6 +43,7 @@
 
 #define ZIPMOE_MAX_THREADS 256
 #define ZIPMOE_N_STAGING   8   // buffers per ring: SM-chunks, and each task's K E-chunks
+#define ZIPMOE_DECODER_BYTES (1u << 20) // a decoder's codec state (zstd's context is the largest), rounded up
 
 // default rates of the scheduler's cost model (the planner's default_costs uses the same)
 #define ZIPMOE_READ_BYTES_PER_S    1.4e9  // O_DIRECT reads
@@ -100,7 +101,9 @@ struct zipmoe_store {
 
 struct ggml_zipmoe_cache {
     const struct ggml_zipmoe_file * file;
-    int32_t   n_slots;
+    int32_t   n_slots;          // slots in use: the first n_slots of slot_capacity (set_n_slots changes it)
+    int32_t   slot_capacity;    // slots the caller's tensors hold; per-slot arrays are this long
+    int32_t   rank_delta;
     uint8_t * slot_data[3];
     size_t    slot_stride[3];
 
@@ -123,12 +126,12 @@ struct ggml_zipmoe_cache {
 
     // residency of the slots (guarded by lock)
     int32_t *  key_slot;        // [n_layer * max_expert] slot holding (layer, expert), or -1
-    int64_t *  slot_key;        // [n_slots] (layer * max_expert + expert), or -1
-    uint64_t * slot_last_use;   // [n_slots] tick of the last use (LRU)
-    uint64_t * slot_inserted;   // [n_slots] tick of the fill (FIFO)
-    uint8_t *  slot_marked;     // [n_slots] marking algorithm's marks
-    uint8_t *  slot_transient;  // [n_slots] not in the F pool: evicted first (RANK dispatch)
-    uint64_t * slot_pinned;     // [n_slots] call serial of the last call that needs it
+    int64_t *  slot_key;        // [slot_capacity] (layer * max_expert + expert), or -1
+    uint64_t * slot_last_use;   // [slot_capacity] tick of the last use (LRU)
+    uint64_t * slot_inserted;   // [slot_capacity] tick of the fill (FIFO)
+    uint8_t *  slot_marked;     // [slot_capacity] marking algorithm's marks
+    uint8_t *  slot_transient;  // [slot_capacity] not in the F pool: evicted first (RANK dispatch)
+    uint64_t * slot_pinned;     // [slot_capacity] call serial of the last call that needs it
     uint64_t   tick;
     uint64_t * freq;            // [n_layer * max_expert] ubatches that chose each expert (never reset)
     int32_t    eviction;        // enum ggml_zipmoe_eviction
@@ -140,17 +143,17 @@ struct ggml_zipmoe_cache {
     int32_t *  tokens;          // [max_expert] tokens of the ubatch that chose each expert
 
     // the current fetch's tasks and their schedule
-    struct zipmoe_task *           tasks;     // [3 * n_slots]
+    struct zipmoe_task *           tasks;     // [3 * slot_capacity]
     int                            n_tasks;
-    struct ggml_zipmoe_sched_task * sched_tasks; // [3 * n_slots]
-    struct ggml_zipmoe_sched_op *  io;        // [3 * n_slots * (K + 1)] reads, in order
-    struct ggml_zipmoe_sched_op *  dec;       // [3 * n_slots * K] decompressions, by priority
+    struct ggml_zipmoe_sched_task * sched_tasks; // [3 * slot_capacity]
+    struct ggml_zipmoe_sched_op *  io;        // [3 * slot_capacity * (K + 1)] reads, in order
+    struct ggml_zipmoe_sched_op *  dec;       // [3 * slot_capacity * K] decompressions, by priority
     int32_t *                      order;     // scheduler outputs the runtime does not use
     int32_t *                      block_start;
     int32_t *                      task_block;
     int32_t                        n_io;
     int32_t                        n_dec;
-    atomic_int *                   op_state;  // [3 * n_slots * K] by position in dec
+    atomic_int *                   op_state;  // [3 * slot_capacity * K] by position in dec
     atomic_int                     ops_done;  // shards recovered
     atomic_int                     first_open;// no decompression before it is left to take (a hint)
     void *                         sched_work;
@@ -241,6 +244,14 @@ static void set_error(char * err, size_t err_size, const char * msg) {
 }
 
 static void abandon_open_fetch(struct ggml_zipmoe_cache * c);
+
+// one F pool of every slot in use: F holds them all, and RANK's share per layer follows the slot count
+static void set_single_pool_share(struct ggml_zipmoe_cache * c) {
+    const int32_t n_served = c->n_served > 0 ? c->n_served : 1;
+    c->threshold[GGML_ZIPMOE_POOL_F] =
+        c->eviction == GGML_ZIPMOE_EVICT_RANK ? c->n_slots / n_served + c->rank_delta : INT32_MAX;
+    c->f_capacity = c->n_slots;
+}
 
 void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     if (c == NULL) {
@@ -396,6 +407,8 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     pthread_cond_init(&c->io_wake, NULL);
     c->file       = file;
     c->n_slots    = p->n_slots;
+    c->slot_capacity = p->n_slots;
+    c->rank_delta = p->rank_delta > 0 ? p->rank_delta : 0;
     c->n_decoders = p->n_decoders > 0 ? p->n_decoders : 0;
     c->eviction   = p->eviction;
     c->rate_read    = p->rate_read > 0 ? p->rate_read : ZIPMOE_READ_BYTES_PER_S;
@@ -471,17 +484,18 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->sm_bytes = c->kind_n[0] + c->kind_n[1] + c->kind_n[2];
     const size_t n_keys = (size_t) (c->n_layer > 0 ? c->n_layer : 1) * (size_t) (c->max_expert > 0 ? c->max_expert : 1);
     const size_t n_exp  = (size_t) (c->max_expert > 0 ? c->max_expert : 1);
-    const size_t max_tasks = 3 * (size_t) c->n_slots;
+    const size_t max_tasks = 3 * (size_t) c->slot_capacity;
     const size_t K = (size_t) file->n_shards;
     c->key_slot      = (int32_t *) malloc(n_keys * sizeof(int32_t));
     c->key_pool      = (int8_t *) malloc(n_keys);
     c->key_entry     = (int32_t *) malloc(n_keys * sizeof(int32_t));
-    c->slot_key      = (int64_t *) malloc((size_t) c->n_slots * sizeof(int64_t));
-    c->slot_last_use = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
-    c->slot_pinned   = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
-    c->slot_inserted  = (uint64_t *) calloc((size_t) c->n_slots, sizeof(uint64_t));
-    c->slot_marked    = (uint8_t *) calloc((size_t) c->n_slots, 1);
-    c->slot_transient = (uint8_t *) calloc((size_t) c->n_slots, 1);
+    const size_t cap = (size_t) c->slot_capacity;
+    c->slot_key      = (int64_t *) malloc(cap * sizeof(int64_t));
+    c->slot_last_use = (uint64_t *) calloc(cap, sizeof(uint64_t));
+    c->slot_pinned   = (uint64_t *) calloc(cap, sizeof(uint64_t));
+    c->slot_inserted  = (uint64_t *) calloc(cap, sizeof(uint64_t));
+    c->slot_marked    = (uint8_t *) calloc(cap, 1);
+    c->slot_transient = (uint8_t *) calloc(cap, 1);
     c->freq           = (uint64_t *) calloc(n_keys, sizeof(uint64_t));
     c->unique        = (int32_t *) malloc(n_exp * sizeof(int32_t));
     c->seen          = (uint8_t *) calloc(n_exp, 1);
@@ -511,17 +525,15 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         c->key_pool[i]  = NO_POOL;
         c->key_entry[i] = -1;
     }
-    for (int32_t s = 0; s < c->n_slots; s++) {
+    for (int32_t s = 0; s < c->slot_capacity; s++) {
         c->slot_key[s] = -1;
     }
-    const int32_t n_served = c->n_served > 0 ? c->n_served : 1;
-    const int32_t delta = p->rank_delta > 0 ? p->rank_delta : 0;
+    const int32_t delta = c->rank_delta;
     if (pools == 0) {
         // one F pool of every slot (the planner's Lambda = {F}); only the RANK policy dispatches
         c->n_active  = 1;
         c->active[0] = GGML_ZIPMOE_POOL_F;
-        c->threshold[GGML_ZIPMOE_POOL_F] = c->eviction == GGML_ZIPMOE_EVICT_RANK ? c->n_slots / n_served + delta : INT32_MAX;
-        c->f_capacity = c->n_slots;
+        set_single_pool_share(c);
     } else {
         int32_t sum = 0;
         for (int i = 0; i < 4; i++) {
@@ -568,7 +580,49 @@ int ggml_zipmoe_cache_pool_entries(const struct ggml_zipmoe_cache * c, int pool,
 }
 
 int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * c) {
-    return c->n_slots;
+    return __atomic_load_n(&c->n_slots, __ATOMIC_RELAXED);
+}
+
+int32_t ggml_zipmoe_cache_slot_capacity(const struct ggml_zipmoe_cache * c) {
+    return c->slot_capacity;
+}
+
+int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots) {
+    if (c == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    ggml_zipmoe_cache_cancel(c); // a fetch this thread left open would hold the lock
+    pthread_mutex_lock(&c->lock);
+    int status = GGML_ZIPMOE_OK;
+    if (n_slots < 1 || n_slots > c->slot_capacity) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_n_slots: %d slots asked, the slot tensors hold "
+                 "1 to %d", n_slots, c->slot_capacity);
+        status = GGML_ZIPMOE_ERR_ARG;
+    }
+    if (status == GGML_ZIPMOE_OK && !(c->n_active == 1 && c->active[0] == GGML_ZIPMOE_POOL_F) &&
+        n_slots <= c->f_capacity) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_n_slots: pool F holds %d slots, so at least %d "
+                 "slots are needed (one working slot), not %d", c->f_capacity, c->f_capacity + 1, n_slots);
+        status = GGML_ZIPMOE_ERR_ARG;
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        // experts in the slots given up are forgotten; slots taken on start empty
+        for (int32_t s = n_slots; s < c->n_slots; s++) {
+            if (c->slot_key[s] >= 0) {
+                c->key_slot[c->slot_key[s]] = -1;
+            }
+            c->slot_key[s]       = -1;
+            c->slot_pinned[s]    = 0;
+            c->slot_marked[s]    = 0;
+            c->slot_transient[s] = 0;
+        }
+        __atomic_store_n(&c->n_slots, n_slots, __ATOMIC_RELAXED);
+        if (c->n_active == 1 && c->active[0] == GGML_ZIPMOE_POOL_F) {
+            set_single_pool_share(c);
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return status;
 }
 
 int ggml_zipmoe_cache_has_layer(const struct ggml_zipmoe_cache * c, int layer) {
@@ -582,7 +636,8 @@ int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cache * c, int layer
 int ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * c, int layer, int64_t n_ids) {
     const int64_t n_expert = ggml_zipmoe_cache_n_expert(c, layer);
     const int64_t distinct = n_ids < n_expert ? n_ids : n_expert;
-    return distinct <= 0 ? 1 : (int) ((distinct + c->n_slots - 1) / c->n_slots);
+    const int64_t n_slots  = ggml_zipmoe_cache_n_slots(c);
+    return distinct <= 0 ? 1 : (int) ((distinct + n_slots - 1) / n_slots);
 }
 
 // marks the distinct valid experts of ids in c->seen and lists them ascending in c->unique;
@@ -1392,6 +1447,35 @@ int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * c, int ith, int nth) 
     return status;
 }
 
+int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * c) {
+    if (c == NULL || !c->fetch_open || !pthread_equal(c->fetch_owner, pthread_self())) {
+        return 0;
+    }
+    abandon_open_fetch(c);
+    return 1;
+}
+
+size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_threads) {
+    if (c == NULL) {
+        return 0;
+    }
+    size_t total = 0;
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        total += c->store[p].entry_size * (size_t) c->store[p].n_entries;
+    }
+    // the staging rings as ensure_staging makes them, and a decoder per decoding thread
+    const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    const size_t e_region  = ggml_zipmoe_file_chunk_buffer_size(c->file);
+    total += ZIPMOE_N_STAGING * (sm_region + (size_t) c->file->n_shards * e_region);
+    const int n_decoders = c->n_decoders > 0 && c->n_decoders < n_threads ? c->n_decoders : n_threads;
+    total += (size_t) (n_decoders > 0 ? n_decoders : 1) * ZIPMOE_DECODER_BYTES;
+    // per-slot and per-expert bookkeeping, the scheduler's arrays
+    const size_t K = (size_t) c->file->n_shards;
+    total += (size_t) c->slot_capacity * (48 + 3 * (sizeof(struct zipmoe_task) + sizeof(struct ggml_zipmoe_sched_task) +
+                                                      (2 * K + 1) * sizeof(struct ggml_zipmoe_sched_op) + K * sizeof(atomic_int) + 12));
+    return total;
+}
+
 int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                             int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int ith, int nth) {
     if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
@@ -1404,16 +1488,19 @@ int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, c
     return ggml_zipmoe_cache_fetch_end(c, ith, nth);
 }
 
-void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
-                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, const void * acc,
-                                  const void * pass_out, void * out, size_t row_bytes, size_t nb1, size_t nb2) {
+int ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
+                                 int64_t n_used, int64_t n_tokens, int64_t ids_stride, const void * acc,
+                                 const void * pass_out, void * out, size_t row_bytes, size_t nb1, size_t nb2) {
     // the pass of a selection is its expert's rank among the distinct experts, / n_slots; it is
     // recomputed here from the ids alone (no state shared with the fetch)
     const int32_t n_expert = ggml_zipmoe_cache_n_expert(c, layer);
+    if (n_expert <= 0 || ids == NULL || pass_out == NULL || out == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
     int32_t rank_small[256];
     int32_t * rank = n_expert <= 256 ? rank_small : (int32_t *) malloc((size_t) n_expert * sizeof(int32_t));
     if (rank == NULL) {
-        abort(); // merge only runs with n_expert > 256 on models far bigger than these few KiB
+        return GGML_ZIPMOE_ERR_NOMEM;
     }
     for (int32_t e = 0; e < n_expert; e++) {
         rank[e] = -1;
@@ -1434,10 +1521,11 @@ void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer,
             rank[e] = -1;
         }
     }
+    const int32_t n_slots = ggml_zipmoe_cache_n_slots(c);
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int64_t k = 0; k < n_used; k++) {
             const int32_t e     = ids[t * ids_stride + k];
-            const int     mine  = e >= 0 && e < n_expert && rank[e] >= 0 && rank[e] / c->n_slots == pass;
+            const int     mine  = e >= 0 && e < n_expert && rank[e] >= 0 && rank[e] / n_slots == pass;
             const size_t  off   = (size_t) t * nb2 + (size_t) k * nb1;
             const void *  src   = mine || acc == NULL ? (const uint8_t *) pass_out + off : (const uint8_t *) acc + off;
             memcpy((uint8_t *) out + off, src, row_bytes);
@@ -1446,6 +1534,7 @@ void ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer,
     if (rank != rank_small) {
         free(rank);
     }
+    return GGML_ZIPMOE_OK;
 }
 
 void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml_zipmoe_cache_stats * s) {

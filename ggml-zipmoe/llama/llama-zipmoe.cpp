@@ -1,0 +1,917 @@
+// ZipMoE fork: the glue between llama.cpp and ggml-zipmoe (see llama-zipmoe.h).
+
+#include "llama-zipmoe.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-zipmoe.h"
+#include "gguf.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+const char * llama_zipmoe_build_info(void) {
+    return ggml_zipmoe_build_info();
+}
+
+// slot tensor -> owner; looked up once per MoE layer when a graph is built
+static std::mutex                                              g_registry_mutex;
+static std::unordered_map<const ggml_tensor *, llama_zipmoe *> g_registry;
+
+static const char * const k_kinds[3] = { "gate", "up", "down" };
+static const char * const k_evictions[5] = { "lru", "fifo", "marking", "lfu", "rank" };
+
+static constexpr double k_mib = 1024.0 * 1024.0;
+static constexpr double k_gib = 1024.0 * 1024.0 * 1024.0;
+
+//
+// options
+//
+
+namespace {
+
+enum class option_type { size, boolean, integer, string };
+
+struct option_desc {
+    const char * key;   // KV override
+    const char * env;   // environment variable
+    option_type  type;
+    const char * what;  // "must be ..." text
+};
+
+const option_desc k_options[] = {
+    { "zipmoe.budget",     "ZIPMOE_BUDGET",     option_type::size,    "a size in bytes, or like 4G, 512M, 1.5GiB" },
+    { "zipmoe.mem_limit",  "ZIPMOE_MEM_LIMIT",  option_type::size,    "a size in bytes, or like 16G" },
+    { "zipmoe.direct_io",  "ZIPMOE_DIRECT_IO",  option_type::boolean, "true or false (1/0, yes/no, on/off)" },
+    { "zipmoe.threads",    "ZIPMOE_THREADS",    option_type::integer, "0 (all of the graph's threads) or a number of threads up to 4096" },
+    { "zipmoe.eviction",   "ZIPMOE_EVICTION",   option_type::string,  "one of lru, fifo, marking, lfu, rank" },
+    { "zipmoe.rank_delta", "ZIPMOE_RANK_DELTA", option_type::integer, "a whole number >= 0" },
+    { "zipmoe.pool_f",     "ZIPMOE_POOL_F",     option_type::integer, "a number of experts per MoE layer >= 0" },
+    { "zipmoe.pool_c",     "ZIPMOE_POOL_C",     option_type::integer, "a number of experts per MoE layer >= 0" },
+    { "zipmoe.pool_s",     "ZIPMOE_POOL_S",     option_type::integer, "a number of experts per MoE layer >= 0" },
+    { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
+    { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
+};
+
+std::string trim_lower(const std::string & s) {
+    size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    std::string out = b == std::string::npos ? "" : s.substr(b, e - b + 1);
+    std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return (char) std::tolower(c); });
+    return out;
+}
+
+// "4G", "512M", "1.5GiB", "123" (binary units, as zipmoe_py's parse_size); false if malformed
+bool parse_size(const std::string & text, uint64_t & out) {
+    const std::string s = trim_lower(text);
+    if (s.empty()) {
+        return false;
+    }
+    char * end = nullptr;
+    errno = 0;
+    const double v = strtod(s.c_str(), &end);
+    if (end == s.c_str() || errno != 0 || !std::isfinite(v) || v <= 0 || s[0] == '-' || s[0] == '+') {
+        return false;
+    }
+    std::string unit(end);
+    if (unit.size() >= 2 && unit.compare(unit.size() - 2, 2, "ib") == 0) {
+        unit.resize(unit.size() - 2);
+    } else if (!unit.empty() && unit.back() == 'b') {
+        unit.pop_back();
+    }
+    double scale;
+    if      (unit.empty())  { scale = 1; }
+    else if (unit == "k")   { scale = 1024.0; }
+    else if (unit == "m")   { scale = k_mib; }
+    else if (unit == "g")   { scale = k_gib; }
+    else if (unit == "t")   { scale = k_gib * 1024.0; }
+    else                    { return false; }
+    const double bytes = v * scale;
+    if (bytes < 1 || bytes > 9.0e18) {
+        return false;
+    }
+    out = (uint64_t) bytes;
+    return true;
+}
+
+bool parse_bool(const std::string & text, bool & out) {
+    const std::string s = trim_lower(text);
+    if (s == "1" || s == "true" || s == "yes" || s == "on") {
+        out = true;
+        return true;
+    }
+    if (s == "0" || s == "false" || s == "no" || s == "off") {
+        out = false;
+        return true;
+    }
+    return false;
+}
+
+bool parse_int(const std::string & text, int64_t & out) {
+    const std::string s = trim_lower(text);
+    if (s.empty()) {
+        return false;
+    }
+    char * end = nullptr;
+    errno = 0;
+    const long long v = strtoll(s.c_str(), &end, 10);
+    if (*end != '\0' || errno != 0) {
+        return false;
+    }
+    out = v;
+    return true;
+}
+
+// one option's value as given, before it is checked
+struct raw_value {
+    bool        set = false;
+    std::string source;        // "--override-kv zipmoe.budget" or "ZIPMOE_BUDGET (environment)"
+    int         tag = -1;      // LLAMA_KV_OVERRIDE_TYPE_* of an override, -1 for the environment
+    int64_t     i   = 0;
+    bool        b   = false;
+    std::string s;             // a string override, or the environment's text
+};
+
+[[noreturn]] void bad_option(const raw_value & v, const option_desc & d, const std::string & got) {
+    throw std::runtime_error(format("%s must be %s; got %s", v.source.c_str(), d.what, got.c_str()));
+}
+
+std::string shown(const raw_value & v) {
+    switch (v.tag) {
+        case LLAMA_KV_OVERRIDE_TYPE_INT:   return std::to_string(v.i);
+        case LLAMA_KV_OVERRIDE_TYPE_BOOL:  return v.b ? "true" : "false";
+        case LLAMA_KV_OVERRIDE_TYPE_FLOAT: return "a float";
+        default:                           return "'" + v.s + "'";
+    }
+}
+
+uint64_t as_size(const raw_value & v, const option_desc & d) {
+    uint64_t out = 0;
+    if (v.tag == LLAMA_KV_OVERRIDE_TYPE_INT) {
+        if (v.i <= 0) {
+            bad_option(v, d, shown(v));
+        }
+        return (uint64_t) v.i;
+    }
+    if ((v.tag == LLAMA_KV_OVERRIDE_TYPE_STR || v.tag < 0) && parse_size(v.s, out)) {
+        return out;
+    }
+    bad_option(v, d, shown(v));
+}
+
+bool as_bool(const raw_value & v, const option_desc & d) {
+    bool out = false;
+    if (v.tag == LLAMA_KV_OVERRIDE_TYPE_BOOL) {
+        return v.b;
+    }
+    if ((v.tag == LLAMA_KV_OVERRIDE_TYPE_STR || v.tag < 0) && parse_bool(v.s, out)) {
+        return out;
+    }
+    bad_option(v, d, shown(v));
+}
+
+int64_t as_int(const raw_value & v, const option_desc & d, int64_t lo, int64_t hi) {
+    int64_t out = 0;
+    if (v.tag == LLAMA_KV_OVERRIDE_TYPE_INT) {
+        out = v.i;
+    } else if (!((v.tag == LLAMA_KV_OVERRIDE_TYPE_STR || v.tag < 0) && parse_int(v.s, out))) {
+        bad_option(v, d, shown(v));
+    }
+    if (out < lo || out > hi) {
+        bad_option(v, d, shown(v));
+    }
+    return out;
+}
+
+} // namespace
+
+llama_zipmoe_options llama_zipmoe_options::parse(
+        const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
+    const size_t n_opt = sizeof(k_options) / sizeof(k_options[0]);
+    std::vector<raw_value> values(n_opt);
+    // the environment first, so that an override replaces it
+    for (size_t i = 0; i < n_opt; ++i) {
+        const char * env = getenv(k_options[i].env);
+        if (env != nullptr && env[0] != '\0') {
+            values[i].set    = true;
+            values[i].source = format("%s (environment)", k_options[i].env);
+            values[i].s      = env;
+        }
+    }
+    for (const auto & [key, kv] : overrides) {
+        if (key.rfind("zipmoe.", 0) != 0) {
+            continue;
+        }
+        size_t i = 0;
+        while (i < n_opt && key != k_options[i].key) {
+            ++i;
+        }
+        if (i == n_opt) {
+            std::string known;
+            for (const auto & d : k_options) {
+                known += format("%s%s", known.empty() ? "" : ", ", d.key);
+            }
+            throw std::runtime_error(format("unknown ZipMoE option '%s': known are %s", key.c_str(), known.c_str()));
+        }
+        raw_value & v = values[i];
+        v = raw_value();
+        v.set    = true;
+        v.source = format("--override-kv %s", key.c_str());
+        v.tag    = kv.tag;
+        v.i      = kv.val_i64;
+        v.b      = kv.val_bool;
+        if (kv.tag == LLAMA_KV_OVERRIDE_TYPE_STR) {
+            v.s = kv.val_str;
+        }
+    }
+
+    llama_zipmoe_options o;
+    for (size_t i = 0; i < n_opt; ++i) {
+        const raw_value & v = values[i];
+        const option_desc & d = k_options[i];
+        if (!v.set) {
+            continue;
+        }
+        const std::string key = d.key;
+        if (key == "zipmoe.budget") {
+            o.budget = as_size(v, d);
+        } else if (key == "zipmoe.mem_limit") {
+            o.mem_limit = as_size(v, d);
+        } else if (key == "zipmoe.direct_io") {
+            o.direct_io = as_bool(v, d);
+        } else if (key == "zipmoe.threads") {
+            o.threads = (int32_t) as_int(v, d, 0, 4096);
+        } else if (key == "zipmoe.eviction") {
+            if (v.tag >= 0 && v.tag != LLAMA_KV_OVERRIDE_TYPE_STR) {
+                bad_option(v, d, shown(v));
+            }
+            const std::string name = trim_lower(v.s);
+            o.eviction = -1;
+            for (int e = 0; e < 5; ++e) {
+                if (name == k_evictions[e]) {
+                    o.eviction = e;
+                }
+            }
+            if (o.eviction < 0) {
+                bad_option(v, d, shown(v));
+            }
+            o.eviction_set = true;
+        } else if (key == "zipmoe.rank_delta") {
+            o.rank_delta = (int32_t) as_int(v, d, 0, 1 << 20);
+        } else if (key.rfind("zipmoe.pool_", 0) == 0) {
+            o.pools[strchr("fcse", key.back()) - "fcse"] = (int32_t) as_int(v, d, 0, 1 << 20);
+        } else if (key == "zipmoe.work_slots") {
+            o.work_slots = (int32_t) as_int(v, d, 1, 1 << 20);
+        }
+    }
+    if (o.with_pools() && o.eviction_set && o.eviction != GGML_ZIPMOE_EVICT_RANK) {
+        throw std::runtime_error("zipmoe.pool_* dispatch experts by rank: zipmoe.eviction must be rank (or not given)");
+    }
+    return o;
+}
+
+//
+// memory
+//
+
+// resident set of this process (VmRSS), 0 if unknown
+static uint64_t resident_bytes() {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+        unsigned long long kb = 0;
+        if (sscanf(line.c_str(), "VmRSS: %llu kB", &kb) == 1) {
+            return (uint64_t) kb * 1024;
+        }
+    }
+    return 0;
+}
+
+static std::string gib(uint64_t bytes) {
+    return format("%.2f GiB", bytes / k_gib);
+}
+
+//
+// llama_zipmoe
+//
+
+bool llama_zipmoe::is_zipmoe(const gguf_context * meta) {
+    return meta != nullptr && gguf_find_key(meta, "zipmoe.format_version") >= 0;
+}
+
+bool llama_zipmoe::is_chunk_tensor(const std::string & name) {
+    static const std::string suffix = ".zipmoe";
+    return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+llama_zipmoe * llama_zipmoe::of(const ggml_tensor * t) {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    auto it = g_registry.find(t);
+    return it == g_registry.end() ? nullptr : it->second;
+}
+
+llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
+                           const std::unordered_map<std::string, llama_model_kv_override> & overrides)
+    : fname(fname), opt(llama_zipmoe_options::parse(overrides)) {
+    // the model's top-k: an automatic budget never keeps fewer slots than one token's experts of a layer
+    if (meta != nullptr) {
+        const int64_t arch_key = gguf_find_key(meta, "general.architecture");
+        if (arch_key >= 0 && gguf_get_kv_type(meta, arch_key) == GGUF_TYPE_STRING) {
+            const std::string key = std::string(gguf_get_val_str(meta, arch_key)) + ".expert_used_count";
+            const int64_t k = gguf_find_key(meta, key.c_str());
+            if (k >= 0 && gguf_get_kv_type(meta, k) == GGUF_TYPE_UINT32) {
+                n_expert_used = std::max<int32_t>(1, (int32_t) std::min<uint32_t>(gguf_get_val_u32(meta, k), 1u << 16));
+            }
+        }
+    }
+
+    // what this process may take, measured before the model's weights are mapped
+    ggml_zipmoe_memory mem;
+    ggml_zipmoe_memory_available(nullptr, &mem);
+    available_at_load = mem.available;
+    if (mem.cgroup_version != 0 && mem.cgroup_limit != UINT64_MAX && mem.available < mem.mem_available) {
+        memory_source = format("cgroup v%d %s: limit %s, %s in use", mem.cgroup_version, mem.cgroup_path,
+                               gib(mem.cgroup_limit).c_str(), gib(mem.cgroup_used).c_str());
+    } else {
+        memory_source = "MemAvailable";
+    }
+    if (opt.mem_limit != 0) {
+        const uint64_t rss = resident_bytes();
+        const uint64_t left = opt.mem_limit > rss ? opt.mem_limit - rss : 0;
+        if (left < available_at_load) {
+            available_at_load = left;
+            memory_source = format("zipmoe.mem_limit %s, %s resident", gib(opt.mem_limit).c_str(), gib(rss).c_str());
+        }
+    }
+    if (available_at_load == UINT64_MAX) {
+        available_at_load = 0; // unknown: the budget then falls back to its minimum, with a warning
+        memory_source = "unknown (no /proc/meminfo, no cgroup limit)";
+    }
+
+    char err[1024];
+    file = ggml_zipmoe_file_open(fname.c_str(), opt.direct_io ? GGML_ZIPMOE_OPEN_DIRECT : 0, err, sizeof(err));
+    if (file == nullptr) {
+        throw std::runtime_error(err);
+    }
+}
+
+llama_zipmoe::~llama_zipmoe() {
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        for (ggml_tensor * t : slots) {
+            g_registry.erase(t);
+        }
+    }
+    ggml_zipmoe_cache_free(cache);
+    ggml_zipmoe_file_close(file);
+    if (buf) {
+        ggml_backend_buffer_free(buf);
+    }
+    if (mapping) {
+        munmap(mapping, mapping_bytes);
+    }
+    if (ctx) {
+        ggml_free(ctx);
+    }
+}
+
+int32_t llama_zipmoe::slots_for(uint64_t budget) const {
+    return (int32_t) std::min<uint64_t>(budget / expert_bytes, (uint64_t) INT32_MAX);
+}
+
+ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializer_list<int64_t> & ne) {
+    const int t = ggml_zipmoe_file_find_tensor(file, name.c_str());
+    if (t < 0) {
+        return nullptr;
+    }
+    int64_t shape[3];
+    ggml_zipmoe_file_tensor_shape(file, t, shape);
+    std::vector<int64_t> want(ne);
+    if (want.size() != 3 || want[0] != shape[0] || want[1] != shape[1] || want[2] != shape[2]) {
+        throw std::runtime_error(format("%s: ZipMoE tensor %s is %lld x %lld x %lld, the model expects another shape",
+                                        fname.c_str(), name.c_str(), (long long) shape[0], (long long) shape[1],
+                                        (long long) shape[2]));
+    }
+    int kind = -1;
+    for (int k = 0; k < 3; ++k) {
+        if (name.find(std::string("ffn_") + k_kinds[k] + "_exps") != std::string::npos) {
+            kind = k;
+        }
+    }
+    if (kind < 0) {
+        return nullptr;
+    }
+    if (cache != nullptr) {
+        return slots[kind];
+    }
+
+    // every layer's experts share one slot shape per kind (ggml_zipmoe_cache_new checks it)
+    int64_t kind_ne[3][3] = {};
+    const std::string prefix = name.substr(0, name.find("ffn_"));
+    for (int k = 0; k < 3; ++k) {
+        const int tk = ggml_zipmoe_file_find_tensor(file, (prefix + "ffn_" + k_kinds[k] + "_exps.weight").c_str());
+        if (tk < 0) {
+            throw std::runtime_error(format("%s: %s is repacked but its layer's %s experts are not", fname.c_str(),
+                                            name.c_str(), k_kinds[k]));
+        }
+        ggml_zipmoe_file_tensor_shape(file, tk, kind_ne[k]);
+        expert_bytes += (size_t) kind_ne[k][0] * kind_ne[k][1] * sizeof(uint16_t);
+    }
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        int64_t s[3];
+        ggml_zipmoe_file_tensor_shape(file, i, s);
+        all_experts += (uint64_t) s[0] * s[1] * s[2] * sizeof(uint16_t);
+        n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != nullptr;
+    }
+    const int32_t all_slots = std::max<int32_t>(1, slots_for(all_experts));
+
+    // the slots the tensors hold; how many are in use is decided per context (attach)
+    int32_t capacity;
+    if (opt.with_pools()) {
+        capacity = opt.pools[0] * n_moe_layers + opt.work_slots;
+    } else if (opt.budget != 0) {
+        if (opt.budget < expert_bytes) {
+            throw std::runtime_error(format("zipmoe.budget of %llu bytes cannot hold one expert (%zu bytes: gate + up + down)",
+                                            (unsigned long long) opt.budget, expert_bytes));
+        }
+        capacity = std::min(slots_for(opt.budget), all_slots); // more slots than experts would never be used
+    } else {
+        capacity = std::max(std::min(all_slots, slots_for(available_at_load)), std::min(all_slots, n_expert_used));
+    }
+
+    // address space for every slot, committed only where a slot is written (MAP_NORESERVE); where
+    // the kernel refuses that much, fewer slots
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (;;) {
+        size_t off = 0;
+        for (int k = 0; k < 3; ++k) {
+            section[k] = off;
+            off += GGML_PAD((size_t) capacity * kind_ne[k][0] * kind_ne[k][1] * sizeof(uint16_t), page);
+        }
+        mapping_bytes = off;
+        mapping = mmap(nullptr, mapping_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (mapping != MAP_FAILED) {
+            break;
+        }
+        mapping = nullptr;
+        if (capacity <= std::min(n_expert_used, capacity) || capacity <= 1) {
+            throw std::runtime_error(format("cannot reserve address space for the ZipMoE expert cache (%d slots, %.1f MiB): %s",
+                                            capacity, mapping_bytes / k_mib, strerror(errno)));
+        }
+        capacity = std::max(1, capacity / 2);
+    }
+
+    ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+    ctx = ggml_init(params);
+    buf = ggml_backend_cpu_buffer_from_ptr(mapping, mapping_bytes);
+    if (ctx == nullptr || buf == nullptr) {
+        throw std::runtime_error("cannot make the ZipMoE slot tensors");
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    for (int k = 0; k < 3; ++k) {
+        slots[k] = ggml_new_tensor_3d(ctx, GGML_TYPE_BF16, kind_ne[k][0], kind_ne[k][1], capacity);
+        ggml_format_name(slots[k], "zipmoe.slots.%s", k_kinds[k]);
+        if (ggml_backend_tensor_alloc(buf, slots[k], (char *) mapping + section[k]) != GGML_STATUS_SUCCESS) {
+            throw std::runtime_error("cannot place the ZipMoE slot tensors");
+        }
+    }
+
+    ggml_zipmoe_cache_params cp = {};
+    cp.file       = file;
+    cp.n_slots    = capacity;
+    cp.n_decoders = opt.threads;
+    cp.eviction   = opt.eviction;
+    cp.rank_delta = opt.rank_delta;
+    std::copy(opt.pools, opt.pools + 4, cp.pool_capacity);
+    for (int k = 0; k < 3; ++k) {
+        cp.slot_data[k]   = slots[k]->data;
+        cp.slot_stride[k] = slots[k]->nb[2];
+    }
+    char err[1024];
+    cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
+    if (cache == nullptr) {
+        throw std::runtime_error(err);
+    }
+    if (opt.with_pools()) {
+        uint64_t total = 0;
+        std::string layout_text;
+        for (int p = 0; p < 4; ++p) {
+            size_t entry = 0;
+            const int n = ggml_zipmoe_cache_pool_entries(cache, p, &entry);
+            total += (uint64_t) n * entry;
+            layout_text += format("%s%c %d x %.2f MiB", p ? ", " : "", "FCSE"[p], n, entry / k_mib);
+        }
+        total += (uint64_t) opt.work_slots * expert_bytes;
+        layout_text += format(", %d working slots", opt.work_slots);
+        if (opt.budget != 0 && total > opt.budget) {
+            throw std::runtime_error(format("zipmoe.pool_* and zipmoe.work_slots need %.1f MiB (%s), more than "
+                                            "zipmoe.budget's %.1f MiB", total / k_mib, layout_text.c_str(),
+                                            opt.budget / k_mib));
+        }
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache pools: %s = %.1f MiB\n", __func__, layout_text.c_str(), total / k_mib);
+    }
+    // until a context says how much memory is left, the fewest slots: the graphs a context
+    // reserves its buffers with then have the most passes
+    n_slots_used = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
+    ggml_zipmoe_cache_set_n_slots(cache, n_slots_used);
+    {
+        std::lock_guard<std::mutex> lock(g_registry_mutex);
+        for (ggml_tensor * s : slots) {
+            g_registry[s] = this;
+        }
+    }
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a context is made\n",
+                   __func__, capacity, expert_bytes / k_mib, all_experts / k_mib);
+    return slots[kind];
+}
+
+void llama_zipmoe::check_model(const llama_model & model) {
+    for (size_t il = 0; il < model.layers.size(); ++il) {
+        const llama_layer & l = model.layers[il];
+        if (l.ffn_down_exps == nullptr || of(l.ffn_down_exps) != this) {
+            continue;
+        }
+        const bool unsupported = l.ffn_gate_exps_b || l.ffn_up_exps_b || l.ffn_down_exps_b || l.ffn_gate_up_exps ||
+                                 l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
+        if (unsupported) {
+            throw std::runtime_error(format("%s: layer %zu's routed experts have biases, per-expert scales or a merged "
+                                            "gate_up tensor, which ZipMoE's expert slots do not serve", fname.c_str(), il));
+        }
+    }
+    // the weights a decode step reads from host memory: all but the token embedding, of which it
+    // reads a row per token (unless the output matrix is the embedding itself)
+    non_expert_bytes = 0;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd) {
+            continue;
+        }
+        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer)) {
+            continue;
+        }
+        non_expert_bytes += ggml_nbytes(t);
+    }
+}
+
+llama_zipmoe::context_state & llama_zipmoe::state_of(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto & st = contexts[lctx];
+    if (!st) {
+        st = std::make_unique<context_state>();
+        st->zm = this;
+    }
+    return *st;
+}
+
+void llama_zipmoe::attach(llama_context * lctx) {
+    if (cache == nullptr) {
+        return;
+    }
+    uint64_t host = 0;
+    for (const auto & [buft, mb] : lctx->memory_breakdown()) {
+        if (buft != nullptr && ggml_backend_buft_is_host(buft)) {
+            host += mb.context + mb.compute;
+        }
+    }
+    context_state & st = state_of(lctx);
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        st.host_bytes = host;
+        st.attached   = true;
+        n_threads_max = std::max({ n_threads_max, (int32_t) llama_n_threads(lctx), (int32_t) llama_n_threads_batch(lctx) });
+    }
+    try {
+        resize(lctx);
+    } catch (...) {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        contexts.erase(lctx);
+        throw;
+    }
+}
+
+void llama_zipmoe::detach(llama_context * lctx) {
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        auto it = contexts.find(lctx);
+        if (it == contexts.end()) {
+            return;
+        }
+        const bool was_attached = it->second->attached;
+        contexts.erase(it);
+        if (!was_attached || cache == nullptr) {
+            return;
+        }
+    }
+    try {
+        resize(nullptr);
+    } catch (const std::exception & e) {
+        LLAMA_LOG_WARN("%s: %s\n", __func__, e.what());
+    }
+}
+
+void llama_zipmoe::resize(const llama_context * making) {
+    std::lock_guard<std::mutex> compute(compute_mutex);
+    uint64_t contexts_bytes = 0;
+    int      n_contexts     = 0;
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        for (const auto & [c, st] : contexts) {
+            if (st->attached) {
+                contexts_bytes += st->host_bytes;
+                n_contexts++;
+            }
+        }
+    }
+    const uint64_t own    = ggml_zipmoe_cache_extra_bytes(cache, n_threads_max);
+    const uint64_t margin = (64ull << 20) + available_at_load / 32; // heap growth, readahead, allocator slack
+    const uint64_t fixed  = non_expert_bytes + contexts_bytes + own + margin;
+    const uint64_t fits   = available_at_load > fixed ? available_at_load - fixed : 0;
+    const int32_t  capacity = ggml_zipmoe_cache_slot_capacity(cache);
+    const std::string sums = format("available %s (%s) - non-expert weights %s - %d context(s) %s - ZipMoE buffers %s "
+                                    "- margin %s = %s", gib(available_at_load).c_str(), memory_source.c_str(),
+                                    gib(non_expert_bytes).c_str(), n_contexts, gib(contexts_bytes).c_str(),
+                                    gib(own).c_str(), gib(margin).c_str(), gib(fits).c_str());
+    int32_t n = capacity;
+    const int32_t fewest = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
+    if (opt.with_pools()) {
+        const uint64_t need = (uint64_t) capacity * expert_bytes;
+        if (need > fits && making != nullptr) {
+            throw std::runtime_error(format("the ZipMoE pools need %s of slots (%d F experts per layer x %d layers + %d "
+                                            "working slots) beside %s of stores, but only %s is left: %s. Give smaller "
+                                            "zipmoe.pool_* / zipmoe.work_slots, a smaller context, or more memory",
+                                            gib(need).c_str(), opt.pools[0], n_moe_layers, opt.work_slots,
+                                            gib(own).c_str(), gib(fits).c_str(), sums.c_str()));
+        }
+    } else {
+        const int32_t fit = slots_for(fits);
+        if (opt.budget != 0) {
+            if (capacity > fit) {
+                n = std::max(std::min(capacity, fewest), fit);
+                LLAMA_LOG_WARN("%s: zipmoe.budget of %s does not fit: %s; using %d slots (%s)\n", __func__,
+                               gib(opt.budget).c_str(), sums.c_str(), n, gib((uint64_t) n * expert_bytes).c_str());
+            }
+        } else {
+            n = std::min(capacity, std::max(fewest, fit));
+            if (fit < fewest) {
+                LLAMA_LOG_WARN("%s: memory is short for the ZipMoE expert cache: %s; keeping the minimum of %d slots "
+                               "(one token's experts of a layer); weights will be paged from disk\n", __func__,
+                               sums.c_str(), n);
+            }
+        }
+    }
+    if (n != n_slots_used) {
+        const int32_t old = n_slots_used;
+        if (ggml_zipmoe_cache_set_n_slots(cache, n) != GGML_ZIPMOE_OK) {
+            throw std::runtime_error(ggml_zipmoe_cache_error(cache));
+        }
+        n_slots_used = n;
+        if (n < old) {
+            // give the memory of the slots given up back to the system
+            const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+            for (int k = 0; k < 3; ++k) {
+                const size_t stride = slots[k]->nb[2];
+                const size_t lo = GGML_PAD(section[k] + (size_t) n * stride, page);
+                const size_t hi = (section[k] + (size_t) old * stride) / page * page;
+                if (hi > lo) {
+                    madvise((char *) mapping + lo, hi - lo, MADV_DONTNEED);
+                }
+            }
+        }
+        std::lock_guard<std::mutex> lock(state_mutex);
+        layout++;
+    }
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        plan = {};
+        plan.available     = available_at_load;
+        plan.non_expert    = non_expert_bytes;
+        plan.contexts      = contexts_bytes;
+        plan.cache_buffers = own;
+        plan.margin        = margin;
+        plan.fits          = fits;
+        plan.budget        = opt.budget;
+        plan.expert_bytes  = expert_bytes;
+        plan.n_contexts    = n_contexts;
+        plan.n_slots       = n;
+        plan.slot_capacity = capacity;
+        plan.min_slots     = fewest;
+        snprintf(plan.source, sizeof(plan.source), "%s", memory_source.c_str());
+    }
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s)\n", __func__, n, capacity,
+                   (double) n * expert_bytes / k_mib, opt.budget != 0 ? "zipmoe.budget; " : "", sums.c_str());
+}
+
+llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    const int64_t key = (int64_t) il << 32 | (uint32_t) pass;
+    auto it = args_index.find(key);
+    if (it != args_index.end()) {
+        return it->second;
+    }
+    args.push_back({ this, il, pass });
+    args_index[key] = &args.back();
+    return &args.back();
+}
+
+void llama_zipmoe::fail(const char * message) {
+    if (!failed.exchange(true)) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        failure = message;
+    }
+}
+
+// no correct output is possible without the expert: the graph stops (abort_callback) and the
+// message, which names the chunk at fault, reaches the caller
+static void zipmoe_check(const llama_zipmoe::op_args * a, int status) {
+    if (status != GGML_ZIPMOE_OK) {
+        a->zm->fail(ggml_zipmoe_cache_error(a->zm->cache));
+    }
+}
+
+static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a   = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    int32_t *           out = (int32_t *) dst->data;
+    // valid slot ids whatever happens: the products never see an out-of-range id
+    memset(out, 0, ggml_nbytes(dst));
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+                                                  ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
+}
+
+// passes the slot ids on once the slots are filled, so that the products depend on it
+static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * a = (const llama_zipmoe::op_args *) userdata;
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->zm->cache, ith, nth));
+    if (ith == 0) {
+        memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
+    }
+}
+
+static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a    = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids  = dst->src[0];
+    const ggml_tensor * cur  = dst->src[1];
+    const ggml_tensor * acc  = dst->src[2];
+    GGML_ASSERT(ggml_are_same_shape(cur, dst) && ggml_are_same_stride(cur, dst));
+    GGML_ASSERT(acc == nullptr || (ggml_are_same_shape(acc, dst) && ggml_are_same_stride(acc, dst)));
+    zipmoe_check(a, ggml_zipmoe_cache_merge_pass(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data, ids->ne[0],
+                                                 ids->ne[1], ids->nb[1] / sizeof(int32_t), acc ? acc->data : nullptr,
+                                                 cur->data, dst->data, ggml_row_size(dst->type, dst->ne[0]),
+                                                 dst->nb[1], dst->nb[2]));
+}
+
+ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * selected_experts,
+                                          const std::function<ggml_tensor * (ggml_tensor * ids)> & build) {
+    const int64_t n_used   = selected_experts->ne[0];
+    const int64_t n_tokens = selected_experts->ne[1];
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        built[gf] = layout;
+    }
+    const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
+
+    ggml_tensor * merged = nullptr;
+    for (int pass = 0; pass < n_passes; ++pass) {
+        // a pass's fetch must wait for the previous pass's products: they share the slots
+        ggml_tensor * srcs[2] = { selected_experts, merged };
+        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, merged ? 2 : 1,
+                                             zipmoe_fetch_begin_op, 1, args_for(il, pass));
+        ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
+        if (pass == 0) {
+            ggml_build_forward_expand(gf, begin);
+        }
+        ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
+                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
+        ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
+        ggml_tensor * out = build(slot_ids);
+        if (n_passes == 1) {
+            return out;
+        }
+        ggml_tensor * msrcs[3] = { selected_experts, out, merged };
+        merged = ggml_custom_4d(ctx0, out->type, out->ne[0], out->ne[1], out->ne[2], out->ne[3], msrcs, merged ? 3 : 2,
+                                zipmoe_merge_op, 1, args_for(il, pass));
+        ggml_format_name(merged, "zipmoe_merged-%d.%d", il, pass);
+    }
+    return merged;
+}
+
+uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used_max) const {
+    if (cache == nullptr) {
+        return 0;
+    }
+    // the fewest slots resize ever leaves in use: a graph reserved now stays big enough after it
+    const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
+    const int64_t fewest   = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
+    uint32_t total = 0;
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        if (strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_down_exps") == nullptr) {
+            continue;
+        }
+        const int     il       = ggml_zipmoe_file_tensor_layer(file, i);
+        const int64_t n_ids    = (int64_t) n_tokens * n_expert_used_max;
+        const int64_t distinct = std::min<int64_t>(n_ids, ggml_zipmoe_cache_n_expert(cache, il));
+        const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
+        // fetch begin and end + merge + the ~16 nodes of one experts block, per pass
+        total += 19u * (uint32_t) passes;
+    }
+    return total;
+}
+
+std::unique_lock<std::mutex> llama_zipmoe::lock_compute() {
+    return std::unique_lock<std::mutex>(compute_mutex);
+}
+
+bool llama_zipmoe::graph_is_current(const ggml_cgraph * gf) const {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto it = built.find(gf);
+    return it != built.end() && it->second == layout;
+}
+
+ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status) {
+    // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
+    // begin) left the fetch open: its reads stop and its slots are forgotten
+    ggml_zipmoe_cache_cancel(cache);
+    context_state & st = state_of(lctx);
+    st.error.clear();
+    if (failed.load()) {
+        {
+            std::lock_guard<std::mutex> lock(failure_mutex);
+            st.error = "ZipMoE: " + failure;
+            failure.clear();
+        }
+        failed.store(false);
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, st.error.c_str());
+        return GGML_STATUS_FAILED;
+    }
+    return status;
+}
+
+bool llama_zipmoe::abort_callback(void * data) {
+    const auto * st = (const context_state *) data;
+    return st->zm->failed.load(std::memory_order_relaxed) || (st->user_callback && st->user_callback(st->user_data));
+}
+
+void * llama_zipmoe::wrap_abort_callback(llama_context * lctx, ggml_abort_callback user_callback, void * user_data) {
+    context_state & st = state_of(lctx);
+    st.user_callback = user_callback;
+    st.user_data     = user_data;
+    return &st;
+}
+
+const char * llama_zipmoe::last_error(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto it = contexts.find(lctx);
+    return it == contexts.end() ? "" : it->second->error.c_str();
+}
+
+llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    llama_zipmoe_memory_plan out = plan;
+    if (out.slot_capacity == 0 && cache != nullptr) { // no context made yet
+        out.available     = available_at_load;
+        out.non_expert    = non_expert_bytes;
+        out.budget        = opt.budget;
+        out.expert_bytes  = expert_bytes;
+        out.n_slots       = n_slots_used;
+        out.slot_capacity = ggml_zipmoe_cache_slot_capacity(cache);
+        out.min_slots     = n_slots_used;
+        snprintf(out.source, sizeof(out.source), "%s", memory_source.c_str());
+    }
+    return out;
+}
+
+bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct llama_zipmoe_memory_plan * plan) {
+    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr || plan == nullptr) {
+        return false;
+    }
+    *plan = model->zipmoe->memory_plan();
+    return true;
+}
+
+struct ggml_zipmoe_cache * llama_model_zipmoe_cache(const struct llama_model * model) {
+    return model != nullptr && model->zipmoe ? model->zipmoe->cache : nullptr;
+}
+
+const char * llama_zipmoe_last_error(const struct llama_context * lctx) {
+    const llama_model * model = lctx != nullptr ? llama_get_model(lctx) : nullptr;
+    return model != nullptr && model->zipmoe ? model->zipmoe->last_error(lctx) : "";
+}

@@ -1,0 +1,191 @@
+#pragma once
+
+// ZipMoE fork: routed experts of a ZipMoE GGUF are not loaded; they are read on demand by
+// ggml-zipmoe into slot tensors shared by all layers (see ggml-zipmoe.h for the cache).
+//
+// This file and llama-zipmoe.cpp are ZipMoE's own source, compiled into libllama by the ZipMoE
+// project's CMakeLists.txt; the patch series (vendor/llama.cpp/patches) only adds the calls into
+// them from llama.cpp's loader, graph builder and context.
+//
+// Memory. The slot tensors reserve address space for every expert but take memory only for the
+// slots in use. How many are in use is decided when a context is made or freed, from what the
+// process may use (its cgroup limits and MemAvailable, ggml_zipmoe_memory_available) minus the
+// non-expert weights, every context's KV cache and compute buffers, the cache's own buffers and a
+// margin. An explicit zipmoe.budget is reduced, with a warning giving the numbers, when it does
+// not fit; pools that do not fit make context creation fail with the numbers.
+//
+// Concurrency. One model's graphs run one at a time (fetch through products, every layer): a
+// context's fetch cannot evict a slot another context's products still read. Graph build and
+// compute of a ubatch happen under the model's lock, so a resize never falls between them.
+//
+// Errors. A fetch that fails (I/O error, short read, checksum, corrupt chunk) stops the graph
+// through the context's abort callback; llama_decode returns an error, llama_zipmoe_last_error
+// names layer, tensor, expert and chunk, and the cache forgets what the fetch planned.
+
+#include "llama.h"
+
+#include "ggml.h"
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+struct gguf_context;
+struct ggml_zipmoe_file;
+struct ggml_zipmoe_cache;
+struct llama_context;
+struct llama_model;
+
+// every ZipMoE option: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else the environment
+// variable (ZIPMOE_NAME), else the default
+struct llama_zipmoe_options {
+    uint64_t    budget     = 0;     // zipmoe.budget / ZIPMOE_BUDGET: bytes of expert slots (0: from memory)
+    uint64_t    mem_limit  = 0;     // zipmoe.mem_limit / ZIPMOE_MEM_LIMIT: memory the process may use in all
+                                    // (0: its cgroup limits and MemAvailable)
+    bool        direct_io  = false; // zipmoe.direct_io / ZIPMOE_DIRECT_IO
+    int32_t     threads    = 0;     // zipmoe.threads / ZIPMOE_THREADS: graph threads that decode (0: all)
+    int32_t     eviction   = 4;     // zipmoe.eviction / ZIPMOE_EVICTION (enum ggml_zipmoe_eviction; 4: rank)
+    bool        eviction_set = false;
+    int32_t     rank_delta = 0;     // zipmoe.rank_delta / ZIPMOE_RANK_DELTA
+    int32_t     pools[4]   = { 0, 0, 0, 0 }; // zipmoe.pool_f..pool_e / ZIPMOE_POOL_F..E: experts per MoE layer
+    int32_t     work_slots = 8;     // zipmoe.work_slots / ZIPMOE_WORK_SLOTS: slots beyond F's with pools
+
+    bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
+
+    // parses the overrides and the environment; throws naming the option and where it came from
+    static llama_zipmoe_options parse(const std::unordered_map<std::string, llama_model_kv_override> & overrides);
+};
+
+struct llama_zipmoe {
+    // true if the GGUF is a ZipMoE GGUF (has zipmoe.format_version)
+    static bool is_zipmoe(const gguf_context * meta);
+
+    // true for the GGUF tensors that hold an expert tensor's chunks ("blk.N.ffn_up_exps.zipmoe")
+    static bool is_chunk_tensor(const std::string & name);
+
+    // the ZipMoE state owning slot tensor t, or nullptr (t is not a slot tensor)
+    static llama_zipmoe * of(const ggml_tensor * t);
+
+    // opens the chunk index, reads the options and measures the memory this process may take
+    // (before any weight is mapped); throws on error
+    llama_zipmoe(const std::string & fname, const gguf_context * meta,
+                 const std::unordered_map<std::string, llama_model_kv_override> & overrides);
+    ~llama_zipmoe();
+
+    // the slot tensor to use for routed-expert tensor `name` (shape ne), reserving the slots on
+    // first use; nullptr if `name` is not repacked in the file
+    ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne);
+
+    // after the model's tensors are made: refuses layers the slots cannot serve (expert biases,
+    // per-expert scales, merged gate_up) and records the non-expert weights held in host memory
+    void check_model(const llama_model & model);
+
+    // a context was made / is freed: the slots in use are sized again for every live context.
+    // attach throws (context creation fails) when pools cannot fit.
+    void attach(llama_context * lctx);
+    void detach(llama_context * lctx);
+
+    // builds the experts' output for layer il: build(ids) makes the three mul_mat_id calls with
+    // the ids it is given; here they are slot ids, one pass per group of slots (see ggml-zipmoe.h).
+    // The first fetch's begin is expanded into gf at once, so that the caller's later work (the
+    // shared expert) is computed while the experts are read; the products are left unexpanded.
+    ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected_experts,
+                                const std::function<ggml_tensor * (ggml_tensor * ids)> & build);
+
+    // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
+    uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;
+
+    // the model's graphs run one at a time: held from graph build through compute of a ubatch
+    std::unique_lock<std::mutex> lock_compute();
+
+    // false if gf was built for another slot count (a resize since): it must be rebuilt
+    bool graph_is_current(const ggml_cgraph * gf) const;
+
+    // after a graph of lctx computed (under lock_compute): abandons a fetch the graph left open and
+    // turns a failed fetch into GGML_STATUS_FAILED, keeping its message for llama_zipmoe_last_error
+    ggml_status finish_compute(llama_context * lctx, ggml_status status);
+
+    // the abort callback installed in lctx's backends: a failed fetch, or the user's callback
+    static bool abort_callback(void * data);
+    void * wrap_abort_callback(llama_context * lctx, ggml_abort_callback user_callback, void * user_data);
+
+    // the message of lctx's last failed decode ("" if none)
+    const char * last_error(const llama_context * lctx);
+
+    // how the slots in use were last sized
+    llama_zipmoe_memory_plan memory_plan() const;
+
+    ggml_zipmoe_file  * file  = nullptr;
+    ggml_zipmoe_cache * cache = nullptr;
+
+    // what a graph's fetch / merge op works on
+    struct op_args {
+        llama_zipmoe * zm;
+        int            il;
+        int            pass;
+    };
+
+    // an op's failure: stops the graph (through abort_callback) with this message
+    void fail(const char * message);
+
+private:
+    struct context_state {
+        llama_zipmoe *      zm            = nullptr;
+        ggml_abort_callback user_callback = nullptr;
+        void *              user_data     = nullptr;
+        uint64_t            host_bytes    = 0;     // KV cache + compute buffers in host memory
+        bool                attached      = false;
+        std::string         error;
+    };
+
+    op_args * args_for(int il, int pass);
+    context_state & state_of(const llama_context * lctx);
+    void resize(const llama_context * making);
+    int32_t slots_for(uint64_t budget) const;
+
+    std::string           fname;
+    llama_zipmoe_options  opt;
+
+    // geometry
+    size_t   expert_bytes = 0;  // gate + up + down of one expert, BF16
+    uint64_t all_experts  = 0;  // bytes of every routed expert
+    int32_t  n_moe_layers = 0;
+    int32_t  n_expert_used = 1; // the model's top-k: the fewest slots an automatic budget keeps
+
+    // memory
+    uint64_t available_at_load = 0; // what the process could take when loading began
+    std::string memory_source;      // where that number came from, for the log
+    uint64_t non_expert_bytes = 0;  // non-expert weights in host memory a decode step reads
+    int32_t  n_threads_max = 1;     // decoding threads of the largest context (for the cache's buffers)
+
+    // slots: one reserved region, committed only where slots are used
+    void *                mapping       = nullptr;
+    size_t                mapping_bytes = 0;
+    size_t                section[3]    = { 0, 0, 0 }; // offset of each kind's slots in the region
+    int32_t               n_slots_used  = 0;
+    ggml_context *        ctx    = nullptr;
+    ggml_backend_buffer_t buf    = nullptr;
+    ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };
+
+    // graphs and contexts
+    std::mutex                  compute_mutex; // held by lock_compute, and by resize
+    mutable std::mutex          state_mutex;   // args, contexts, built, layout
+    std::deque<op_args>         args;          // stable addresses for the graph's custom ops
+    std::unordered_map<int64_t, op_args *> args_index;
+    std::map<const llama_context *, std::unique_ptr<context_state>> contexts;
+    std::unordered_map<const ggml_cgraph *, uint64_t> built; // graph -> slot layout it was built for
+    uint64_t                    layout = 0;    // bumped by every change of the slot count
+
+    llama_zipmoe_memory_plan plan = {};        // the last sizing (guarded by state_mutex)
+
+    std::atomic<bool> failed { false };
+    std::string       failure;
+    std::mutex        failure_mutex;
+};

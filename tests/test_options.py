@@ -1,0 +1,137 @@
+"""Every ZipMoE option reaches every tool: KV overrides, environment variables (the only way into
+llama-bench), Python arguments, with KV override > environment > default; bad values name the option
+and where it came from.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+
+from zipmoe_py import ZipMoEError
+from zipmoe_py import format as zformat
+
+from conftest import VENV_BIN, run
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf, tmp_path_factory):
+    out = tmp_path_factory.mktemp("options") / "qwen.zipmoe.gguf"
+    zformat.repack(tiny_gguf("qwen2moe"), out)
+    with zformat.ZipMoEFile(out) as zf:
+        one = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in zf.tensors if t.startswith("blk.0."))
+    return out, one
+
+
+def env(**values) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ZIPMOE_")}
+    return {**clean, **{k: str(v) for k, v in values.items()}}
+
+
+def slots_in_use(stderr: bytes) -> int:
+    found = re.findall(rb"ZipMoE expert cache: (\d+) of (\d+) slots in use", stderr)
+    assert found, stderr.decode()[-3000:]
+    return int(found[0][0])
+
+
+def completion(path, *args, environment=None) -> subprocess.CompletedProcess:
+    return run([VENV_BIN / "llama-completion", "-m", path, "-p", PROMPT, "-n", 4, "--temp", 0, "-t", 2, "-no-cnv",
+                "-c", 256, "-v", *args], env=environment or env(), stdin=subprocess.DEVNULL)
+
+
+def test_environment_reaches_llama_completion_and_an_override_wins(model):
+    path, one = model
+    proc = completion(path, environment=env(ZIPMOE_BUDGET=7 * one))
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert slots_in_use(proc.stderr) == 7
+    proc = completion(path, "--override-kv", f"zipmoe.budget=int:{5 * one}", environment=env(ZIPMOE_BUDGET=7 * one))
+    assert proc.returncode == 0 and slots_in_use(proc.stderr) == 5
+    # sizes with units as a string override, several options in one comma-separated override
+    proc = completion(path, "--override-kv", f"zipmoe.budget=str:{6 * one // 1024}K,zipmoe.eviction=str:lfu,"
+                                             "zipmoe.threads=int:1")
+    assert proc.returncode == 0 and slots_in_use(proc.stderr) == 6, proc.stderr.decode()[-2000:]
+
+
+def test_environment_reaches_llama_bench(model):
+    """llama-bench has no --override-kv: the environment is how a benchmark runs ZipMoE at a budget."""
+    path, one = model
+    proc = run([VENV_BIN / "llama-bench", "-m", path, "-p", 8, "-n", 4, "-t", 2, "-r", 1, "-v"],
+               env=env(ZIPMOE_BUDGET=9 * one, ZIPMOE_EVICTION="fifo"))
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert slots_in_use(proc.stderr) == 9
+    assert b"tg4" in proc.stdout and b"pp8" in proc.stdout
+    # llama-bench shows no load log, errors included, unless -v
+    bad = run([VENV_BIN / "llama-bench", "-m", path, "-p", 8, "-n", 4, "-r", 1, "-v"], env=env(ZIPMOE_EVICTION="random"))
+    assert bad.returncode != 0
+    assert b"ZIPMOE_EVICTION (environment) must be one of lru, fifo, marking, lfu, rank; got 'random'" in (
+        bad.stderr + bad.stdout)
+
+
+def test_environment_reaches_llama_perplexity_which_matches_the_bf16_gguf(model, tiny_gguf, tmp_path):
+    path, one = model
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+
+    def perplexity(gguf, environment):
+        proc = run([VENV_BIN / "llama-perplexity", "-m", gguf, "-f", text, "-c", 64, "-b", 64, "--chunks", 3, "-t", 2,
+                    "-v"], env=environment, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        return proc, re.findall(rb"Final estimate: PPL = [0-9.]+ \+/- [0-9.]+", proc.stderr + proc.stdout)
+
+    served, got = perplexity(path, env(ZIPMOE_BUDGET=6 * one))
+    assert slots_in_use(served.stderr) == 6
+    _, want = perplexity(tiny_gguf("qwen2moe"), env())
+    assert got and got == want
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("ZIPMOE_BUDGET", "lots", "ZIPMOE_BUDGET (environment) must be a size in bytes, or like 4G, 512M, 1.5GiB; got 'lots'"),
+    ("ZIPMOE_BUDGET", "-2G", "ZIPMOE_BUDGET (environment) must be a size"),
+    ("ZIPMOE_DIRECT_IO", "maybe", "ZIPMOE_DIRECT_IO (environment) must be true or false"),
+    ("ZIPMOE_THREADS", "two", "ZIPMOE_THREADS (environment) must be 0"),
+    ("ZIPMOE_POOL_C", "-1", "ZIPMOE_POOL_C (environment) must be a number of experts per MoE layer >= 0"),
+    ("ZIPMOE_WORK_SLOTS", "0", "ZIPMOE_WORK_SLOTS (environment) must be a number of slots >= 1"),
+])
+def test_bad_environment_values_are_named(model, variable, value, message):
+    path, _ = model
+    proc = completion(path, environment=env(**{variable: value}))
+    assert proc.returncode != 0
+    assert message.encode() in proc.stderr, proc.stderr.decode()[-2000:]
+
+
+def test_bad_overrides_are_named(model):
+    path, _ = model
+    proc = completion(path, "--override-kv", "zipmoe.bogus=int:1")
+    assert proc.returncode != 0 and b"unknown ZipMoE option 'zipmoe.bogus': known are zipmoe.budget" in proc.stderr
+    proc = completion(path, "--override-kv", "zipmoe.budget=float:1.5")
+    assert proc.returncode != 0
+    assert b"--override-kv zipmoe.budget must be a size in bytes, or like 4G, 512M, 1.5GiB; got a float" in proc.stderr
+    proc = completion(path, "--override-kv", "zipmoe.pool_f=int:2", environment=env(ZIPMOE_EVICTION="lru"))
+    assert proc.returncode != 0 and b"zipmoe.eviction must be rank" in proc.stderr
+
+
+def test_python_arguments_override_the_environment_which_overrides_the_default(model):
+    from zipmoe_py import Llama
+
+    path, one = model
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("ZIPMOE_")}
+    try:
+        os.environ["ZIPMOE_BUDGET"] = str(3 * one)
+        llm = Llama(model_path=str(path), n_ctx=128, verbose=False)
+        assert llm.zipmoe_stats()["n_slots"] == 3
+        llm.close()
+        llm = Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_budget=8 * one)
+        assert llm.zipmoe_stats()["n_slots"] == 8
+        llm.close()
+        os.environ["ZIPMOE_BUDGET"] = "lots"
+        with pytest.raises(ValueError):
+            Llama(model_path=str(path), n_ctx=128, verbose=False)
+    finally:
+        os.environ.pop("ZIPMOE_BUDGET", None)
+        os.environ.update(saved)
+    with pytest.raises(ZipMoEError, match="zipmoe_mem_limit"):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_mem_limit="lots")

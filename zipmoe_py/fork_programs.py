@@ -1,0 +1,36 @@
+"""The fork's own llama.cpp programs on the venv's PATH: `llama-completion`, `llama-bench` and
+`llama-perplexity` run the binaries built with ZipMoE (zipmoe_py/bin), with their own arguments.
+
+They take every ZipMoE option as a KV override (--override-kv zipmoe.budget=str:4G,zipmoe.direct_io=bool:true)
+or as an environment variable (ZIPMOE_BUDGET=4G); llama-bench has no --override-kv, so there the
+environment is the way (README: "Options").
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from . import _paths
+from .errors import ZipMoEError
+
+
+def _exec(name: str) -> int:
+    try:
+        program = str(_paths.program(name))
+    except ZipMoEError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 1
+    os.execv(program, [program, *sys.argv[1:]])
+    return 1  # not reached
+
+
+def llama_completion() -> int:
+    return _exec("llama-completion")
+
+
+def llama_bench() -> int:
+    return _exec("llama-bench")
+
+
+def llama_perplexity() -> int:
+    return _exec("llama-perplexity")
