@@ -50,8 +50,12 @@ def expert_geometry(path) -> tuple[int, int, int]:
 
 
 def load(path, **zipmoe_options):
+    """A model served on demand: no preload unless asked, so that every budget's misses, reads and passes
+    run (test_preload_fills_the_slots_and_stays_bit_identical covers the preload)."""
     from zipmoe_py import Llama
 
+    if str(path).endswith(".zipmoe.gguf"):
+        zipmoe_options.setdefault("zipmoe_preload", False)
     return Llama(model_path=str(path), n_ctx=512, n_threads=THREADS, verbose=False, **zipmoe_options)
 
 
@@ -143,6 +147,30 @@ def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zip
     if budget_name == "top-k":
         # a prefill of this many tokens selects more experts per layer than there are slots: several passes ran
         assert stats["fetch_calls"] > stats["expert_misses"] / top_k
+
+
+@pytest.mark.parametrize("budget_name", ["top-k", "half", "everything"])
+def test_preload_fills_the_slots_and_stays_bit_identical(arch, budget_name, zipmoe_gguf, reference):
+    """The default: the first context fills every slot in use (each layer its share, experts in id order),
+    uncounted by the statistics; serving then hits where the preload guessed right."""
+    path = zipmoe_gguf(arch)
+    one, n_expert, everything = expert_geometry(path)
+    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    budget = {"top-k": top_k * one, "half": everything // 2, "everything": everything}[budget_name]
+    llm = load(path, zipmoe_budget=budget, zipmoe_preload=True)
+    try:
+        before = llm.zipmoe_stats()
+        got, got_tokens = logits_trace(llm, PROMPTS[:4])
+        after = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    want, want_tokens = reference(arch, 4)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert before["expert_hits"] == before["expert_misses"] == before["bytes_read"] == before["fetch_calls"] == 0
+    if budget_name == "everything":
+        assert after["expert_misses"] == 0 and after["bytes_read"] == 0 and after["expert_hits"] > 0
+    elif budget_name == "half":  # (top-k slots over all the layers leave each layer a share of 0 or 1)
+        assert after["expert_hits"] > 0
 
 
 def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):

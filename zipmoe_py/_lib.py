@@ -21,7 +21,7 @@ EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
 # enum ggml_zipmoe_pool: the cache hierarchy, in order
 POOLS = ("F", "C", "S", "E")
 # enum ggml_zipmoe_open_flags
-OPEN_DIRECT = 1
+OPEN_DIRECT, OPEN_DIRECT_IF_SUPPORTED = 1, 2
 
 
 class ChunkInfo(ctypes.Structure):
@@ -105,6 +105,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_file_close": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_file_path": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_file_is_direct": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_preload": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32)]),
     "ggml_zipmoe_file_n_shards": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_file_n_tensors": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_file_max_chunk_size": (ctypes.c_size_t, [ctypes.c_void_p]),

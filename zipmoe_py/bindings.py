@@ -137,7 +137,8 @@ def plan_overrides(plan_path) -> dict:
 
 
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
-                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None) -> dict:
+                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
+                     preload: bool | None = None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
     not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
@@ -165,6 +166,10 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
     if direct_io is not None:
         out["zipmoe.direct_io"] = bool(direct_io)
+    if preload is not None:
+        if not isinstance(preload, bool):
+            raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
+        out["zipmoe.preload"] = preload
     if threads is not None:
         out["zipmoe.threads"] = parse_threads(threads)
     return out
@@ -202,7 +207,10 @@ class Llama(llama_cpp.Llama):
                         reduced, with a warning giving the numbers
       zipmoe_mem_limit: memory this process may use in all (bytes or "16G"), when it must share the
                         machine below what its cgroup and MemAvailable allow
-      zipmoe_direct_io: read expert chunks with O_DIRECT (bypassing the page cache)
+      zipmoe_preload:   fill the expert slots when the first context is made, as a memory-mapped
+                        model's populate does (default True; statistics do not count it)
+      zipmoe_direct_io: True: read expert chunks with O_DIRECT (an error where the filesystem cannot);
+                        False: through the page cache; default: O_DIRECT where the filesystem supports it
       zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
                         all (0). Reads run on the cache's own I/O thread either way.
       zipmoe_eviction:  which resident expert a miss replaces: "rank" (default; ZipMoE's rank
@@ -226,7 +234,7 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
                                    kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
-                                   kwargs.get("zipmoe_mem_limit"))
+                                   kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"))
         if "zipmoe.budget" in options:
             _check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
@@ -234,11 +242,11 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
                  zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
-                 zipmoe_plan=None, zipmoe_mem_limit=None, **kwargs):
+                 zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
                                           zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
-                                          zipmoe_mem_limit))
+                                          zipmoe_mem_limit, zipmoe_preload))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

@@ -117,9 +117,10 @@ def chat(args) -> int:
             print(f"zipmoe-chat: expert-cache budget {budget / 1024:.0f} KiB (a quarter of the demo's experts)",
                   file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io or None,
+                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
-                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit)
+                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
+                zipmoe_preload=None if args.preload else False)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -192,8 +193,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mem-limit", default=None, metavar="SIZE",
                     help="ZipMoE GGUFs: memory this process may use in all, when it must leave room for "
                          "others below its cgroup limit and MemAvailable (default: $ZIPMOE_MEM_LIMIT, else none)")
-    ap.add_argument("--direct-io", action="store_true",
-                    help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache")
+    ap.add_argument("--no-preload", dest="preload", action="store_false",
+                    help="ZipMoE GGUFs: do not fill the expert slots when the model is loaded (by default they are, "
+                         "as a memory-mapped model's populate does; $ZIPMOE_PRELOAD=0 does the same)")
+    io = ap.add_mutually_exclusive_group()
+    io.add_argument("--direct-io", dest="direct_io", action="store_const", const=True, default=None,
+                    help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache, and fail where "
+                         "the filesystem cannot (default: O_DIRECT where the filesystem supports it)")
+    io.add_argument("--no-direct-io", dest="direct_io", action="store_const", const=False,
+                    help="ZipMoE GGUFs: read expert chunks through the page cache")
     ap.add_argument("--eviction", choices=_lib.EVICTION_POLICIES, default=None,
                     help="ZipMoE GGUFs: which cached expert a miss replaces: rank (default; ZipMoE: experts "
                          "ranked beyond their layer's share of the cache go first, then the least often chosen), "

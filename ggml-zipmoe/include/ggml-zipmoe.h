@@ -132,7 +132,9 @@ GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
 #define GGML_ZIPMOE_CHUNK_ALIGNMENT 4096 // every chunk starts at a multiple of this file offset
 
 enum ggml_zipmoe_open_flags {
-    GGML_ZIPMOE_OPEN_DIRECT = 1, // read chunks with O_DIRECT (bypasses the page cache)
+    GGML_ZIPMOE_OPEN_DIRECT              = 1, // read chunks with O_DIRECT (bypasses the page cache); an
+                                              // error where the filesystem does not support it
+    GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED = 2, // O_DIRECT where the filesystem supports it, else plain reads
 };
 
 struct ggml_zipmoe_file; // an open ZipMoE GGUF: file descriptor + validated chunk index (immutable)
@@ -146,6 +148,7 @@ GGML_ZIPMOE_API struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * pat
 GGML_ZIPMOE_API void                      ggml_zipmoe_file_close(struct ggml_zipmoe_file * file);
 
 GGML_ZIPMOE_API const char * ggml_zipmoe_file_path     (const struct ggml_zipmoe_file * file);
+GGML_ZIPMOE_API int          ggml_zipmoe_file_is_direct(const struct ggml_zipmoe_file * file); // 1: reads use O_DIRECT
 GGML_ZIPMOE_API int          ggml_zipmoe_file_n_shards (const struct ggml_zipmoe_file * file); // K
 GGML_ZIPMOE_API int          ggml_zipmoe_file_n_tensors(const struct ggml_zipmoe_file * file); // repacked expert tensors
 GGML_ZIPMOE_API size_t       ggml_zipmoe_file_max_chunk_size(const struct ggml_zipmoe_file * file); // largest stored chunk
@@ -224,7 +227,7 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_r
 // cost model of the rates in the params.
 //
 // Memory beyond the slots and stores: two rings of 8 staging buffers (SM-chunks: the largest
-// tensor's n bytes; E-chunks: K times the largest stored chunk), one decoder per decoding thread,
+// tensor's n bytes; E-chunks: K times the largest E-chunk), one decoder per decoding thread,
 // the scheduler's workspace, the I/O thread, and the chunk index.
 //
 
@@ -344,6 +347,15 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * cache
 // abandon a fetch that this thread began and did not end (a graph stopped between the two ops):
 // its reads stop and the slots and entries it planned are forgotten. Returns 1 if there was one.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * cache);
+
+// fill the empty slots in use with experts, each served layer up to its share of them (F's
+// capacity / served layers), experts in id order, read on the I/O thread and decoded on n_threads
+// threads of its own (the calling thread one of them): what a memory-mapped model's populate does for
+// its weights, done once before serving so that the first tokens do not wait on the disk for them.
+// Statistics and activation counts are left as they were. Returns OK or the first failure (then
+// ggml_zipmoe_cache_error names the chunk; the experts before it stay loaded); *n_loaded (may be
+// NULL) gets the experts loaded.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * cache, int n_threads, int32_t * n_loaded);
 
 // begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,

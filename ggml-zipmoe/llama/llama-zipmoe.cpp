@@ -56,6 +56,7 @@ const option_desc k_options[] = {
     { "zipmoe.budget",     "ZIPMOE_BUDGET",     option_type::size,    "a size in bytes, or like 4G, 512M, 1.5GiB" },
     { "zipmoe.mem_limit",  "ZIPMOE_MEM_LIMIT",  option_type::size,    "a size in bytes, or like 16G" },
     { "zipmoe.direct_io",  "ZIPMOE_DIRECT_IO",  option_type::boolean, "true or false (1/0, yes/no, on/off)" },
+    { "zipmoe.preload",    "ZIPMOE_PRELOAD",    option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.threads",    "ZIPMOE_THREADS",    option_type::integer, "0 (all of the graph's threads) or a number of threads up to 4096" },
     { "zipmoe.eviction",   "ZIPMOE_EVICTION",   option_type::string,  "one of lru, fifo, marking, lfu, rank" },
     { "zipmoe.rank_delta", "ZIPMOE_RANK_DELTA", option_type::integer, "a whole number >= 0" },
@@ -250,7 +251,9 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         } else if (key == "zipmoe.mem_limit") {
             o.mem_limit = as_size(v, d);
         } else if (key == "zipmoe.direct_io") {
-            o.direct_io = as_bool(v, d);
+            o.direct_io = as_bool(v, d) ? 1 : 0;
+        } else if (key == "zipmoe.preload") {
+            o.preload = as_bool(v, d);
         } else if (key == "zipmoe.threads") {
             o.threads = (int32_t) as_int(v, d, 0, 4096);
         } else if (key == "zipmoe.eviction") {
@@ -361,7 +364,11 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     }
 
     char err[1024];
-    file = ggml_zipmoe_file_open(fname.c_str(), opt.direct_io ? GGML_ZIPMOE_OPEN_DIRECT : 0, err, sizeof(err));
+    // O_DIRECT by default: reads through the page cache would compete, under a memory limit, with the
+    // mapped non-expert weights (and cost page-cache reclaim on every read)
+    const unsigned flags = opt.direct_io == 1 ? GGML_ZIPMOE_OPEN_DIRECT :
+                           opt.direct_io == 0 ? 0u : (unsigned) GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED;
+    file = ggml_zipmoe_file_open(fname.c_str(), flags, err, sizeof(err));
     if (file == nullptr) {
         throw std::runtime_error(err);
     }
@@ -532,8 +539,9 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
             g_registry[s] = this;
         }
     }
-    LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a context is made\n",
-                   __func__, capacity, expert_bytes / k_mib, all_experts / k_mib);
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a context "
+                   "is made; chunks read %s\n", __func__, capacity, expert_bytes / k_mib, all_experts / k_mib,
+                   ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache");
     return slots[kind];
 }
 
@@ -598,6 +606,23 @@ void llama_zipmoe::attach(llama_context * lctx) {
         contexts.erase(lctx);
         throw;
     }
+    // the first context of a model that computes (not a dry run sizing buffers) fills the slots
+    if (opt.preload && !preloaded && !llama_get_model(lctx)->hparams.no_alloc) {
+        preloaded = true;
+        std::lock_guard<std::mutex> compute(compute_mutex);
+        const int64_t t0 = ggml_time_us();
+        int32_t n_loaded = 0;
+        const int status = ggml_zipmoe_cache_preload(cache, std::max(1, (int) llama_n_threads_batch(lctx)), &n_loaded);
+        const double seconds = (ggml_time_us() - t0) / 1e6;
+        if (status != GGML_ZIPMOE_OK) {
+            // the expert at fault fails again, with its name, if a token ever needs it
+            LLAMA_LOG_WARN("%s: ZipMoE preload stopped after %d experts: %s\n", __func__, n_loaded,
+                           ggml_zipmoe_cache_error(cache));
+        } else {
+            LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
+                           (double) n_loaded * expert_bytes / k_mib, seconds);
+        }
+    }
 }
 
 void llama_zipmoe::detach(llama_context * lctx) {
@@ -613,6 +638,12 @@ void llama_zipmoe::detach(llama_context * lctx) {
             return;
         }
     }
+    ggml_zipmoe_cache_stats s;
+    ggml_zipmoe_cache_get_stats(cache, &s);
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu hits, %llu misses, %llu from pools C/S/E, %.1f MB read, "
+                   "%.1f ms waited in fetches\n", __func__, (unsigned long long) s.expert_hits,
+                   (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
+                   s.bytes_read / 1e6, s.fetch_ns / 1e6);
     try {
         resize(nullptr);
     } catch (const std::exception & e) {

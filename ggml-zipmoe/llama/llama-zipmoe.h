@@ -49,7 +49,8 @@ struct llama_zipmoe_options {
     uint64_t    budget     = 0;     // zipmoe.budget / ZIPMOE_BUDGET: bytes of expert slots (0: from memory)
     uint64_t    mem_limit  = 0;     // zipmoe.mem_limit / ZIPMOE_MEM_LIMIT: memory the process may use in all
                                     // (0: its cgroup limits and MemAvailable)
-    bool        direct_io  = false; // zipmoe.direct_io / ZIPMOE_DIRECT_IO
+    int         direct_io  = -1;    // zipmoe.direct_io / ZIPMOE_DIRECT_IO: 1, 0, -1: where the filesystem supports it
+    bool        preload    = true;  // zipmoe.preload / ZIPMOE_PRELOAD: fill the slots when the first context is made
     int32_t     threads    = 0;     // zipmoe.threads / ZIPMOE_THREADS: graph threads that decode (0: all)
     int32_t     eviction   = 4;     // zipmoe.eviction / ZIPMOE_EVICTION (enum ggml_zipmoe_eviction; 4: rank)
     bool        eviction_set = false;
@@ -164,6 +165,7 @@ private:
     std::string memory_source;      // where that number came from, for the log
     uint64_t non_expert_bytes = 0;  // non-expert weights in host memory a decode step reads
     int32_t  n_threads_max = 1;     // decoding threads of the largest context (for the cache's buffers)
+    bool     preloaded     = false; // the slots were filled once (zipmoe.preload)
 
     // slots: one reserved region, committed only where slots are used
     void *                mapping       = nullptr;

@@ -164,6 +164,7 @@ struct ggml_zipmoe_cache {
 
     atomic_int           status;
     int32_t              n_decoders; // graph threads that decode (0: all)
+    int                  preloading; // fetches of ggml_zipmoe_cache_preload: no activation counted
 
     // the open fetch: begin took the lock, end releases it
     int       fetch_open;
@@ -977,7 +978,7 @@ static int plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const in
     const int last  = first + c->n_slots < n_unique ? first + c->n_slots : n_unique;
     const uint64_t serial = ++c->call_serial;
     const int64_t base = (int64_t) layer * c->max_expert;
-    if (pass == 0) {
+    if (pass == 0 && !c->preloading) {
         for (int i = 0; i < n_unique; i++) {
             atomic_fetch_add(&c->activations[base + c->unique[i]], 1);
             c->freq[base + c->unique[i]]++;
@@ -1035,13 +1036,30 @@ static void fail_once(struct ggml_zipmoe_cache * c, int status, const struct zip
     }
 }
 
+// bytes of one E-chunk's region of an E staging buffer: the largest E-chunk, whole blocks (what an
+// O_DIRECT read of it transfers); the SM-chunks, far larger, have a ring of their own
+static size_t e_region_bytes(const struct ggml_zipmoe_cache * c) {
+    uint64_t largest = 1;
+    for (int l = 0; l < c->n_layer; l++) {
+        for (int kind = 0; kind < 3 && ggml_zipmoe_cache_has_layer(c, l); kind++) {
+            for (int32_t e = 0; e < c->layer_n_expert[l]; e++) {
+                for (int k = 1; k <= c->file->n_shards; k++) {
+                    const uint64_t size = zipmoe_file_chunk(c->file, c->layer_tensor[l * 3 + kind], e, k)->size;
+                    largest = size > largest ? size : largest;
+                }
+            }
+        }
+    }
+    return (size_t) zipmoe_align_up(largest, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+}
+
 // the staging memory, made once (thread 0, before the I/O thread or a worker looks at it)
 static int ensure_staging(struct ggml_zipmoe_cache * c) {
     if (c->sm_ring[0].mem != NULL) {
         return GGML_ZIPMOE_OK;
     }
     c->sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
-    c->e_region  = ggml_zipmoe_file_chunk_buffer_size(c->file);
+    c->e_region  = e_region_bytes(c);
     for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
         void * sm = NULL, * e = NULL;
         if (posix_memalign(&sm, GGML_ZIPMOE_CHUNK_ALIGNMENT, c->sm_region) != 0 ||
@@ -1465,7 +1483,7 @@ size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_t
     }
     // the staging rings as ensure_staging makes them, and a decoder per decoding thread
     const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
-    const size_t e_region  = ggml_zipmoe_file_chunk_buffer_size(c->file);
+    const size_t e_region  = c->e_region != 0 ? c->e_region : e_region_bytes(c);
     total += ZIPMOE_N_STAGING * (sm_region + (size_t) c->file->n_shards * e_region);
     const int n_decoders = c->n_decoders > 0 && c->n_decoders < n_threads ? c->n_decoders : n_threads;
     total += (size_t) (n_decoders > 0 ? n_decoders : 1) * ZIPMOE_DECODER_BYTES;
@@ -1474,6 +1492,99 @@ size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_t
     total += (size_t) c->slot_capacity * (48 + 3 * (sizeof(struct zipmoe_task) + sizeof(struct ggml_zipmoe_sched_task) +
                                                       (2 * K + 1) * sizeof(struct ggml_zipmoe_sched_op) + K * sizeof(atomic_int) + 12));
     return total;
+}
+
+struct preload_worker {
+    struct ggml_zipmoe_cache * cache;
+    int                        ith;
+    atomic_int *               nth; // 0 until every worker that could be started is
+};
+
+static void * preload_worker_main(void * arg) {
+    const struct preload_worker * w = (const struct preload_worker *) arg;
+    int nth;
+    for (unsigned spins = 0; (nth = atomic_load(w->nth)) == 0; spins++) {
+        pause_waiting(spins);
+    }
+    ggml_zipmoe_cache_fetch_end(w->cache, w->ith, nth);
+    return NULL;
+}
+
+int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32_t * n_loaded) {
+    if (n_loaded != NULL) {
+        *n_loaded = 0;
+    }
+    if (c == NULL || n_threads < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
+    // what a fetch counts, kept as it was: preloading is not serving
+    atomic_uint_least64_t * counters[] = { &c->fetch_calls, &c->hits, &c->misses, &c->store_hits[0], &c->store_hits[1],
+                                           &c->store_hits[2], &c->store_hits[3], &c->bytes_read, &c->io_ns,
+                                           &c->decode_ns, &c->recover_ns, &c->fetch_ns };
+    uint64_t saved[sizeof(counters) / sizeof(counters[0])];
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        saved[i] = atomic_load(counters[i]);
+    }
+    // each served layer's share of the slots in use (F's capacity with pools), experts in id order
+    const int32_t n_served = c->n_served > 0 ? c->n_served : 1;
+    const int32_t share = c->f_capacity / n_served;
+    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * (size_t) (c->max_expert > 0 ? c->max_expert : 1));
+    int status = ids != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
+    int32_t loaded = 0;
+    c->preloading = 1;
+    for (int l = 0; l < c->n_layer && status == GGML_ZIPMOE_OK; l++) {
+        if (!ggml_zipmoe_cache_has_layer(c, l)) {
+            continue;
+        }
+        int32_t n = 0;
+        for (int32_t e = 0; e < c->layer_n_expert[l] && n < share; e++) {
+            if (c->key_slot[(int64_t) l * c->max_expert + e] < 0) {
+                ids[n++] = e;
+            }
+        }
+        if (n == 0) {
+            continue;
+        }
+        int32_t slot_ids_small[256];
+        int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
+        if (slot_ids == NULL) {
+            status = GGML_ZIPMOE_ERR_NOMEM;
+            break;
+        }
+        status = ggml_zipmoe_cache_fetch_begin(c, l, 0, ids, n, 1, n, slot_ids);
+        pthread_t threads[ZIPMOE_MAX_THREADS];
+        struct preload_worker workers[ZIPMOE_MAX_THREADS];
+        atomic_int nth;
+        atomic_init(&nth, 0);
+        int started = 0;
+        for (int t = 1; t < n_threads; t++) {
+            workers[t] = (struct preload_worker) { c, t, &nth };
+            if (pthread_create(&threads[t], NULL, preload_worker_main, &workers[t]) != 0) {
+                break; // fewer decoding threads
+            }
+            started++;
+        }
+        atomic_store(&nth, started + 1);
+        const int end_status = ggml_zipmoe_cache_fetch_end(c, 0, started + 1);
+        for (int t = 1; t <= started; t++) {
+            pthread_join(threads[t], NULL);
+        }
+        if (slot_ids != slot_ids_small) {
+            free(slot_ids);
+        }
+        status = status != GGML_ZIPMOE_OK ? status : end_status;
+        loaded += status == GGML_ZIPMOE_OK ? n : 0;
+    }
+    c->preloading = 0;
+    free(ids);
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        atomic_store(counters[i], saved[i]);
+    }
+    if (n_loaded != NULL) {
+        *n_loaded = loaded;
+    }
+    return status;
 }
 
 int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,

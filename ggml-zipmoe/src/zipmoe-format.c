@@ -280,7 +280,7 @@ static bool load_index(struct ggml_zipmoe_file * file, const struct gguf_context
 
 struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flags, char * err, size_t err_size) {
     set_error(err, err_size, "%s", "");
-    if (path == NULL || (flags & ~(unsigned) GGML_ZIPMOE_OPEN_DIRECT) != 0) {
+    if (path == NULL || (flags & ~(unsigned) (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED)) != 0) {
         set_error(err, err_size, "ggml_zipmoe_file_open: invalid argument");
         return NULL;
     }
@@ -290,13 +290,27 @@ struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flag
         set_error(err, err_size, "%s: out of memory", path);
         return NULL;
     }
-    file->fd    = -1;
-    file->flags = flags;
 
-    int oflags = O_RDONLY | O_CLOEXEC;
+    // O_DIRECT where asked; with GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED, plain reads where the
+    // filesystem refuses it (tmpfs, some network filesystems)
+    const int want_direct = (flags & (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED)) != 0;
+    file->flags = flags & ~(unsigned) (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED);
+    file->fd = -1;
 #ifdef O_DIRECT
-    if (flags & GGML_ZIPMOE_OPEN_DIRECT) {
-        oflags |= O_DIRECT;
+    if (want_direct) {
+        file->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (file->fd >= 0) {
+            file->flags |= GGML_ZIPMOE_OPEN_DIRECT;
+        } else if (errno == EINVAL && (flags & GGML_ZIPMOE_OPEN_DIRECT)) {
+            set_error(err, err_size, "%s: the filesystem does not support direct I/O (O_DIRECT); "
+                      "turn direct I/O off", path);
+            ggml_zipmoe_file_close(file);
+            return NULL;
+        } else if (errno != EINVAL) {
+            set_error(err, err_size, "%s: cannot open: %s", path, strerror(errno));
+            ggml_zipmoe_file_close(file);
+            return NULL;
+        }
     }
 #else
     if (flags & GGML_ZIPMOE_OPEN_DIRECT) {
@@ -305,14 +319,11 @@ struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flag
         return NULL;
     }
 #endif
-    file->fd = open(path, oflags);
     if (file->fd < 0) {
-        if (errno == EINVAL && (flags & GGML_ZIPMOE_OPEN_DIRECT)) {
-            set_error(err, err_size, "%s: the filesystem does not support direct I/O (O_DIRECT); "
-                      "turn direct I/O off", path);
-        } else {
-            set_error(err, err_size, "%s: cannot open: %s", path, strerror(errno));
-        }
+        file->fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
+    if (file->fd < 0) {
+        set_error(err, err_size, "%s: cannot open: %s", path, strerror(errno));
         ggml_zipmoe_file_close(file);
         return NULL;
     }
@@ -342,6 +353,10 @@ struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flag
 
 const char * ggml_zipmoe_file_path(const struct ggml_zipmoe_file * file) {
     return file->path;
+}
+
+int ggml_zipmoe_file_is_direct(const struct ggml_zipmoe_file * file) {
+    return file != NULL && (file->flags & GGML_ZIPMOE_OPEN_DIRECT) != 0;
 }
 
 int ggml_zipmoe_file_n_shards(const struct ggml_zipmoe_file * file) {
