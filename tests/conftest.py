@@ -65,6 +65,24 @@ def tiny_gguf(models_dir, tiny_hf):
     return get
 
 
+@pytest.fixture(scope="session")
+def zipmoe_gguf(models_dir, tiny_gguf):
+    """arch -> ZipMoE GGUF repacked from the BF16 GGUF (default codec), made on first use. Tests that
+    damage a model work on a copy."""
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            from zipmoe_py import format as zformat
+
+            out = models_dir / f"{arch}.zipmoe.gguf"
+            zformat.repack(tiny_gguf(arch), out)
+            made[arch] = out
+        return made[arch]
+
+    return get
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param

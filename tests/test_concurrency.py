@@ -11,8 +11,6 @@ import threading
 import numpy as np
 import pytest
 
-from zipmoe_py import format as zformat
-
 from test_serve import PROMPTS, expert_geometry, load, logits_trace
 
 N_WORKERS = 3
@@ -21,20 +19,6 @@ N_DECODE = 8
 TOP_K = {"qwen2moe": 4, "deepseek2": 6}
 GIB = 1 << 30
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def zipmoe_model(tiny_gguf, tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            out = tmp_path_factory.mktemp("concurrency") / f"{arch}.zipmoe.gguf"
-            zformat.repack(tiny_gguf(arch), out)
-            made[arch] = out
-        return made[arch]
-
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +63,8 @@ def decode_at_once(llm, want) -> list[str]:
 
 @pytest.mark.parametrize("budget_name", ["top-k", "half"])
 @pytest.mark.parametrize("arch", ["qwen2moe", "deepseek2"])
-def test_contexts_decoding_at_once_match_each_alone(arch, budget_name, zipmoe_model, alone):
-    path = zipmoe_model(arch)
+def test_contexts_decoding_at_once_match_each_alone(arch, budget_name, zipmoe_gguf, alone):
+    path = zipmoe_gguf(arch)
     one, _, everything = expert_geometry(path)
     budget = {"top-k": TOP_K[arch] * one, "half": everything // 2}[budget_name]
     llm = load(path, zipmoe_budget=budget)
@@ -94,10 +78,10 @@ def test_contexts_decoding_at_once_match_each_alone(arch, budget_name, zipmoe_mo
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
 
 
-def test_contexts_coming_and_going_resize_the_cache_under_the_others(zipmoe_model, alone):
+def test_contexts_coming_and_going_resize_the_cache_under_the_others(zipmoe_gguf, alone):
     """A memory limit that holds every expert with one context and only top-k with two: the slot count
     changes whenever a worker makes or frees its context, while the others decode."""
-    path = zipmoe_model("qwen2moe")
+    path = zipmoe_gguf("qwen2moe")
 
     def load_limited(limit):
         os.environ["ZIPMOE_MEM_LIMIT"] = str(limit)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,19 +20,10 @@ CLEAN_PROMPT = "Hi"
 N_DECODE = 3
 
 
-@pytest.fixture(scope="module")
-def models(tiny_gguf, tmp_path_factory):
-    """(BF16 GGUF, clean ZipMoE GGUF, arch) per architecture."""
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            out = tmp_path_factory.mktemp("errors") / f"{arch}.zipmoe.gguf"
-            zformat.repack(tiny_gguf(arch), out)
-            made[arch] = (tiny_gguf(arch), out)
-        return made[arch]
-
-    return get
+@pytest.fixture
+def models(tiny_gguf, zipmoe_gguf):
+    """arch -> (BF16 GGUF, clean ZipMoE GGUF)."""
+    return lambda arch: (tiny_gguf(arch), zipmoe_gguf(arch))
 
 
 def load(path, **opts):
@@ -74,12 +64,14 @@ def used_experts(path, prompt: str) -> dict[int, set[int]]:
         llm.close()
 
 
-def corrupt(path, out, layer: int, expert: int, chunk: int = 2) -> None:
-    """Flip a bit in the middle of one expert's chunk (default: E-chunk of shard 1) of layer's up tensor."""
+def corrupt(path, out, tensor: str, experts, chunk: int, at=lambda ref: ref.offset + ref.size // 2,
+            bit: int = 0x10) -> None:
+    """A copy of path with one bit flipped in chunk `chunk` (0: SM, 1 + k: E-chunk k) of each listed expert."""
     data = bytearray(path.read_bytes())
     with zformat.ZipMoEFile(path) as zf:
-        ref = zf.chunks(f"blk.{layer}.ffn_up_exps.weight", expert)[chunk]
-    data[ref.offset + ref.size // 2] ^= 0x10
+        experts = range(zf.shape(tensor)[2]) if experts is None else experts
+        for e in experts:
+            data[at(zf.chunks(tensor, e)[chunk])] ^= bit
     out.write_bytes(bytes(data))
 
 
@@ -91,7 +83,7 @@ def test_a_corrupt_chunk_raises_and_a_later_decode_is_exact(arch, models, tmp_pa
     layer, expert = next((il, e) for il, es in sorted(used.items()) for e in range(64) if e not in es
                          and e < zformat.ZipMoEFile(clean).shape(f"blk.{il}.ffn_up_exps.weight")[2])
     bad = tmp_path / "bad.gguf"
-    corrupt(clean, bad, layer, expert)
+    corrupt(clean, bad, f"blk.{layer}.ffn_up_exps.weight", [expert], chunk=2)  # E-chunk of shard 1
 
     reference = load(bf16)
     want = greedy_logits(reference, CLEAN_PROMPT)
@@ -123,14 +115,7 @@ def test_the_low_level_api_gets_a_status_and_the_message(models, tmp_path):
 
     _, clean = models("qwen2moe")
     bad = tmp_path / "bad.gguf"
-    with zformat.ZipMoEFile(clean) as zf:
-        n_expert = zf.shape("blk.0.ffn_up_exps.weight")[2]
-    data = bytearray(clean.read_bytes())
-    with zformat.ZipMoEFile(clean) as zf:
-        for e in range(n_expert):  # every expert's SM-chunk of layer 0's down tensor
-            ref = zf.chunks("blk.0.ffn_down_exps.weight", e)[0]
-            data[ref.offset] ^= 0x01
-    bad.write_bytes(bytes(data))
+    corrupt(clean, bad, "blk.0.ffn_down_exps.weight", None, chunk=0, at=lambda ref: ref.offset, bit=0x01)
     llm = load(bad)
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 128, 128, THREADS, THREADS
@@ -156,14 +141,7 @@ def test_the_low_level_api_gets_a_status_and_the_message(models, tmp_path):
 def test_the_fork_cli_exits_with_the_message_not_a_signal(models, tmp_path):
     _, clean = models("qwen2moe")
     bad = tmp_path / "bad.gguf"
-    with zformat.ZipMoEFile(clean) as zf:
-        n_expert = zf.shape("blk.1.ffn_gate_exps.weight")[2]
-    data = bytearray(clean.read_bytes())
-    with zformat.ZipMoEFile(clean) as zf:
-        for e in range(n_expert):
-            ref = zf.chunks("blk.1.ffn_gate_exps.weight", e)[3]
-            data[ref.offset + 1] ^= 0x80
-    bad.write_bytes(bytes(data))
+    corrupt(clean, bad, "blk.1.ffn_gate_exps.weight", None, chunk=3, at=lambda ref: ref.offset + 1, bit=0x80)
     proc = run([_paths.program("llama-completion"), "-m", bad, "-p", "Hello", "-n", 4, "--temp", 0, "-t", THREADS,
                 "-no-cnv"], stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode > 0, f"ended by signal {-proc.returncode}" if proc.returncode < 0 else "no error"
@@ -180,5 +158,5 @@ def test_no_ggml_abort_is_left_in_the_fetch_path():
     root = Path(__file__).resolve().parents[1] / "ggml-zipmoe"
     for source in [*root.glob("src/*.c"), *root.glob("llama/*.cpp")]:
         text = source.read_text()
-        for bad in ("GGML_ABORT(", "abort()", "exit("):
+        for bad in ("GGML_ABORT(", "GGML_ASSERT(", "abort()", "exit(", "assert("):
             assert bad not in text, f"{source.name} calls {bad}"

@@ -18,10 +18,9 @@ from conftest import VENV_BIN, run
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def model(tiny_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("options") / "qwen.zipmoe.gguf"
-    zformat.repack(tiny_gguf("qwen2moe"), out)
+@pytest.fixture
+def model(zipmoe_gguf):
+    out = zipmoe_gguf("qwen2moe")
     with zformat.ZipMoEFile(out) as zf:
         one = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in zf.tensors if t.startswith("blk.0."))
     return out, one

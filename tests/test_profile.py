@@ -6,18 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from zipmoe_py import format as zformat
 from zipmoe_py import planner, profile
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts models route each token",
            "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time", "SELECT * FROM"]
 
 
-@pytest.fixture(scope="module")
-def zipmoe_qwen(tiny_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("profile") / "qwen2moe.zipmoe.gguf"
-    zformat.repack(tiny_gguf("qwen2moe"), out)
-    return out
+@pytest.fixture
+def zipmoe_qwen(zipmoe_gguf):
+    return zipmoe_gguf("qwen2moe")
 
 
 def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tiny_gguf, tmp_path):

@@ -24,20 +24,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts 
            "1 2 3 4 5 6 7 8 9 10 11 12"]
 
 
-@pytest.fixture(scope="module")
-def zipmoe_gguf(tiny_gguf, tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            out = tmp_path_factory.mktemp("serve") / f"{arch}.zipmoe.gguf"
-            zformat.repack(tiny_gguf(arch), out)
-            made[arch] = out
-        return made[arch]
-
-    return get
-
-
 def expert_geometry(path) -> tuple[int, int, int]:
     """(bytes of one expert's gate + up + down, experts per layer, bytes of all experts)."""
     with zformat.ZipMoEFile(path) as zf:

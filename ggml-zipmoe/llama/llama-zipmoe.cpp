@@ -802,12 +802,20 @@ static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata
     const ggml_tensor * ids  = dst->src[0];
     const ggml_tensor * cur  = dst->src[1];
     const ggml_tensor * acc  = dst->src[2];
-    GGML_ASSERT(ggml_are_same_shape(cur, dst) && ggml_are_same_stride(cur, dst));
-    GGML_ASSERT(acc == nullptr || (ggml_are_same_shape(acc, dst) && ggml_are_same_stride(acc, dst)));
-    zipmoe_check(a, ggml_zipmoe_cache_merge_pass(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data, ids->ne[0],
-                                                 ids->ne[1], ids->nb[1] / sizeof(int32_t), acc ? acc->data : nullptr,
-                                                 cur->data, dst->data, ggml_row_size(dst->type, dst->ne[0]),
-                                                 dst->nb[1], dst->nb[2]));
+    // build_experts made these tensors alike; a graph that breaks that stops with an error
+    if (!ggml_are_same_shape(cur, dst) || !ggml_are_same_stride(cur, dst) ||
+        (acc != nullptr && (!ggml_are_same_shape(acc, dst) || !ggml_are_same_stride(acc, dst)))) {
+        a->zm->fail(format("layer %d, pass %d: the merged products differ in shape", a->il, a->pass).c_str());
+        return;
+    }
+    const int status = ggml_zipmoe_cache_merge_pass(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+                                                    ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
+                                                    acc ? acc->data : nullptr, cur->data, dst->data,
+                                                    ggml_row_size(dst->type, dst->ne[0]), dst->nb[1], dst->nb[2]);
+    if (status != GGML_ZIPMOE_OK) {
+        a->zm->fail(format("layer %d, pass %d: merging the passes' products failed: %s", a->il, a->pass,
+                           ggml_zipmoe_status_string(status)).c_str());
+    }
 }
 
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * selected_experts,
