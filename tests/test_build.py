@@ -113,11 +113,19 @@ def test_patches_apply_in_order_and_a_bad_one_is_named(tmp_path):
     assert (dest / "a.txt").read_text() == "three\n"  # the good tree was not replaced
 
 
-def test_every_patch_applies_to_the_pinned_source():
+def test_every_patch_applies_to_the_pinned_source(tmp_path):
+    """The series, applied in order to a fresh extraction of the pinned sdist: a hunk whose context
+    drifted fails here, naming the patch, before a build starts."""
     patches = prepare_source.list_patches(REPO / "vendor/llama.cpp/patches")
     assert [p.name for p in patches][0].startswith("0001-")
     for p in patches:
         assert p.read_text().startswith("--- a/"), p.name
+    pin = json.loads((REPO / "vendor/llama.cpp/pin.json").read_text())
+    sdist = prepare_source.fetch_sdist(pin, prepare_source.sdist_cache_dir())
+    assert prepare_source.prepare(tmp_path / "llama.cpp", sdist=sdist)
+    # each patch's change is in the tree
+    assert "llama_zipmoe_last_error" in (tmp_path / "llama.cpp/include/llama.h").read_text()
+    assert "model.zipmoe->lock_compute()" in (tmp_path / "llama.cpp/src/llama-context.cpp").read_text()
 
 
 def _dynamic_section(path: Path) -> str:
