@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from zipmoe_py import _lib
+from zipmoe_py import _lib, _paths
 from zipmoe_py import format as zformat
 
 from conftest import run
+from test_serve import expert_geometry
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -228,7 +229,7 @@ def test_a_limit_shrinks_the_slots_per_context_and_freeing_one_grows_them_back(z
 
 
 def test_a_budget_that_does_not_fit_is_reduced_with_the_numbers(zipmoe_qwen):
-    one_expert, everything = _geometry(zipmoe_qwen)
+    one_expert, _, everything = expert_geometry(zipmoe_qwen)
     result, log = sized(zipmoe_qwen, env={"ZIPMOE_MEM_LIMIT": "1M"}, zipmoe_budget=everything)
     plan = result["plans"][0]
     assert plan["budget"] == everything and plan["fits"] == 0
@@ -248,25 +249,11 @@ def test_pools_that_do_not_fit_refuse_the_context_with_the_numbers(zipmoe_qwen):
             Llama(model_path=str(zipmoe_qwen), n_ctx=256, n_threads=2, verbose=False, zipmoe_pools="F=2,C=2")
     finally:
         del os.environ["ZIPMOE_MEM_LIMIT"]
-    proc = run([_paths_program("llama-completion"), "-m", zipmoe_qwen, "-p", "Hi", "-n", 2, "-no-cnv", "-c", 256,
+    proc = run([_paths.program("llama-completion"), "-m", zipmoe_qwen, "-p", "Hi", "-n", 2, "-no-cnv", "-c", 256,
                 "--override-kv", "zipmoe.pool_f=int:2,zipmoe.pool_c=int:2"],
                env={**os.environ, "ZIPMOE_MEM_LIMIT": "1M"}, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert b"the ZipMoE pools need" in proc.stderr and b"only 0.00 GiB is left: available" in proc.stderr
-
-
-def _paths_program(name):
-    from zipmoe_py import _paths
-
-    return _paths.program(name)
-
-
-def _geometry(path) -> tuple[int, int]:
-    with zformat.ZipMoEFile(path) as zf:
-        shapes = {t: zf.shape(t) for t in zf.tensors}
-    layer = next(iter(shapes)).split(".")[1]
-    one = sum(s[0] * s[1] * 2 for t, s in shapes.items() if t.split(".")[1] == layer)
-    return one, sum(s[0] * s[1] * s[2] * 2 for s in shapes.values())
 
 
 def test_bad_memory_limits_are_named(zipmoe_qwen):
@@ -279,7 +266,7 @@ def test_bad_memory_limits_are_named(zipmoe_qwen):
                 Llama(model_path=str(zipmoe_qwen), n_ctx=256, verbose=False)
         finally:
             del os.environ["ZIPMOE_MEM_LIMIT"]
-    proc = run([_paths_program("llama-completion"), "-m", zipmoe_qwen, "-p", "Hi", "-n", 2, "-no-cnv"],
+    proc = run([_paths.program("llama-completion"), "-m", zipmoe_qwen, "-p", "Hi", "-n", 2, "-no-cnv"],
                env={**os.environ, "ZIPMOE_MEM_LIMIT": "lots"}, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert b"ZIPMOE_MEM_LIMIT (environment) must be a size in bytes, or like 16G; got 'lots'" in proc.stderr
@@ -341,7 +328,7 @@ def test_default_budget_follows_a_real_memory_limit(tmp_path_factory):
     bf16 = convert_to_bf16_gguf(work / "hf", work / "bf16.gguf", quiet=True)
     path = work / "zipmoe.gguf"
     zformat.repack(bf16, path)
-    one, everything = _geometry(path)
+    one, _, everything = expert_geometry(path)
     # what the probe holds without experts, measured unlimited with a four-expert budget
     base = run([sys.executable, "-c", CGROUP_PROBE, path], cwd=work, env={**os.environ, "ZIPMOE_BUDGET": str(4 * one)})
     assert base.returncode == 0, base.stderr.decode()[-2000:]

@@ -11,9 +11,9 @@ import subprocess
 import pytest
 
 from zipmoe_py import ZipMoEError
-from zipmoe_py import format as zformat
 
 from conftest import VENV_BIN, run
+from test_serve import expert_geometry
 
 PROMPT = "The capital of France is"
 
@@ -21,9 +21,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture
 def model(zipmoe_gguf):
     out = zipmoe_gguf("qwen2moe")
-    with zformat.ZipMoEFile(out) as zf:
-        one = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in zf.tensors if t.startswith("blk.0."))
-    return out, one
+    return out, expert_geometry(out)[0]
 
 
 def env(**values) -> dict:

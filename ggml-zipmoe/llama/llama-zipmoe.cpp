@@ -701,7 +701,8 @@ void llama_zipmoe::resize(const llama_context * making) {
             }
         }
     }
-    if (n != n_slots_used) {
+    const bool changed = n != n_slots_used;
+    if (changed) {
         const int32_t old = n_slots_used;
         if (ggml_zipmoe_cache_set_n_slots(cache, n) != GGML_ZIPMOE_OK) {
             throw std::runtime_error(ggml_zipmoe_cache_error(cache));
@@ -719,11 +720,10 @@ void llama_zipmoe::resize(const llama_context * making) {
                 }
             }
         }
-        std::lock_guard<std::mutex> lock(state_mutex);
-        layout++;
     }
     {
         std::lock_guard<std::mutex> lock(state_mutex);
+        layout += changed; // graphs built for another slot count must be rebuilt
         plan = {};
         plan.available     = available_at_load;
         plan.non_expert    = non_expert_bytes;

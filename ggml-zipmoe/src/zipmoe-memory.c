@@ -16,15 +16,23 @@
 // limits at or above this are "no limit" (v1 writes 2^63 rounded down to a page)
 #define UNLIMITED_FROM (1ull << 60)
 
-static void join(char * out, size_t size, const char * root, const char * path) {
-    snprintf(out, size, "%s%s", root, path);
+// opens root + dir + "/" + name (name NULL: root + dir) for reading; NULL if it cannot
+static FILE * open_under(const char * root, const char * dir, const char * name) {
+    char path[2048];
+    snprintf(path, sizeof(path), "%s%s%s%s", root, dir, name ? "/" : "", name ? name : "");
+    return fopen(path, "r");
+}
+
+// 1 if the comma-separated list names the memory controller
+static int lists_memory(const char * list) {
+    char padded[1024];
+    snprintf(padded, sizeof(padded), ",%s,", list);
+    return strstr(padded, ",memory,") != NULL;
 }
 
 // the first unsigned number of a file ("max" and unreadable files: NO_LIMIT)
 static uint64_t read_number(const char * root, const char * dir, const char * name) {
-    char path[1024];
-    snprintf(path, sizeof(path), "%s%s/%s", root, dir, name);
-    FILE * f = fopen(path, "r");
+    FILE * f = open_under(root, dir, name);
     if (f == NULL) {
         return NO_LIMIT;
     }
@@ -36,9 +44,7 @@ static uint64_t read_number(const char * root, const char * dir, const char * na
 
 // value of `key` in a "key value" file (memory.stat), or 0
 static uint64_t read_key(const char * root, const char * dir, const char * file, const char * key) {
-    char path[1024];
-    snprintf(path, sizeof(path), "%s%s/%s", root, dir, file);
-    FILE * f = fopen(path, "r");
+    FILE * f = open_under(root, dir, file);
     if (f == NULL) {
         return 0;
     }
@@ -56,9 +62,7 @@ static uint64_t read_key(const char * root, const char * dir, const char * file,
 }
 
 static uint64_t mem_available_bytes(const char * root) {
-    char path[1024];
-    join(path, sizeof(path), root, "/proc/meminfo");
-    FILE * f = fopen(path, "r");
+    FILE * f = open_under(root, "/proc/meminfo", NULL);
     if (f == NULL) {
         return NO_LIMIT;
     }
@@ -93,9 +97,7 @@ static void unescape(char * s) {
 // controller); 0 if it is not mounted
 static int find_mount(const char * root, int version, char * mount_point, size_t mp_size, char * mount_root,
                       size_t mr_size) {
-    char path[1024];
-    join(path, sizeof(path), root, "/proc/self/mountinfo");
-    FILE * f = fopen(path, "r");
+    FILE * f = open_under(root, "/proc/self/mountinfo", NULL);
     if (f == NULL) {
         return 0;
     }
@@ -128,9 +130,7 @@ static int find_mount(const char * root, int version, char * mount_point, size_t
         if (version == 2) {
             match = strcmp(fstype, "cgroup2") == 0;
         } else if (strcmp(fstype, "cgroup") == 0 && super != NULL) {
-            char opts[1024];
-            snprintf(opts, sizeof(opts), ",%s,", super);
-            match = strstr(opts, ",memory,") != NULL;
+            match = lists_memory(super);
         }
         if (match) {
             unescape(fields[3]);
@@ -146,9 +146,7 @@ static int find_mount(const char * root, int version, char * mount_point, size_t
 
 // the process's path in hierarchy `version` from /proc/self/cgroup; 0 if it has none
 static int own_path(const char * root, int version, char * out, size_t size) {
-    char path[1024];
-    join(path, sizeof(path), root, "/proc/self/cgroup");
-    FILE * f = fopen(path, "r");
+    FILE * f = open_under(root, "/proc/self/cgroup", NULL);
     if (f == NULL) {
         return 0;
     }
@@ -166,9 +164,7 @@ static int own_path(const char * root, int version, char * out, size_t size) {
         if (version == 2) {
             found = strcmp(id, "0") == 0 && controllers[0] == '\0';
         } else {
-            char list[1024];
-            snprintf(list, sizeof(list), ",%s,", controllers);
-            found = strstr(list, ",memory,") != NULL;
+            found = lists_memory(controllers);
         }
         if (found) {
             snprintf(out, size, "%s", cg);
