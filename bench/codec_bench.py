@@ -6,11 +6,11 @@ memcpy, measured in one run on DeepSeek-V2-Lite-geometry expert tensors (2048 x 
     .venv/bin/python bench/codec_bench.py [--out bench/results/codec_bench.json] [--rounds 15]
 
 Throughput is GB/s of BF16 output (5.77 MB per tensor) on one pinned core: the K E-chunks
-of one expert are decoded shard by shard into a small buffer and recovered into a
-preallocated BF16 buffer, in one C call (ggml_zipmoe_decode_expert), as the runtime does. This machine's speed
-drifts by up to 2x over seconds (shared host), so every contender is timed once per round,
-round-robin, for --rounds rounds, and its best round is kept: all contenders see the same
-drift.
+of one expert are decoded shard by shard, each in place in its own bytes of a preallocated
+BF16 buffer, and recovered there, in one C call (ggml_zipmoe_decode_expert), as the runtime
+does. This machine's speed drifts by up to 2x over seconds (shared host), so every contender
+is timed once per round, round-robin, for --rounds rounds, and its best round is kept: all
+contenders see the same drift.
 """
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def bench_codec(bf16: np.ndarray, name: str, level, shards: int):
     bounds = [(k * n // shards, (k + 1) * n // shards) for k in range(shards)]
     blobs = [codec.compress(exp[lo:hi], name, level) for lo, hi in bounds]
     dec = codec.Decoder()
-    # one C call per expert: decode each shard into a small scratch buffer and recover it while it is
-    # in cache, exactly as ggml_zipmoe_read_expert does once the chunks are read
+    # one C call per expert: decode each shard in place in the output and recover it while it is in
+    # cache, exactly as ggml_zipmoe_read_expert does once the chunks are read
     decode_and_recover = codec.ExpertDecode(dec, blobs, [name] * shards, sm)
     bf16_out = decode_and_recover.out
 

@@ -159,7 +159,7 @@ def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
     """zipmoe-profile's PROFILE of this workload (batch args.batch), from an uncapped run with every
     expert cached and another token stream, plus measured costs for the planner."""
     from zipmoe_py import profile as zprofile
-    from zipmoe_py.planner import FORMAT_VERSION, PROFILE_FORMAT
+    from zipmoe_py.plan_files import FORMAT_VERSION, PROFILE_FORMAT
 
     print("plan: profiling the workload (uncapped, another seed) and measuring u, v, c ...", flush=True)
     cmd = [sys.executable, "-c", PROBE, zipmoe_path, args.prompt_tokens, args.gen_tokens, args.threads,
@@ -168,7 +168,7 @@ def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
     probe = json.loads([l for l in proc.stdout.splitlines() if l.startswith("{")][-1])
     counts = [a[0] for a in probe["activations"]]
     n_ubatches = probe["activations"][0][1]
-    bytes_by_state, n_tensors, n_shards = zprofile.expert_bytes(zipmoe_path)
+    bytes_by_state, n_tensors, n_shards = zprofile.expert_bytes_by_pool(zipmoe_path)
     costs = zprofile.measure_costs(zipmoe_path, threads=args.threads)
     return {"format": PROFILE_FORMAT, "version": FORMAT_VERSION, "model": str(zipmoe_path),
             "n_layer_moe": len(counts), "n_expert": len(counts[0]), "n_expert_used": top_k(zipmoe_path),
@@ -178,27 +178,28 @@ def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
 
 def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: dict | None, one_expert: int) -> dict:
     """Llama keyword arguments of a ZipMoE variant under an expert-cache budget (pools + working slots)."""
-    from zipmoe_py import planner, profile as zprofile
+    from zipmoe_py import _lib, plan_files, planner, profile as zprofile
 
     opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
     if variant not in ("pools", "plan"):
         return {**opts, "zipmoe_eviction": variant}
     pool_budget = budget - work_slots * one_expert
     if profile is None:
-        bytes_by_state, _, _ = zprofile.expert_bytes(Path(args.zipmoe_resolved))
+        bytes_by_state, _, _ = zprofile.expert_bytes_by_pool(Path(args.zipmoe_resolved))
         n_moe = n_moe_layers(Path(args.zipmoe_resolved))
     else:
         bytes_by_state, n_moe = profile["expert_bytes"], profile["n_layer_moe"]
     if variant == "pools":
-        # the four pools with equal shares of the memory, no planning
-        caps = {p: max(0, pool_budget // 4 // (bytes_by_state[p] * n_moe)) for p in "FCSE"}
+        # every pool an equal share of the memory, no planning
+        pools = _lib.pool_names()
+        caps = {p: max(0, pool_budget // len(pools) // (bytes_by_state[p] * n_moe)) for p in pools}
         return {**opts, "zipmoe_pools": caps, "zipmoe_work_slots": work_slots}
     counts = np.array(profile["batches"][str(args.batch)]["counts"])
     f = planner.rank_inclusion_probabilities(counts, profile["batches"][str(args.batch)]["n_ubatches"])
     f, k = planner.round_to_subset_size(f)
     c = profile["costs"]
-    costs = planner.Costs(u_s=c["u_s"], v_s=c["v_s"], c_s=c["c_s"])
-    result = planner.plan(f, k, pool_budget, bytes_by_state, planner.POOLS, costs, args.threads,
+    costs = plan_files.Costs(u_s=c["u_s"], v_s=c["v_s"], c_s=c["c_s"])
+    result = planner.plan(f, k, pool_budget, bytes_by_state, _lib.pool_names(), costs, args.threads,
                           profile["n_shards"], profile["n_tensors_per_expert"], n_moe)
     print(f"plan for {pool_budget / 1e9:.2f} GB of pools: capacities {result.capacities} (per layer), "
           f"expected makespan {result.expected_makespan_s * 1e3:.2f} ms", flush=True)
@@ -210,7 +211,7 @@ def n_moe_layers(zipmoe_path: Path) -> int:
     from zipmoe_py import format as zformat
 
     with zformat.ZipMoEFile(zipmoe_path) as zf:
-        return len([t for t in zf.tensors if "ffn_gate_exps" in t])
+        return len(zf.moe_layers())
 
 
 def main() -> int:
@@ -244,7 +245,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("bench/results/e2e_bench.json"))
     args = ap.parse_args()
 
-    from zipmoe_py.bindings import parse_size
+    from zipmoe_py.options import parse_size
 
     bf16 = args.bf16.resolve()
     zipmoe = (args.zipmoe or ensure_zipmoe(bf16, bf16.with_suffix(".zipmoe.gguf"), "fhuf")).resolve()
@@ -253,12 +254,10 @@ def main() -> int:
     model_bytes = bf16.stat().st_size
     fixed, fixed_read = non_expert_bytes(zipmoe)
     allowance = parse_size(args.runtime_allowance, "--runtime-allowance")
-    one_expert = None
     from zipmoe_py import format as zformat
 
     with zformat.ZipMoEFile(zipmoe) as zf:
-        layer = zf.tensors[0].split(".")[1]
-        one_expert = sum(s[0] * s[1] * 2 for t in zf.tensors if t.split(".")[1] == layer for s in [zf.shape(t)])
+        one_expert = zf.expert_bytes().one_expert
     bw = json.loads(subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(zipmoe)], capture_output=True,
                                    text=True).stdout.strip().splitlines()[-1])
     print(f"model {model_bytes / 1e9:.2f} GB BF16 ({zipmoe.stat().st_size / 1e9:.2f} GB ZipMoE), non-expert weights "

@@ -126,6 +126,46 @@ def test_every_patch_applies_to_the_pinned_source(tmp_path):
     # each patch's change is in the tree
     assert "llama_zipmoe_last_error" in (tmp_path / "llama.cpp/include/llama.h").read_text()
     assert "model.zipmoe->lock_compute()" in (tmp_path / "llama.cpp/src/llama-context.cpp").read_text()
+    graph = (tmp_path / "llama.cpp/src/llama-graph.cpp").read_text()
+    assert "llm_graph_context::build_moe_ffn_experts(" in graph  # the refactor
+    assert "llama_zipmoe::of(down_exps)" in graph                 # the hook on it
+
+
+def _make_patches(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools/make_patches.py"), *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_make_patches_regenerates_the_last_patch_of_a_shared_file(tmp_path, monkeypatch):
+    """A refactor patch and the hook built on it touch one file: the refactor is kept as it is, the
+    hook is regenerated against pristine + refactor, and an edit that belongs to no later patch stops
+    the tool instead of being folded into the wrong patch."""
+    import make_patches
+
+    pristine, tree, patches = tmp_path / "pristine", tmp_path / "tree", tmp_path / "patches"
+    for d in (pristine, tree, patches):
+        d.mkdir()
+    (pristine / "a.txt").write_text("one\ntwo\nthree\n")
+    (pristine / "b.txt").write_text("x\n")
+    (patches / "0001-refactor.patch").write_text(
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n")
+    (patches / "0002-hook.patch").write_text(
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n one\n TWO\n-three\n+hook\n")
+    (tree / "a.txt").write_text("one\nTWO\nhook, edited\n")
+    (tree / "b.txt").write_text("x\n")
+    monkeypatch.setattr(make_patches, "PATCHES", patches)
+    monkeypatch.setattr(sys, "argv", ["make_patches.py", "--tree", str(tree), "--pristine", str(pristine)])
+    assert make_patches.main() == 0
+    assert "+TWO" in (patches / "0001-refactor.patch").read_text()  # kept
+    hook = (patches / "0002-hook.patch").read_text()
+    assert "-three\n+hook, edited\n" in hook and "-two" not in hook
+
+    (patches / "0001-refactor.patch").write_text(
+        "--- a/b.txt\n+++ b/b.txt\n@@ -1 +1 @@\n-x\n+y\n"
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+TWO\n three\n")
+    (tree / "b.txt").write_text("z\n")  # differs from the kept refactor, and no later patch has b.txt
+    with pytest.raises(SystemExit, match="b.txt differs from 0001-refactor.patch as kept"):
+        make_patches.main()
 
 
 def _dynamic_section(path: Path) -> str:
@@ -165,3 +205,8 @@ def test_ggml_zipmoe_version_through_its_header():
     assert _lib.version() == "0.1.0"
     assert _lib.version_number() == 100
     assert _lib.build_info().startswith("ggml-zipmoe 0.1.0 (")
+    # it lists the recovery paths compiled in, the one in use among them
+    compiled = _lib.build_info().split("recovery: ")[1].rstrip(")").split()
+    from zipmoe_py import codec
+
+    assert codec.recover_impl() in compiled and compiled[-1] == "scalar"

@@ -22,31 +22,26 @@ from zipmoe_py import format as zformat
 
 from test_format import make_moe_gguf
 
-KINDS = ("gate", "up", "down")
-
 
 class Cache:
     def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0)):
         lib = self.lib = _lib.lib()
-        err = ctypes.create_string_buffer(512)
-        self.file = lib.ggml_zipmoe_file_open(str(path).encode(), 0, err, len(err))
-        assert self.file, err.value
-        self.shapes = {}
-        for i in range(lib.ggml_zipmoe_file_n_tensors(self.file)):
-            ne = (ctypes.c_int64 * 3)()
-            lib.ggml_zipmoe_file_tensor_shape(self.file, i, ne)
-            self.shapes[lib.ggml_zipmoe_file_tensor_name(self.file, i).decode()] = list(ne)
-        params = _lib.CacheParams()
-        params.file, params.n_slots, params.n_decoders = self.file, n_slots, n_decoders
+        self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
+        layers = self.zf.moe_layers()
+        # the params hold the layer table C reads: kept as long as the cache
+        params = self.params = _lib.CacheParams()
+        params.file, params.n_slots, params.n_decoders = self.zf._handle, n_slots, n_decoders
         params.eviction, params.rank_delta = eviction, rank_delta
         params.pool_capacity[:] = pools
+        params.set_layers(layers)
         self.slots = []
-        for k, kind in enumerate(KINDS):
-            ne0, ne1, _ = self.shapes[f"blk.0.ffn_{kind}_exps.weight"]
+        for k, tensor in enumerate(layers[min(layers)]):
+            ne0, ne1, _ = self.zf.shape(self.zf.tensors[tensor])
             slots = np.zeros((n_slots, ne1 * ne0), np.uint16)
             self.slots.append(slots)
             params.slot_data[k] = slots.ctypes.data
             params.slot_stride[k] = slots.strides[0]
+        err = ctypes.create_string_buffer(512)
         self.handle = lib.ggml_zipmoe_cache_new(ctypes.byref(params), err, len(err))
         assert self.handle, err.value
 
@@ -96,7 +91,7 @@ class Cache:
 
     def close(self):
         self.lib.ggml_zipmoe_cache_free(self.handle)
-        self.lib.ggml_zipmoe_file_close(self.file)
+        self.zf.close()
 
 
 @pytest.fixture
@@ -118,9 +113,10 @@ def setup(tmp_path):
 
 
 def assert_resident(cache, experts, layer, ids, slot_ids):
+    tensors = [cache.zf.tensors[t] for t in cache.zf.moe_layers()[layer]]
     for e, s in zip(np.asarray(ids).reshape(-1), np.asarray(slot_ids).reshape(-1)):
-        for k, kind in enumerate(KINDS):
-            assert np.array_equal(cache.slots[k][s], experts[f"blk.{layer}.ffn_{kind}_exps.weight", int(e)])
+        for k, tensor in enumerate(tensors):
+            assert np.array_equal(cache.slots[k][s], experts[tensor, int(e)])
 
 
 def test_fetch_fills_slots_bit_exactly_and_counts_hits(setup):
@@ -320,6 +316,37 @@ def test_out_of_range_ids_unserved_layers_and_unknown_policies_are_errors(setup,
     status, _ = cache.fetch(7, [[0]])
     assert status == _lib.ERR_ARG
 
+
+
+def _cache_new_error(path, layers) -> str:
+    """ggml_zipmoe_cache_new's message for a layer table; asserts that it refused."""
+    lib = _lib.lib()
+    with zformat.ZipMoEFile(path) as zf:
+        params = _lib.CacheParams()
+        slots = np.zeros(1 << 16, np.uint16)
+        params.file, params.n_slots = zf._handle, 2
+        for k in range(3):
+            params.slot_data[k], params.slot_stride[k] = slots.ctypes.data, 0
+        params.set_layers(layers)
+        err = ctypes.create_string_buffer(512)
+        handle = lib.ggml_zipmoe_cache_new(ctypes.byref(params), err, len(err))
+        if handle:
+            lib.ggml_zipmoe_cache_free(handle)
+        assert not handle
+        return err.value.decode()
+
+
+def test_the_layer_table_is_checked_and_its_faults_named(tmp_path):
+    """The caller maps layers to tensors (the library knows no tensor names): an index outside the
+    file and a layer with one kind missing are refused, naming the layer."""
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 6))
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    with zformat.ZipMoEFile(path) as zf:
+        layers = zf.moe_layers()
+    gate, up, down = layers[0]
+    assert "layer 0's up tensor index 99 is not a repacked tensor" in _cache_new_error(path, {0: (gate, 99, down)})
+    assert "layer 0 has 2 of the 3 routed-expert tensors" in _cache_new_error(path, {0: (gate, -1, down)})
 
 def corrupt_chunk(tmp_path, tensor: str, expert: int, chunk: int, byte: int = 0, flip: int = 0x01):
     """A repacked test file (3 shards, 6 experts) with one bit of one stored chunk flipped."""

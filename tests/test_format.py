@@ -81,6 +81,22 @@ def test_round_trip_every_codec_and_shard_count(small_src, tmp_path, codec_name,
             assert header.kv[key].raw == kv.raw, key
 
 
+def test_moe_layers_and_expert_bytes_come_from_the_tensor_index(small_src, tmp_path):
+    dst = tmp_path / "z.gguf"
+    zformat.repack(small_src, dst)
+    with zformat.ZipMoEFile(dst) as zf:
+        layers = zf.moe_layers()
+        assert list(layers) == [0, 1]
+        for layer, tensors in layers.items():
+            assert [zf.tensors[t] for t in tensors] == [f"blk.{layer}.ffn_{kind}_exps.weight"
+                                                        for kind in ("gate", "up", "down")]
+        sizes = zf.expert_bytes()
+    one_tensor = 67 * 45 * 2  # BF16 values of the (67, 45, 3) tensors
+    assert sizes.by_kind == {"gate": one_tensor, "up": one_tensor, "down": one_tensor}
+    assert sizes.one_expert == 3 * one_tensor and sizes.sm_chunks == 3 * 67 * 45
+    assert sizes.all_experts == 2 * 3 * 3 * one_tensor  # layers x experts x one expert
+
+
 def test_repacking_is_deterministic(small_src, tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     zformat.repack(small_src, a, threads=1)

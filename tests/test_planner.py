@@ -1,17 +1,23 @@
 """The cache planner (zipmoe_py/planner.py) against brute force: the IPF against the
 maximum-entropy distribution over k-sets, Algorithm 2 against enumeration, Algorithm 3 by hand,
-Algorithm 4's vectorised sum against its literal loops and an exhaustive grid search, and the CLI."""
+Algorithm 4's vectorised sum against its literal loops and an exhaustive grid search; its files
+(zipmoe_py/plan_files.py), the zipmoe-plan CLI (zipmoe_py/plan_cli.py), and that none of them
+loads llama_cpp."""
 from __future__ import annotations
 
 import itertools
 import json
 import math
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from zipmoe_py import planner
-from zipmoe_py.planner import Costs
+from zipmoe_py import ZipMoEError, _lib, plan_cli, plan_files, planner
+from zipmoe_py.plan_files import Costs
 
 TWO_KB_EXPERT = {"F": 2000, "C": 1300, "S": 1000, "E": 300}  # C = S + E, E compressed to 0.6 of the exponents
 
@@ -171,7 +177,7 @@ def test_conditional_hit_pattern_probability_equals_subset_enumeration():
         k_rem = k - sum(pattern)
         if not 0 <= k_rem <= 2:
             continue
-        formula = phi["M"][k_rem] / phi_n[k] * math.prod(phi[p][h] for p, h in zip(planner.POOLS, pattern))
+        formula = phi["M"][k_rem] / phi_n[k] * math.prod(phi[p][h] for p, h in zip(_lib.pool_names(), pattern))
         counts = np.stack([subsets[:, a:b].sum(axis=1) for p, (a, b) in bounds.items() if p != "M"], axis=1)
         enumerated = probs[(counts == pattern).all(axis=1)].sum()
         assert formula == pytest.approx(enumerated, abs=1e-14)
@@ -266,7 +272,7 @@ def test_plan_is_the_minimum_over_the_grid():
         if sum(shares) != 4:
             continue
         capacities, free = {}, 8
-        for pool, share in zip(planner.POOLS, shares):
+        for pool, share in zip(_lib.pool_names(), shares):
             capacities[pool] = min(int(share / 4 * kwargs["budget_bytes"] // (TWO_KB_EXPERT[pool] * 3)), free)
             free -= capacities[pool]
         best = min(best, planner.expected_makespan_nested(q, capacities, 2, kwargs["costs"], 4, 5, 3))
@@ -318,6 +324,17 @@ def test_round_to_subset_size():
     assert k == 3 and np.allclose(f, np.array([0.9, 0.8, 0.6, 0.5]) * 3 / 2.8)
 
 
+def test_default_costs_use_the_runtimes_default_rates():
+    expert = {"F": 3 * 2048 * 1408 * 2, "C": 0, "S": 3 * 2048 * 1408, "E": int(3 * 2048 * 1408 * 0.32)}
+    read, decode = _lib.default_rate(_lib.RATE_READ), _lib.default_rate(_lib.RATE_DECODE)
+    costs = planner.default_costs(expert, 3, 5)
+    assert costs.u_s == pytest.approx(2048 * 1408 / read)  # one tensor's SM-chunk
+    assert costs.v_s == pytest.approx(int(3 * 2048 * 1408 * 0.32) / 15 / read)  # one E-chunk
+    assert costs.c_s == pytest.approx(2048 * 1408 * 2 / 5 / decode)  # one E-chunk's BF16 output
+    with pytest.raises(ZipMoEError, match="no such rate"):
+        _lib.default_rate(99)
+
+
 def test_rank_inclusion_probabilities_sorts_per_layer_and_averages():
     counts = [[0, 10, 4, 6], [8, 2, 10, 0]]
     np.testing.assert_allclose(planner.rank_inclusion_probabilities(counts, 10), [1.0, 0.7, 0.3, 0.0])
@@ -345,9 +362,9 @@ def write_profile(path, **overrides):
 def test_cli_writes_a_loadable_plan(tmp_path, capsys):
     profile = write_profile(tmp_path / "profile.json")
     out = tmp_path / "plan.json"
-    assert planner.main([str(profile), "--budget", "30K", "--grid", "0.25", "--threads", "2", "-o", str(out)]) == 0
-    result, meta = planner.load_plan(out)
-    assert result.pools == planner.POOLS and result.k == 2 and result.budget_bytes == 30 * 1024
+    assert plan_cli.main([str(profile), "--budget", "30K", "--grid", "0.25", "--threads", "2", "-o", str(out)]) == 0
+    result, meta = plan_files.load_plan(out)
+    assert result.pools == _lib.pool_names() and result.k == 2 and result.budget_bytes == 30 * 1024
     assert sum(result.memory_bytes.values()) <= 30 * 1024 and meta["threads"] == 2
     assert meta["costs"]["source"] == "default" and len(meta["inclusion_probabilities"]) == 8
     assert "expected makespan" in capsys.readouterr().out
@@ -355,9 +372,9 @@ def test_cli_writes_a_loadable_plan(tmp_path, capsys):
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps({"format": "zipmoe-costs", "version": 1, "u_s": 0.01, "v_s": 0.002, "c_s": 1e-5,
                                  "threads": 8}))
-    assert planner.main([str(profile), "--budget", "24000", "--pools", "C,F", "--costs", str(costs),
+    assert plan_cli.main([str(profile), "--budget", "24000", "--pools", "C,F", "--costs", str(costs),
                          "--batch-size", "4", "--grid", "0.5", "--delta", "1", "-o", str(out)]) == 0
-    result, meta = planner.load_plan(out)
+    result, meta = plan_files.load_plan(out)
     assert result.pools == ("F", "C") and meta["batch_size"] == 4 and meta["threads"] == 8
     assert result.thresholds["C"] == result.capacities["F"] + result.capacities["C"] + 1
 
@@ -374,7 +391,7 @@ def test_cli_writes_a_loadable_plan(tmp_path, capsys):
 ])
 def test_cli_errors_name_the_culprit(tmp_path, capsys, args, overrides, needle):
     profile = write_profile(tmp_path / "profile.json", **overrides)
-    assert planner.main([str(profile), *args, "-o", str(tmp_path / "plan.json")]) == 1
+    assert plan_cli.main([str(profile), *args, "-o", str(tmp_path / "plan.json")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("zipmoe-plan: error: ") and needle in err
     assert not (tmp_path / "plan.json").exists()
@@ -382,24 +399,24 @@ def test_cli_errors_name_the_culprit(tmp_path, capsys, args, overrides, needle):
 
 def test_cli_missing_or_broken_files(tmp_path, capsys):
     out = str(tmp_path / "plan.json")
-    assert planner.main([str(tmp_path / "nope.json"), "--budget", "1M", "-o", out]) == 1
+    assert plan_cli.main([str(tmp_path / "nope.json"), "--budget", "1M", "-o", out]) == 1
     err = capsys.readouterr().err
     assert "profile file not found" in err and "nope.json" in err
     profile = write_profile(tmp_path / "profile.json")
     (tmp_path / "costs.json").write_text('{"format": "zipmoe-costs", "version": 1, "u_s": 1}')
-    assert planner.main([str(profile), "--budget", "1M", "--costs", str(tmp_path / "costs.json"), "-o", out]) == 1
+    assert plan_cli.main([str(profile), "--budget", "1M", "--costs", str(tmp_path / "costs.json"), "-o", out]) == 1
     err = capsys.readouterr().err
     assert "costs.json" in err and "'v_s'" in err
     (tmp_path / "bad.json").write_text("{not json")
-    assert planner.main([str(tmp_path / "bad.json"), "--budget", "1M", "-o", out]) == 1
+    assert plan_cli.main([str(tmp_path / "bad.json"), "--budget", "1M", "-o", out]) == 1
     assert "bad.json" in capsys.readouterr().err
 
 
 def test_load_plan_validates_fields(tmp_path):
     result = planner.plan(F8, **plan_kwargs())
     path = tmp_path / "plan.json"
-    planner.save_plan(path, result, {"model": "tiny"})
-    loaded, meta = planner.load_plan(path)
+    plan_files.save_plan(path, result, {"model": "tiny"})
+    loaded, meta = plan_files.load_plan(path)
     assert loaded == result and meta == {"model": "tiny"}
     saved = path.read_text()
     for change, message in [(lambda d: d["thresholds"].update(F=d["thresholds"]["F"] + 1), "field 'thresholds.F'"),
@@ -409,5 +426,49 @@ def test_load_plan_validates_fields(tmp_path):
         doc = json.loads(saved)
         change(doc)
         path.write_text(json.dumps(doc))
-        with pytest.raises(planner.ZipMoEError, match=r"plan\.json: .*" + message):
-            planner.load_plan(path)
+        with pytest.raises(ZipMoEError, match=r"plan\.json: .*" + message):
+            plan_files.load_plan(path)
+
+
+def test_planning_and_loading_a_plan_import_no_llama_cpp(tmp_path):
+    """zipmoe-plan and a plan's pools (options.plan_overrides) need neither llama_cpp nor libllama, and
+    options and plan_files not the planner; importing loads no library at all (pool names and rates
+    are read on first use)."""
+    profile = write_profile(tmp_path / "profile.json")
+    code = f"""
+import sys
+from zipmoe_py import options, plan_files
+assert 'zipmoe_py.planner' not in sys.modules, "options or plan_files imported the planner"
+import zipmoe_py.planner
+assert 'llama_cpp' not in sys.modules and 'zipmoe_py.bindings' not in sys.modules
+from zipmoe_py import _lib, plan_cli
+assert _lib.lib.cache_info().currsize == 0, "importing loaded libggml-zipmoe"
+assert plan_cli.main([{str(profile)!r}, "--budget", "30K", "-o", {str(tmp_path / "plan.json")!r}]) == 0
+overrides = options.plan_overrides({str(tmp_path / "plan.json")!r})
+assert set(overrides) <= {{'zipmoe.pool_f', 'zipmoe.pool_c', 'zipmoe.pool_s', 'zipmoe.pool_e', 'zipmoe.rank_delta'}}
+assert 'llama_cpp' not in sys.modules and 'zipmoe_py.bindings' not in sys.modules
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_format_specs_examples_are_what_the_tools_read_and_write(tmp_path):
+    """docs/PLAN_FORMAT.md: each example passes its reader, and the PLAN example is zipmoe-plan's output
+    for the PROFILE and COSTS examples (its floats shortened)."""
+    spec = (Path(__file__).resolve().parents[1] / "docs" / "PLAN_FORMAT.md").read_text()
+    examples = {doc["format"]: doc for doc in map(json.loads, re.findall(r"```json\n(.*?)```", spec, flags=re.S))}
+    assert set(examples) == {"zipmoe-profile", "zipmoe-costs", "zipmoe-plan"}
+    for kind in examples:
+        (tmp_path / f"{kind}.json").write_text(json.dumps(examples[kind]))
+    plan_files.load_profile(tmp_path / "zipmoe-profile.json")
+    assert plan_files.load_costs(tmp_path / "zipmoe-costs.json") == (Costs(0.0021, 0.00014, 0.00036), 2)
+    documented, _ = plan_files.load_plan(tmp_path / "zipmoe-plan.json")
+    assert plan_cli.main([str(tmp_path / "zipmoe-profile.json"), "--budget", "96K", "--costs",
+                          str(tmp_path / "zipmoe-costs.json"), "--grid", "0.25", "-o", str(tmp_path / "plan.json")
+                          ]) == 0
+    made, _ = plan_files.load_plan(tmp_path / "plan.json")
+    assert (made.pools, made.ratios, made.capacities, made.thresholds, made.memory_bytes, made.k) == (
+        documented.pools, documented.ratios, documented.capacities, documented.thresholds, documented.memory_bytes,
+        documented.k)
+    assert made.expected_makespan_s == pytest.approx(documented.expected_makespan_s, rel=1e-3)
+    np.testing.assert_allclose(made.selection_probabilities, documented.selection_probabilities, atol=1e-4)

@@ -17,7 +17,7 @@ import pytest
 from zipmoe_py import _lib
 from zipmoe_py import format as zformat
 
-from test_cache import KINDS, Cache, assert_resident, corrupt_chunk
+from test_cache import Cache, assert_resident, corrupt_chunk
 from test_format import make_moe_gguf
 
 
@@ -30,8 +30,8 @@ def model(tmp_path_factory):
     with zformat.ZipMoEFile(path) as zf:
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
         sizes = {}
-        for layer, e in itertools.product(range(2), range(8)):
-            refs = [zf.chunks(f"blk.{layer}.ffn_{kind}_exps.weight", e) for kind in KINDS]
+        for (layer, tensors), e in itertools.product(zf.moe_layers().items(), range(8)):
+            refs = [zf.chunks(zf.tensors[t], e) for t in tensors]
             sizes[layer, e] = (sum(r[0].size for r in refs), sum(c.size for r in refs for c in r[1:]))
     return path, experts, sizes
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from zipmoe_py import planner, profile
+from zipmoe_py import plan_cli, plan_files, profile
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts models route each token",
            "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time", "SELECT * FROM"]
@@ -24,7 +24,7 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tiny_g
     costs = tmp_path / "costs.json"
     assert profile.main([str(zipmoe_qwen), "--prompts", str(prompts), "--batch-sizes", "1,3", "-n", "5", "-t", "2",
                          "-o", str(out), "--costs", str(costs), "-q"]) == 0
-    doc = planner.load_profile(out)  # the planner's own validation
+    doc = plan_files.load_profile(out)  # the planner's own validation
     k, n_expert = doc["n_expert_used"], doc["n_expert"]
     assert (k, n_expert, doc["n_tensors_per_expert"]) == (4, 16, 3)
     one = doc["batches"]["1"]
@@ -44,13 +44,13 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tiny_g
     b = doc["expert_bytes"]
     assert b["S"] == -(-b["F"] // 128) * 64 and 0 < b["E"] < b["S"] and b["S"] + b["E"] - 64 <= b["C"] <= b["S"] + b["E"]
 
-    measured, threads = planner.load_costs(costs)  # the planner's own validation
+    measured, threads = plan_files.load_costs(costs)  # the planner's own validation
     assert threads == 2 and 0 < measured.v_s and 0 < measured.c_s and 0 < measured.u_s
 
     plan = tmp_path / "plan.json"
-    assert planner.main([str(out), "--budget", str(4 * b["F"] * doc["n_layer_moe"]), "--pools", "F,C",
+    assert plan_cli.main([str(out), "--budget", str(4 * b["F"] * doc["n_layer_moe"]), "--pools", "F,C",
                          "--costs", str(costs), "-o", str(plan)]) == 0
-    result, meta = planner.load_plan(plan)
+    result, meta = plan_files.load_plan(plan)
     assert sum(result.ratios.values()) == pytest.approx(1.0)
     assert json.loads(plan.read_text())["format"] == "zipmoe-plan"
 

@@ -32,7 +32,8 @@ def test_the_readme_examples_run(tmp_path):
     script = script.replace("/tmp/tiny-qwen", str(tmp_path / "tiny-qwen")).replace(".venv/bin/", f"{VENV_BIN}/")
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, stdin=subprocess.DEVNULL,
                           capture_output=True, timeout=900)
-    out, err = proc.stdout.decode(), proc.stderr.decode()
+    # random weights sampled at random: the text may split a UTF-8 character between tokens
+    out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
     assert proc.returncode == 0, err[-3000:]
     assert "[stats] total" in err and "[stats] memory:" in err  # zipmoe-chat --stats
     assert re.search(r"\| +tg8 \|", out), out  # llama-bench's table

@@ -27,12 +27,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts 
 def expert_geometry(path) -> tuple[int, int, int]:
     """(bytes of one expert's gate + up + down, experts per layer, bytes of all experts)."""
     with zformat.ZipMoEFile(path) as zf:
-        shapes = [zf.shape(t) for t in zf.tensors]
-    per_layer = {}
-    for t, s in zip(zf.tensors, shapes):
-        per_layer.setdefault(t.split(".")[1], []).append(s)
-    one = sum(s[0] * s[1] * 2 for s in next(iter(per_layer.values())))
-    return one, shapes[0][2], sum(s[0] * s[1] * s[2] * 2 for s in shapes)
+        sizes = zf.expert_bytes()
+        n_expert = zf.shape(zf.tensors[0])[2]
+    return sizes.one_expert, n_expert, sizes.all_experts
 
 
 def load(path, **zipmoe_options):
@@ -210,7 +207,8 @@ def test_every_pool_mix_is_bit_identical(arch, mix, zipmoe_gguf, reference):
     differing = int((got != want).any(axis=1).sum())
     assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF"
     capacities = dict(item.split("=") for item in POOL_MIXES[mix].split(","))
-    n_moe = len([t for t in zformat.ZipMoEFile(path).tensors if "ffn_gate_exps" in t])
+    with zformat.ZipMoEFile(path) as zf:
+        n_moe = len(zf.moe_layers())
     for pool in "CSE":
         want_entries = int(capacities.get(pool, 0)) * n_moe
         assert stats["pools"][pool]["experts"] == want_entries

@@ -3,18 +3,24 @@
 
     python3 tools/make_patches.py --tree EDITED [--pristine DIR] [--add NAME FILE [FILE ...]]
 
-Every patch in vendor/llama.cpp/patches is rewritten as the diff, pristine -> edited, of the files
-it touches today (the files named by its `+++ b/...` lines), in the same order; a patch whose
-files no longer differ is removed. --add makes a new patch NAME (e.g.
-0005-context-zipmoe-sizing.patch) of the given files (paths relative to the tree). Without
---pristine the pinned sdist is extracted without patches into a temporary folder.
+Patches apply in name order with -p1, one concern each. Every patch in vendor/llama.cpp/patches is
+rewritten as the diff of the files it touches (its `+++ b/...` lines) from the pristine source with
+the earlier patches applied to the edited tree; a patch whose files no longer differ is removed.
 
-Each file belongs to one patch: one concern per patch, applied in name order with -p1.
+A file may be touched by several patches (a refactor, then the hook that uses it): the earlier
+patches are kept as they are and applied, and only the last one touching the file is regenerated.
+A kept patch's change to a file no later patch touches must match the edited tree, or the tool
+stops: such a change cannot be told apart from the edits meant for a later patch.
+
+--add makes a new patch NAME (e.g. 0007-context-zipmoe-sizing.patch) of the given files (paths
+relative to the tree). Without --pristine the pinned sdist is extracted without patches into a
+temporary folder.
 """
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,21 +63,36 @@ def main() -> int:
             if not files:
                 ap.error("--add needs a patch name and at least one file")
             series[name] = files
-        owner: dict[str, str] = {}
-        for name, files in series.items():
-            for f in files:
-                if f in owner and owner[f] != name:
-                    raise SystemExit(f"make_patches: {f} is in both {owner[f]} and {name}; give each file one patch")
-                owner[f] = name
+        last_owner: dict[str, str] = {}
         for name, files in sorted(series.items()):
-            text = "".join(diff(pristine, args.tree, f) for f in files)
+            for f in files:
+                last_owner[f] = name
+        base = Path(tmp) / "base"  # pristine + the patches so far, for the files of the series
+        for f in last_owner:
+            if (pristine / f).exists():
+                (base / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(pristine / f, base / f)
+        for name, files in sorted(series.items()):
             path = PATCHES / name
+            if any(last_owner[f] != name for f in files):
+                # kept as it is: a later patch builds on its change to a shared file
+                subprocess.run(["patch", "-s", "-p1", "-d", str(base), "-i", str(path)], check=True)
+                for f in files:
+                    if last_owner[f] == name and diff(base, args.tree, f):
+                        raise SystemExit(f"make_patches: {f} differs from {name} as kept; move the edit to a later "
+                                         f"patch touching {f}, or regenerate {name} by hand")
+                print(f"{name}: kept (a later patch touches the same files)")
+                continue
+            text = "".join(diff(base, args.tree, f) for f in files)
             if not text:
                 if path.exists():
                     path.unlink()
                     print(f"removed {name} (no change left)")
                 continue
             path.write_text(text)
+            for f in files:
+                (base / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(args.tree / f, base / f)
             added = sum(1 for line in text.splitlines() if line.startswith("+") and not line.startswith("+++"))
             removed = sum(1 for line in text.splitlines() if line.startswith("-") and not line.startswith("---"))
             print(f"{name}: {len(files)} file(s), +{added} -{removed}")

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Mapping, Sequence
 
 from . import _paths
+from .errors import ZipMoEError
 
 c_uint8_p = ctypes.POINTER(ctypes.c_uint8)
 c_uint16_p = ctypes.POINTER(ctypes.c_uint16)
@@ -15,11 +17,10 @@ OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECK
 CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_COUNT = range(7)
 
 FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
-# enum ggml_zipmoe_eviction
-EVICTION_POLICIES = ("lru", "fifo", "marking", "lfu", "rank")
+# enum ggml_zipmoe_eviction (their names: eviction_names())
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
-# enum ggml_zipmoe_pool: the cache hierarchy, in order
-POOLS = ("F", "C", "S", "E")
+# enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
+RATE_READ, RATE_DECODE, RATE_COMPUTE = range(3)
 # enum ggml_zipmoe_open_flags
 OPEN_DIRECT, OPEN_DIRECT_IF_SUPPORTED = 1, 2
 
@@ -53,7 +54,19 @@ class CacheParams(ctypes.Structure):
     _fields_ = [("file", ctypes.c_void_p), ("n_slots", ctypes.c_int32), ("slot_data", ctypes.c_void_p * 3),
                 ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
                 ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
-                ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double)]
+                ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
+                ("layer_tensors", ctypes.POINTER(ctypes.c_int32))]
+
+    def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
+        """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),
+        -1 for a layer without routed experts. The table stays referenced by these params: keep them
+        while the cache lives."""
+        n_layer = max(moe_layers, default=-1) + 1
+        table = (ctypes.c_int32 * (3 * n_layer))(*[-1] * (3 * n_layer))
+        for layer, tensors in moe_layers.items():
+            table[3 * layer:3 * layer + 3] = list(tensors)
+        self._layer_table = table
+        self.n_layer, self.layer_tensors = n_layer, table
 
 
 # enum ggml_zipmoe_expert_state
@@ -100,8 +113,10 @@ _PROTOTYPES = {
     "ggml_zipmoe_checksum": (ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]),
     "ggml_zipmoe_decode_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
-                                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
-                                                 ctypes.c_void_p]),
+                                                 ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
+    "ggml_zipmoe_eviction_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_zipmoe_pool_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_zipmoe_default_rate": (ctypes.c_double, [ctypes.c_int]),
     "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_file_close": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_file_path": (ctypes.c_char_p, [ctypes.c_void_p]),
@@ -183,6 +198,37 @@ def status_string(status: int) -> str:
     return lib().ggml_zipmoe_status_string(status).decode()
 
 
+def _enum_names(name_of) -> tuple[str, ...]:
+    """The names a C enum's name function gives from value 0 up to its first NULL."""
+    names = []
+    while (name := name_of(len(names))) is not None:
+        names.append(name.decode())
+    return tuple(names)
+
+
+@functools.cache
+def eviction_names() -> tuple[str, ...]:
+    """The eviction policies by enum value (ggml_zipmoe_eviction_name): lru, fifo, marking, lfu, rank."""
+    return _enum_names(lib().ggml_zipmoe_eviction_name)
+
+
+@functools.cache
+def pool_names() -> tuple[str, ...]:
+    """The cache pools in hierarchy order (ggml_zipmoe_pool_name): F, C, S, E."""
+    return _enum_names(lib().ggml_zipmoe_pool_name)
+
+
+@functools.cache
+def default_rate(rate: int) -> float:
+    """ggml_zipmoe_default_rate: bytes per second the runtime's cost model assumes when not told,
+    for RATE_READ (O_DIRECT reads), RATE_DECODE (decode + recover, BF16 output bytes per thread) or
+    RATE_COMPUTE (an expert's products per token, its BF16 weight bytes)."""
+    value = lib().ggml_zipmoe_default_rate(rate)
+    if not value > 0:
+        raise ZipMoEError(f"ggml_zipmoe_default_rate({rate}) gave {value}: no such rate in this libggml-zipmoe")
+    return value
+
+
 @functools.lru_cache(maxsize=None)
 def _libllama() -> ctypes.CDLL:
     handle = ctypes.CDLL(str(_paths.shared_library("llama")))
@@ -209,8 +255,8 @@ def memory_plan(model) -> dict | None:
 
 
 def memory_available(root: str | None = None) -> dict:
-    """ggml_zipmoe_memory_available: what this process may still take, and which limit says so
-    (root: a folder standing in for / , for tests)."""
+    """ggml_zipmoe_memory_available: what this process may still take, and which limit says so.
+    root is test-only: a folder standing in for / (the runtime probes the real one, in C)."""
     mem = Memory()
     status = lib().ggml_zipmoe_memory_available(root.encode() if root else None, ctypes.byref(mem))
     out = {name: getattr(mem, name) for name, _ in Memory._fields_}
@@ -240,7 +286,7 @@ def cache_stats(cache) -> dict:
     out["slot_capacity"] = lib().ggml_zipmoe_cache_slot_capacity(cache)
     entry = ctypes.c_size_t()
     out["pools"] = {name: {"experts": lib().ggml_zipmoe_cache_pool_entries(cache, i, ctypes.byref(entry)),
-                           "entry_bytes": entry.value} for i, name in enumerate(POOLS)}
+                           "entry_bytes": entry.value} for i, name in enumerate(pool_names())}
     lookups = out["expert_hits"] + out["c_hits"] + out["s_hits"] + out["e_hits"] + out["expert_misses"]
     # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
@@ -261,5 +307,6 @@ def cache_activations(cache, layer: int) -> tuple[list[int], int] | None:
 
 
 def sched_work_size(n_tasks: int, n_shards: int, n_threads: int) -> int:
-    """GGML_ZIPMOE_SCHED_WORK_SIZE: workspace bytes of ggml_zipmoe_schedule."""
+    """GGML_ZIPMOE_SCHED_WORK_SIZE: workspace bytes of ggml_zipmoe_schedule. Test-only: the tests drive
+    the scheduler directly (the runtime's cache sizes its own workspace in C)."""
     return 8 * (n_tasks * n_shards + n_threads) + 4 * (3 * n_tasks * n_shards + 4 * n_tasks)

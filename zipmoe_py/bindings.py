@@ -3,7 +3,8 @@
 llama-cpp-python loads its library once, at `import llama_cpp`, from
 $LLAMA_CPP_LIB_PATH when set. Importing this module points it at our build; if
 llama_cpp was imported earlier with another library, that cannot be undone in the
-process, so we refuse with an error that says how to fix it.
+process, so we refuse with an error that says how to fix it. The zipmoe_* keyword arguments of
+`Llama` are parsed in zipmoe_py/options.py.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 
 from . import _lib, _paths
 from .errors import ZipMoEError
-
-GGUF_MAGIC = b"GGUF"
+from .gguf_file import GGUF_MAGIC
+from .options import check_budget, zipmoe_overrides
 
 
 def _loaded_library_path(module) -> Path | None:
@@ -69,129 +70,6 @@ def check_model_file(model_path: str | os.PathLike) -> Path:
     return path
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-               "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
-               "TIB": 1 << 40}
-
-
-def parse_size(value, what: str = "zipmoe_budget") -> int:
-    """Bytes from an int or a string like "4G", "512M", "1.5GiB" (binary units)."""
-    if isinstance(value, bool):
-        raise ZipMoEError(f"{what} must be a size in bytes or like '4G', not {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        text = str(value).strip().upper().replace(" ", "")
-        number = text.rstrip("KMGTIB")
-        unit = text[len(number):]
-        try:
-            n = int(float(number) * _SIZE_UNITS[unit])
-        except (ValueError, KeyError):
-            raise ZipMoEError(f"{what} must be a size in bytes or like '4G', '512M', '1.5GiB'; got {value!r}") from None
-    if n <= 0:
-        raise ZipMoEError(f"{what} must be positive, got {value!r}")
-    return n
-
-
-def parse_threads(value, what: str = "zipmoe_threads") -> int:
-    """A count >= 0 (for zipmoe_threads, 0 means all of the graph's threads)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ZipMoEError(f"{what} must be a whole number >= 0; got {value!r}")
-    return value
-
-
-def parse_pools(value, what: str = "zipmoe_pools") -> dict:
-    """The KV overrides zipmoe.pool_f, pool_c, pool_s, pool_e from {"F": 4, "C": 8} or "F=4,C=8"
-    (experts per MoE layer of the pools F, C, S, E)."""
-    if isinstance(value, str):
-        items = [item.split("=", 1) for item in value.replace(" ", "").split(",") if item]
-    elif isinstance(value, dict):
-        items = list(value.items())
-    else:
-        raise ZipMoEError(f"{what} must be like 'F=4,C=8,E=2' or {{'F': 4, 'C': 8}}; got {value!r}")
-    pools = {}
-    for item in items:
-        name, count = (item + [None])[:2] if isinstance(item, list) else item
-        name = str(name).upper()
-        try:
-            count = int(count)
-        except (TypeError, ValueError):
-            count = -1
-        if name not in _lib.POOLS or name in pools or count < 0:
-            raise ZipMoEError(f"{what}: {value!r} must name each of the pools F, C, S, E at most once with a "
-                              "count >= 0 of experts per MoE layer, like 'F=4,C=8,E=2'")
-        pools[name] = count
-    if not pools or not any(pools.values()):
-        raise ZipMoEError(f"{what}: {value!r} holds no expert; give e.g. 'F=4,C=8,E=2'")
-    return {f"zipmoe.pool_{p.lower()}": pools[p] for p in _lib.POOLS if p in pools}
-
-
-def plan_overrides(plan_path) -> dict:
-    """zipmoe.pools and zipmoe.rank_delta from a zipmoe-plan PLAN file."""
-    from .planner import load_plan
-
-    result, _ = load_plan(Path(plan_path))
-    if not any(result.capacities.values()):
-        raise ZipMoEError(f"{plan_path}: the plan keeps no expert in any pool (its budget is below one expert per layer)")
-    return {**parse_pools(dict(result.capacities), f"{plan_path}: capacities"), "zipmoe.rank_delta": int(result.delta)}
-
-
-def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
-                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
-                     preload: bool | None = None) -> dict:
-    """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
-    not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
-    out = {}
-    if plan is not None and pools is not None:
-        raise ZipMoEError("give zipmoe_plan or zipmoe_pools, not both (a plan sets the pools)")
-    if plan is not None:
-        out.update(plan_overrides(plan))
-    if pools is not None:
-        out.update(parse_pools(pools))
-    if work_slots is not None:
-        if isinstance(work_slots, bool) or not isinstance(work_slots, int) or work_slots < 1:
-            raise ZipMoEError(f"zipmoe_work_slots must be a whole number >= 1; got {work_slots!r}")
-        out["zipmoe.work_slots"] = work_slots
-    if any(key.startswith("zipmoe.pool_") for key in out) and eviction not in (None, "rank"):
-        raise ZipMoEError(f"pools dispatch experts by rank: zipmoe_eviction={eviction!r} cannot be used with them")
-    if eviction is not None:
-        if eviction not in _lib.EVICTION_POLICIES:
-            raise ZipMoEError(f"zipmoe_eviction must be one of {', '.join(_lib.EVICTION_POLICIES)}; got {eviction!r}")
-        out["zipmoe.eviction"] = eviction
-    if rank_delta is not None:
-        out["zipmoe.rank_delta"] = parse_threads(rank_delta, "zipmoe_rank_delta")
-    if budget is not None:
-        out["zipmoe.budget"] = parse_size(budget)
-    if mem_limit is not None:
-        out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
-    if direct_io is not None:
-        out["zipmoe.direct_io"] = bool(direct_io)
-    if preload is not None:
-        if not isinstance(preload, bool):
-            raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
-        out["zipmoe.preload"] = preload
-    if threads is not None:
-        out["zipmoe.threads"] = parse_threads(threads)
-    return out
-
-
-def _check_budget(path: Path, budget: int) -> None:
-    """A budget below one expert (gate + up + down) cannot work: say so before llama.cpp's loader does."""
-    from . import format as zformat
-
-    try:
-        zf = zformat.ZipMoEFile(path)
-    except ZipMoEError:
-        return  # not a ZipMoE GGUF: the budget does not apply
-    with zf:
-        shapes = {t: zf.shape(t) for t in zf.tensors}
-    layer = next(iter(shapes)).split(".")[1] if shapes else None
-    one = sum(s[0] * s[1] * 2 for t, s in shapes.items() if t.split(".")[1] == layer)
-    if budget < one:
-        raise ZipMoEError(f"zipmoe_budget of {budget} bytes cannot hold one expert of {path.name} "
-                          f"({one} bytes: gate + up + down); give at least that, better a layer's top-k experts")
-
-
 class Llama(llama_cpp.Llama):
     """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
 
@@ -236,7 +114,7 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
                                    kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"))
         if "zipmoe.budget" in options:
-            _check_budget(Path(model_path), options["zipmoe.budget"])
+            check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,

@@ -45,7 +45,7 @@ def experts_bytes(model: Path) -> int | None:
 
     try:
         with zformat.ZipMoEFile(model) as zf:
-            return sum(s[0] * s[1] * s[2] * 2 for s in map(zf.shape, zf.tensors))
+            return zf.expert_bytes().all_experts
     except ZipMoEError:
         return None
 
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the filesystem cannot (default: O_DIRECT where the filesystem supports it)")
     io.add_argument("--no-direct-io", dest="direct_io", action="store_const", const=False,
                     help="ZipMoE GGUFs: read expert chunks through the page cache")
-    ap.add_argument("--eviction", choices=_lib.EVICTION_POLICIES, default=None,
+    ap.add_argument("--eviction", choices=_lib.eviction_names(), default=None,
                     help="ZipMoE GGUFs: which cached expert a miss replaces: rank (default; ZipMoE: experts "
                          "ranked beyond their layer's share of the cache go first, then the least often chosen), "
                          "lru, fifo, marking (randomized marking), lfu (least often chosen)")

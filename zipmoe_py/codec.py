@@ -50,7 +50,8 @@ def split_bf16(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def recover_bf16(exp: np.ndarray, sm: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """(exponent bytes, sign+mantissa bytes) -> BF16 bit patterns (uint16), flat; into `out` if given."""
+    """(exponent bytes, sign+mantissa bytes) -> BF16 bit patterns (uint16), flat; into `out` if given.
+    Test-only in Python (the runtime recovers in C, inside ExpertDecode's routine)."""
     exp = np.ascontiguousarray(exp, dtype=np.uint8).reshape(-1)
     sm = np.ascontiguousarray(sm, dtype=np.uint8).reshape(-1)
     if exp.size != sm.size:
@@ -69,6 +70,8 @@ def recover_impl() -> str:
 
 
 def set_recover_impl(name: str | None) -> None:
+    """Test-only: force the process's BF16 recovery path ("avx512bw", "avx2", "scalar"; None: the best
+    available) so that tests and benchmarks compare them; CodecError where the CPU lacks it."""
     status = _lib.lib().ggml_zipmoe_set_recover_impl(None if name is None else name.encode())
     if status != _lib.OK:
         raise CodecError(f"recovery path {name!r} is not available on this CPU", status)
@@ -126,7 +129,9 @@ class Decoder:
 class ExpertDecode:
     """A prepared ggml_zipmoe_decode_expert call: the K E-chunks (stored bytes) and the SM plane of
     one expert; calling it decodes and recovers the expert's BF16 values into `out`, shard by
-    shard, in one C call (the runtime's decode path)."""
+    shard (each decoded in place in its own bytes of `out`), in one C call: the library's decode +
+    recover routine that the expert cache runs. For timing and checking that routine: the codec
+    bench, zipmoe-profile --costs and the tests."""
 
     def __init__(self, decoder: Decoder, chunks: list[bytes], codecs: list[str], sm: np.ndarray,
                  out: np.ndarray | None = None):
@@ -140,12 +145,11 @@ class ExpertDecode:
         self.out = np.empty(n, np.uint16) if out is None else out
         if self.out.dtype != np.uint16 or self.out.size != n or not self.out.flags.c_contiguous:
             raise ZipMoEError(f"expert output must be {n} contiguous uint16 values")
-        self._scratch = np.empty(n // k + 1, np.uint8)
         self._codecs = (ctypes.c_int32 * k)(*[codec_id(c) for c in codecs])
         self._ptrs = (ctypes.c_void_p * k)(*[c.ctypes.data for c in self._chunks])
         self._sizes = (ctypes.c_size_t * k)(*[c.size for c in self._chunks])
         self._args = (decoder._handle, k, self._codecs, self._ptrs, self._sizes, self._sm.ctypes.data, n,
-                      self._scratch.ctypes.data, self.out.ctypes.data)
+                      self.out.ctypes.data)
         self._fn = _lib.lib().ggml_zipmoe_decode_expert
 
     def __call__(self) -> np.ndarray:

@@ -209,7 +209,7 @@ def verify_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         with zformat.ZipMoEFile(args.file) as zf:
-            total = sum(2 * s[0] * s[1] * s[2] for s in map(zf.shape, zf.tensors))
+            total = zf.expert_bytes().all_experts
         update, close = _progress_bar(total, "verify", args.quiet)
         try:
             counts = zformat.verify(args.file, args.against, progress=update)

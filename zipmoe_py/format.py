@@ -24,7 +24,10 @@ from .errors import ZipMoEError
 
 FORMAT_VERSION = 1
 CHUNK_ALIGNMENT = 4096
-EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+# a routed expert's tensors, in ggml-zipmoe's kind order (slot_data[k], layer_tensors[3 * layer + k])
+EXPERT_KINDS = ("gate", "up", "down")
+EXPERT_TENSOR = re.compile(rf"^blk\.(\d+)\.ffn_({'|'.join(EXPERT_KINDS)})_exps\.weight$")
+BF16_BYTES = 2  # bytes of one BF16 value
 DEFAULT_CODEC, DEFAULT_SHARDS = "fhuf", 5
 CHECKSUM = "xxh64"
 
@@ -190,7 +193,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                     continue
                 n = t.dims[0] * t.dims[1]
                 layer = int(EXPERT_TENSOR.match(t.name).group(1))
-                st = TensorStats(t.name, layer, bf16_bytes=2 * n * t.dims[2])
+                st = TensorStats(t.name, layer, bf16_bytes=BF16_BYTES * n * t.dims[2])
                 offsets, sizes, codecs, sums = [], [], [], []
                 dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
                 item = np.dtype(dtype).itemsize
@@ -214,7 +217,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                         sizes.append(len(blob))
                         codecs.append(cid)
                         sums.append(_codec.checksum(blob))
-                    done += 2 * n
+                    done += BF16_BYTES * n
                     if progress:
                         progress(done)
                 blob_size = out.tell() - blob_start
@@ -236,6 +239,21 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
 
 
 # ---- reading (ggml-zipmoe's C reader: the same code the runtime uses) ----
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    """BF16 sizes of the routed experts of a ZipMoE GGUF, from their tensor shapes. One expert's are
+    the first MoE layer's: the runtime's slots, shared by all layers, need every layer's to match."""
+
+    by_kind: dict[str, int]  # one expert's tensor of each kind (gate, up, down)
+    one_expert: int          # one expert: gate + up + down
+    all_experts: int         # every routed expert of every MoE layer
+
+    @property
+    def sm_chunks(self) -> int:
+        """One expert's SM-chunks, stored raw: the sign+mantissa byte of each of its values."""
+        return self.one_expert // BF16_BYTES
+
 
 @dataclass
 class ChunkRef:
@@ -271,6 +289,7 @@ class ZipMoEFile:
                                    for i in range(self._lib.ggml_zipmoe_file_n_tensors(self._handle))]
         self._index = {name: i for i, name in enumerate(self.tensors)}
         self._header = None
+        self._moe_layers: dict[int, tuple[int, int, int]] | None = None
 
     @property
     def header(self) -> gf.Header:
@@ -308,6 +327,36 @@ class ZipMoEFile:
         ne = (ctypes.c_int64 * 3)()
         self._lib.ggml_zipmoe_file_tensor_shape(self._handle, self._tensor_index(tensor), ne)
         return list(ne)
+
+    def moe_layers(self) -> dict[int, tuple[int, int, int]]:
+        """{layer: (gate, up, down)}: the indexes in self.tensors (ggml-zipmoe's repacked tensor
+        indexes) of each MoE layer's routed-expert tensors blk.{layer}.ffn_{kind}_exps.weight, by layer."""
+        if self._moe_layers is None:
+            kinds: dict[int, dict[str, int]] = {}
+            for index, name in enumerate(self.tensors):
+                match = EXPERT_TENSOR.match(name)
+                if match is None:
+                    raise ZipMoEError(f"{self.path}: tensor {name} in the ZipMoE index is not a routed-expert tensor "
+                                      "blk.N.ffn_{gate,up,down}_exps.weight")
+                kinds.setdefault(int(match.group(1)), {})[match.group(2)] = index
+            for layer, found in kinds.items():
+                missing = [kind for kind in EXPERT_KINDS if kind not in found]
+                if missing:
+                    raise ZipMoEError(f"{self.path}: MoE layer {layer} has no tensor "
+                                      f"blk.{layer}.ffn_{missing[0]}_exps.weight")
+            self._moe_layers = {layer: tuple(kinds[layer][kind] for kind in EXPERT_KINDS) for layer in sorted(kinds)}
+        return dict(self._moe_layers)
+
+    def expert_bytes(self) -> ExpertBytes:
+        """BF16 bytes of one routed expert (by kind and in all) and of every routed expert."""
+        layers = self.moe_layers()
+        if not layers:
+            raise ZipMoEError(f"{self.path}: the ZipMoE index holds no routed-expert tensor")
+        shapes = [self.shape(name) for name in self.tensors]
+        first = layers[min(layers)]
+        by_kind = {kind: shapes[t][0] * shapes[t][1] * BF16_BYTES for kind, t in zip(EXPERT_KINDS, first)}
+        return ExpertBytes(by_kind=by_kind, one_expert=sum(by_kind.values()),
+                           all_experts=sum(ne0 * ne1 * n_expert * BF16_BYTES for ne0, ne1, n_expert in shapes))
 
     def chunks(self, tensor: str, expert: int) -> list[ChunkRef]:
         t = self._tensor_index(tensor)
@@ -380,7 +429,7 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                                           f"expert {e} differs from {against}")
                     counts["experts"] += 1
                     counts["chunks"] += 1 + zf.shards
-                    done += 2 * n
+                    done += BF16_BYTES * n
                     if progress:
                         progress(done)
                 counts["tensors"] += 1

@@ -1,4 +1,4 @@
-"""zipmoe-plan: ZipMoE's hierarchical cache-pool planner (paper section 3.4, Appendices C and D).
+"""ZipMoE's hierarchical cache-pool planner (paper section 3.4, Appendices C and D), the algorithms.
 
 The expert cache is split into pools holding experts in different compression states, in the
 hierarchy F < C < S < E:
@@ -33,72 +33,24 @@ same partition); the budget covers all MoE layers, so pool p holds S_p * n_layer
 The runtime dispatches an expert of observed rank r to the first pool p of Lambda (in hierarchy
 order) with r < tau_p = sum_{j <= p} S_j + delta; ranks beyond every threshold are not cached.
 
-File formats (JSON; every file carries "format" and "version": 1)
+The pool names and their hierarchy order are C's (ggml_zipmoe_pool_name); the default machine
+rates of default_costs are the runtime's (ggml_zipmoe_default_rate). Both are read from
+libggml-zipmoe on first use, so importing this module loads no library.
 
-PROFILE (written by zipmoe-profile):
-    {"format": "zipmoe-profile", "version": 1,
-     "model": str,                   # model name or path, for the record
-     "n_layer_moe": int,             # number of sparse (MoE) layers
-     "n_expert": int,                # routed experts per layer, N
-     "n_expert_used": int,           # experts each token selects per layer, k
-     "expert_bytes": {"F": int,      # one expert as full BF16 tensors
-                      "C": int,      # one expert compressed: SM bytes + compressed E bytes
-                      "S": int,      # one expert's SM chunks
-                      "E": int},     # one expert's compressed E-chunks
-     "n_tensors_per_expert": int,    # n, 3 (gate, up, down)
-     "n_shards": int,                # K, E-chunks per tensor
-     "batches": {"B": {"n_ubatches": int,   # ubatches of B tokens profiled
-                       "counts": [[int] * n_expert] * n_layer_moe}}}
-                                     # counts[l][e]: in how many ubatches expert e of MoE layer l
-                                     # was selected by at least one token
-
-COSTS (optional; measured delays of the target machine):
-    {"format": "zipmoe-costs", "version": 1,
-     "u_s": float,       # u: reading one tensor's SM chunk, seconds
-     "v_s": float,       # v: reading one E-chunk, seconds
-     "c_s": float,       # c: decompressing (and recovering) one E-chunk, seconds
-     "threads": int}     # L: decompression threads
-    Without a costs file the delays follow from the profile's expert_bytes and measured machine
-    rates: O_DIRECT reads at 1.4 GB/s and fhuf decode + recover at 3.2 GB/s of BF16 output per
-    core (default_costs). For an expert tensor of 2048x1408 BF16 with K = 5 shards compressing
-    to 0.32 of their exponent bytes this gives u = 2.06 ms, v = 0.132 ms, c = 0.360 ms.
-
-PLAN (written by zipmoe-plan, read by load_plan):
-    {"format": "zipmoe-plan", "version": 1,
-     "pools": ["F", ...],              # Lambda, in hierarchy order
-     "ratios": {"F": float, ...},      # gamma_p for every pool in Lambda, summing to 1
-     "capacities": {"F": int, ...},    # S_p, experts per MoE layer
-     "thresholds": {"F": int, ...},    # tau_p = sum_{j <= p} S_j + delta, ranks are 0-based
-     "delta": int,                     # the dispatch tolerance margin, in ranks
-     "memory_bytes": {"F": int, ...},  # bytes pool p takes over all MoE layers
-     "budget_bytes": int, "n_layer_moe": int, "n_expert": int, "k": int,
-     "expected_makespan_s": float,     # the minimised expected makespan of one sparse layer
-     "selection_probabilities": [float] * n_expert,   # q_r from the IPF, by rank
-     "meta": {...}}                    # provenance: model, profile, batch size, costs, grid, ...
+The PROFILE, COSTS and PLAN files are read and written by zipmoe_py/plan_files.py and specified in
+docs/PLAN_FORMAT.md; the zipmoe-plan command is zipmoe_py/plan_cli.py.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
-import os
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from .errors import ZipMoEError
-
-POOLS = ("F", "C", "S", "E")  # the cache hierarchy F < C < S < E
-PROFILE_FORMAT, COSTS_FORMAT, PLAN_FORMAT = "zipmoe-profile", "zipmoe-costs", "zipmoe-plan"
-FORMAT_VERSION = 1
-
-# Measured on the target machine; default_costs turns them into per-chunk delays.
-DISK_BYTES_PER_S = 1.4e9  # O_DIRECT reads
-DECODE_BF16_BYTES_PER_S = 3.2e9  # fhuf decode + recover, BF16 output bytes per core
+from . import _lib
+from .plan_files import Costs, PlanResult
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +108,8 @@ def round_to_subset_size(f: np.ndarray | Sequence[float]) -> tuple[np.ndarray, i
 
 def hit_distribution(q: np.ndarray | Sequence[float]) -> np.ndarray:
     """Algorithm 2: Phi_S(h), h = 0..|S|, the probability of exactly h hits among independent
-    Bernoulli(q_r) trials (a Poisson binomial distribution).
+    Bernoulli(q_r) trials (a Poisson binomial distribution). Test-only, with expected_makespan_nested:
+    plan runs interval_hit_table, Algorithm 2 for every rank interval at once.
 
     The paper's inner loop over h = |S| .. 1 updates in place from high to low so that each
     update reads the previous round's Phi(h - 1); the vector update below reads the previous
@@ -310,36 +263,29 @@ def ipf(f: np.ndarray | Sequence[float], k: int, tol: float = 1e-10, max_iter: i
 # Algorithm 3: makespan of one hit pattern
 # ---------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Costs:
-    """Average delays from offline profiling, seconds: u (read one tensor's SM chunk), v (read
-    one E-chunk), c (decompress and recover one E-chunk)."""
-
-    u_s: float
-    v_s: float
-    c_s: float
-
-
 def default_costs(expert_bytes: Mapping[str, int], n_tensors_per_expert: int, n_shards: int) -> Costs:
-    """Delays from the measured machine rates (DISK_BYTES_PER_S, DECODE_BF16_BYTES_PER_S) and the
-    sizes of one expert: an SM chunk is expert_bytes["S"] / n, an E-chunk expert_bytes["E"] / (n K),
-    and decompressing an E-chunk produces expert_bytes["F"] / (n K) bytes of BF16."""
+    """Delays from the runtime's default machine rates (ggml_zipmoe_default_rate: O_DIRECT reads,
+    decode + recover of BF16 output per thread) and the sizes of one expert: an SM chunk is
+    expert_bytes["S"] / n, an E-chunk expert_bytes["E"] / (n K), and decompressing an E-chunk
+    produces expert_bytes["F"] / (n K) bytes of BF16."""
+    read, decode = _lib.default_rate(_lib.RATE_READ), _lib.default_rate(_lib.RATE_DECODE)
     per_tensor = n_tensors_per_expert
-    return Costs(u_s=expert_bytes["S"] / per_tensor / DISK_BYTES_PER_S,
-                 v_s=expert_bytes["E"] / (per_tensor * n_shards) / DISK_BYTES_PER_S,
-                 c_s=expert_bytes["F"] / (per_tensor * n_shards) / DECODE_BF16_BYTES_PER_S)
+    return Costs(u_s=expert_bytes["S"] / per_tensor / read,
+                 v_s=expert_bytes["E"] / (per_tensor * n_shards) / read,
+                 c_s=expert_bytes["F"] / (per_tensor * n_shards) / decode)
 
 
 def _hits_tuple(hits: Mapping[str, int] | Sequence[int]) -> tuple[int, ...]:
+    pools = _lib.pool_names()
     if isinstance(hits, Mapping):
-        unknown = set(hits) - set(POOLS)
+        unknown = set(hits) - set(pools)
         if unknown:
-            raise ValueError(f"unknown cache pools {sorted(unknown)}; the pools are {', '.join(POOLS)}")
-        values = tuple(int(hits.get(p, 0)) for p in POOLS)
+            raise ValueError(f"unknown cache pools {sorted(unknown)}; the pools are {', '.join(pools)}")
+        values = tuple(int(hits.get(p, 0)) for p in pools)
     else:
         values = tuple(int(h) for h in hits)
-        if len(values) != len(POOLS):
-            raise ValueError(f"a hit pattern has {len(POOLS)} counts (h_F, h_C, h_S, h_E), got {len(values)}")
+        if len(values) != len(pools):
+            raise ValueError(f"a hit pattern has {len(pools)} counts (h_F, h_C, h_S, h_E), got {len(values)}")
     return values
 
 
@@ -382,7 +328,8 @@ class HitPatterns:
 def hit_patterns(k: int, costs: Costs, threads: int, n_shards: int, n_tensors_per_expert: int) -> HitPatterns:
     """The hit patterns with at most k hits (the only ones of non-zero probability) and their
     makespans; they do not depend on the partition, so Algorithm 4 computes them once."""
-    rows = [pattern for pattern in itertools.product(range(k + 1), repeat=len(POOLS)) if sum(pattern) <= k]
+    n_pools = len(_lib.pool_names())
+    rows = [pattern for pattern in itertools.product(range(k + 1), repeat=n_pools) if sum(pattern) <= k]
     makespans = [estimate_makespan(k, pattern, costs.c_s, costs.v_s, costs.u_s, threads, n_shards,
                                    n_tensors_per_expert) for pattern in rows]
     hits = np.array(rows, dtype=np.intp)
@@ -396,7 +343,7 @@ def hit_patterns(k: int, costs: Costs, threads: int, n_shards: int, n_tensors_pe
 def _pool_intervals(capacities: Mapping[str, int], n_expert: int) -> dict[str, tuple[int, int]]:
     """The rank interval [start, stop) of every pool, packed in hierarchy order, and of "M"."""
     intervals, start = {}, 0
-    for pool in POOLS:
+    for pool in _lib.pool_names():
         stop = start + capacities.get(pool, 0)
         intervals[pool] = (start, stop)
         start = stop
@@ -435,7 +382,7 @@ def expected_makespan(interval_hits: np.ndarray, capacities: Mapping[str, int], 
     n_expert, k = interval_hits.shape[0] - 1, patterns.k
     intervals = _pool_intervals(capacities, n_expert)
     probability = interval_hits[intervals["M"]][patterns.remaining]
-    for column, pool in enumerate(POOLS):
+    for column, pool in enumerate(_lib.pool_names()):
         probability = probability * interval_hits[intervals[pool]][patterns.hits[:, column]]
     return float(patterns.makespan @ probability / interval_hits[0, n_expert, k])
 
@@ -444,14 +391,16 @@ def expected_makespan_nested(q: np.ndarray, capacities: Mapping[str, int], k: in
                              n_shards: int, n_tensors_per_expert: int) -> float:
     """Algorithm 4, lines 8-29, literally: untruncated Algorithm 2 per pool and four nested loops.
 
-    The reference for expected_makespan. Line 20 (Algorithm 3) is evaluated after the k_rem < 0
-    test of lines 21-24, which discards its value anyway, since Algorithm 3 has no meaning for
-    more than k hits. Phi_M(k_rem) is 0 when the miss pool has fewer than k_rem ranks.
+    Test-only: the reference the tests hold expected_makespan (what plan uses) to. Line 20
+    (Algorithm 3) is evaluated after the k_rem < 0 test of lines 21-24, which discards its value
+    anyway, since Algorithm 3 has no meaning for more than k hits. Phi_M(k_rem) is 0 when the
+    miss pool has fewer than k_rem ranks.
     """
     intervals = _pool_intervals(capacities, q.size)
-    phi = {p: hit_distribution(q[slice(*intervals[p])]) for p in (*POOLS, "M")}
+    pools = _lib.pool_names()
+    phi = {p: hit_distribution(q[slice(*intervals[p])]) for p in (*pools, "M")}
     phi_n = hit_distribution(q)
-    s_f, s_c, s_s, s_e = (intervals[p][1] - intervals[p][0] for p in POOLS)
+    s_f, s_c, s_s, s_e = (intervals[p][1] - intervals[p][0] for p in pools)
     cost = 0.0
     for h_f in range(s_f + 1):
         for h_c in range(s_c + 1):
@@ -468,37 +417,15 @@ def expected_makespan_nested(q: np.ndarray, capacities: Mapping[str, int], k: in
     return cost
 
 
-@dataclass(frozen=True)
-class PlanResult:
-    """The chosen cache partition.
-
-    pools: Lambda in hierarchy order. ratios: gamma_p per pool of Lambda (sum 1). capacities:
-    S_p, experts per MoE layer. thresholds: tau_p = sum_{j <= p} S_j + delta (0-based ranks).
-    memory_bytes: what pool p takes over all MoE layers. expected_makespan_s: the minimised
-    expected makespan of one sparse layer. selection_probabilities: the q_r the plan used.
-    """
-
-    pools: tuple[str, ...]
-    ratios: dict[str, float]
-    capacities: dict[str, int]
-    thresholds: dict[str, int]
-    delta: int
-    memory_bytes: dict[str, int]
-    budget_bytes: int
-    n_layer_moe: int
-    n_expert: int
-    k: int
-    expected_makespan_s: float
-    selection_probabilities: tuple[float, ...]
-
-
-def parse_pools(text: str) -> tuple[str, ...]:
-    """"F,C,S,E"-style pool list -> the pools in hierarchy order; ValueError on unknown or repeated pools."""
+def parse_pool_set(text: str) -> tuple[str, ...]:
+    """"F,C,S,E"-style pool list -> the set Lambda of pools, in hierarchy order; ValueError on unknown or
+    repeated pools."""
+    hierarchy = _lib.pool_names()
     names = [name.strip().upper() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in POOLS]
+    unknown = [name for name in names if name not in hierarchy]
     if unknown or not names or len(set(names)) != len(names):
-        raise ValueError(f"pools must be distinct names among {','.join(POOLS)}, got {text!r}")
-    return tuple(p for p in POOLS if p in names)
+        raise ValueError(f"pools must be distinct names among {','.join(hierarchy)}, got {text!r}")
+    return tuple(p for p in hierarchy if p in names)
 
 
 def _grid_points(n_pools: int, steps: int) -> Iterator[tuple[int, ...]]:
@@ -511,7 +438,8 @@ def _grid_points(n_pools: int, steps: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
-def _grid_steps(grid: float) -> int:
+def grid_steps(grid: float) -> int:
+    """How many steps of `grid` make 1; ValueError unless it divides 1."""
     steps = round(1.0 / grid) if 0 < grid <= 1 else 0
     if steps < 1 or abs(steps * grid - 1.0) > 1e-9:
         raise ValueError(f"the grid step must divide 1 (like 0.1 or 0.05), got {grid}")
@@ -534,8 +462,8 @@ def plan(f: np.ndarray | Sequence[float], k: int, budget_bytes: int, expert_byte
     earlier grid point, the first being all memory in the first pool of Lambda (the paper's
     initial gamma = (1, 0, 0, 0) when F is in Lambda).
     """
-    chosen = parse_pools(",".join(pools))
-    steps = _grid_steps(grid)
+    chosen = parse_pool_set(",".join(pools))
+    steps = grid_steps(grid)
     if budget_bytes <= 0 or n_layer_moe <= 0 or threads <= 0 or n_shards <= 0 or n_tensors_per_expert <= 0:
         raise ValueError("budget_bytes, n_layer_moe, threads, n_shards and n_tensors_per_expert must be positive")
     if delta < 0:
@@ -571,255 +499,3 @@ def plan(f: np.ndarray | Sequence[float], k: int, budget_bytes: int, expert_byte
         memory_bytes={p: capacities[p] * int(expert_bytes[p]) * n_layer_moe for p in chosen},
         budget_bytes=budget_bytes, n_layer_moe=n_layer_moe, n_expert=n_expert, k=k,
         expected_makespan_s=cost, selection_probabilities=tuple(float(x) for x in q))
-
-
-# ---------------------------------------------------------------------------------------------
-# Files
-# ---------------------------------------------------------------------------------------------
-
-def _read_json(path: Path, kind: str, expected_format: str) -> dict:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ZipMoEError(f"{kind} file not found: {path}") from None
-    except OSError as e:
-        raise ZipMoEError(f"cannot read {kind} file {path}: {e.strerror or e}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ZipMoEError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ZipMoEError(f"{path}: a {kind} file holds a JSON object")
-    if doc.get("format") != expected_format:
-        raise ZipMoEError(f"{path}: field 'format' must be {expected_format!r}, got {doc.get('format')!r}")
-    if doc.get("version") != FORMAT_VERSION:
-        raise ZipMoEError(f"{path}: field 'version' must be {FORMAT_VERSION}, got {doc.get('version')!r}")
-    return doc
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
-
-
-def _require(doc: Mapping, name: str, check, what: str, path: Path, prefix: str = ""):
-    """doc[name] if check(it) holds, else a ZipMoEError naming the file and field."""
-    field = f"{prefix}{name}"
-    if name not in doc:
-        raise ZipMoEError(f"{path}: field '{field}' is missing")
-    if not check(doc[name]):
-        raise ZipMoEError(f"{path}: field '{field}' must be {what}, got {doc[name]!r:.80}")
-    return doc[name]
-
-
-def _positive_int(value) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _pool_bytes(doc: Mapping, name: str, path: Path, pools: Sequence[str], check, what: str) -> dict:
-    table = _require(doc, name, lambda v: isinstance(v, dict), "an object keyed by pool", path)
-    if set(table) != set(pools):
-        raise ZipMoEError(f"{path}: field '{name}' must have the keys {', '.join(pools)}, got {', '.join(table)}")
-    for pool in pools:
-        _require(table, pool, check, what, path, prefix=f"{name}.")
-    return {pool: table[pool] for pool in pools}
-
-
-def load_profile(path: Path) -> dict:
-    """A validated PROFILE document (module docstring); ZipMoEError naming the file and field."""
-    doc = _read_json(path, "profile", PROFILE_FORMAT)
-    _require(doc, "model", lambda v: isinstance(v, str), "a string", path)
-    n_layer_moe = _require(doc, "n_layer_moe", _positive_int, "a positive integer", path)
-    n_expert = _require(doc, "n_expert", _positive_int, "a positive integer", path)
-    _require(doc, "n_expert_used", lambda v: _positive_int(v) and v <= n_expert,
-             f"an integer in 1..n_expert={n_expert}", path)
-    _pool_bytes(doc, "expert_bytes", path, POOLS, _positive_int, "a positive integer (bytes)")
-    _require(doc, "n_tensors_per_expert", _positive_int, "a positive integer", path)
-    _require(doc, "n_shards", _positive_int, "a positive integer", path)
-    batches = _require(doc, "batches", lambda v: isinstance(v, dict) and v, "a non-empty object keyed by batch size",
-                       path)
-    for size, batch in batches.items():
-        prefix = f"batches.{size}."
-        if not (size.isdigit() and int(size) > 0):
-            raise ZipMoEError(f"{path}: field 'batches' keys are batch sizes like \"1\", got {size!r}")
-        if not isinstance(batch, dict):
-            raise ZipMoEError(f"{path}: field 'batches.{size}' must be an object")
-        n_ubatches = _require(batch, "n_ubatches", _positive_int, "a positive integer", path, prefix)
-        _require(batch, "counts",
-                 lambda rows: isinstance(rows, list) and len(rows) == n_layer_moe and all(
-                     isinstance(row, list) and len(row) == n_expert
-                     and all(_is_int(c) and 0 <= c <= n_ubatches for c in row) for row in rows),
-                 f"n_layer_moe={n_layer_moe} lists of n_expert={n_expert} integers in 0..n_ubatches={n_ubatches}",
-                 path, prefix)
-    return doc
-
-
-def load_costs(path: Path) -> tuple[Costs, int]:
-    """A validated COSTS file -> (Costs, threads); ZipMoEError naming the file and field."""
-    doc = _read_json(path, "costs", COSTS_FORMAT)
-    positive = (lambda v: _is_number(v) and v > 0)
-    delays = {name: float(_require(doc, name, positive, "a positive number of seconds", path))
-              for name in ("u_s", "v_s", "c_s")}
-    threads = _require(doc, "threads", _positive_int, "a positive integer", path)
-    return Costs(**delays), threads
-
-
-def save_plan(path: Path, result: PlanResult, meta: Mapping) -> None:
-    """Write a PLAN file (module docstring) for `result`, with `meta` (JSON-serialisable
-    provenance) under "meta"."""
-    doc = {"format": PLAN_FORMAT, "version": FORMAT_VERSION, "pools": list(result.pools),
-           "ratios": result.ratios, "capacities": result.capacities, "thresholds": result.thresholds,
-           "delta": result.delta, "memory_bytes": result.memory_bytes, "budget_bytes": result.budget_bytes,
-           "n_layer_moe": result.n_layer_moe, "n_expert": result.n_expert, "k": result.k,
-           "expected_makespan_s": result.expected_makespan_s,
-           "selection_probabilities": list(result.selection_probabilities), "meta": dict(meta)}
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def load_plan(path: Path) -> tuple[PlanResult, dict]:
-    """A validated PLAN file -> (PlanResult, meta); ZipMoEError naming the file and field."""
-    doc = _read_json(path, "plan", PLAN_FORMAT)
-    pools = _require(doc, "pools", lambda v: isinstance(v, list) and v and all(p in POOLS for p in v)
-                     and list(v) == [p for p in POOLS if p in v],
-                     f"a non-empty list of distinct pools among {list(POOLS)}, in that order", path)
-    n_layer_moe = _require(doc, "n_layer_moe", _positive_int, "a positive integer", path)
-    n_expert = _require(doc, "n_expert", _positive_int, "a positive integer", path)
-    k = _require(doc, "k", lambda v: _positive_int(v) and v <= n_expert, f"an integer in 1..{n_expert}", path)
-    budget = _require(doc, "budget_bytes", _positive_int, "a positive integer", path)
-    delta = _require(doc, "delta", lambda v: _is_int(v) and v >= 0, "a non-negative integer", path)
-    ratios = _pool_bytes(doc, "ratios", path, pools, lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
-    if abs(sum(ratios.values()) - 1.0) > 1e-9:
-        raise ZipMoEError(f"{path}: field 'ratios' must sum to 1, got {sum(ratios.values()):.12g}")
-    non_negative = (lambda v: _is_int(v) and v >= 0)
-    capacities = _pool_bytes(doc, "capacities", path, pools, non_negative, "a non-negative integer")
-    if sum(capacities.values()) > n_expert:
-        raise ZipMoEError(f"{path}: field 'capacities' holds {sum(capacities.values())} experts per layer, "
-                          f"more than n_expert={n_expert}")
-    thresholds = _pool_bytes(doc, "thresholds", path, pools, non_negative, "a non-negative integer")
-    expected = dict(zip(pools, itertools.accumulate(capacities[p] for p in pools)))
-    for pool in pools:
-        if thresholds[pool] != expected[pool] + delta:
-            raise ZipMoEError(f"{path}: field 'thresholds.{pool}' must be the capacities up to {pool} plus delta, "
-                              f"{expected[pool] + delta}, got {thresholds[pool]}")
-    memory = _pool_bytes(doc, "memory_bytes", path, pools, non_negative, "a non-negative integer")
-    if sum(memory.values()) > budget:
-        raise ZipMoEError(f"{path}: field 'memory_bytes' totals {sum(memory.values())}, over budget_bytes={budget}")
-    makespan = _require(doc, "expected_makespan_s", lambda v: _is_number(v) and v >= 0, "a non-negative number", path)
-    selection = _require(doc, "selection_probabilities",
-                         lambda v: isinstance(v, list) and len(v) == n_expert
-                         and all(_is_number(x) and 0 <= x <= 1 for x in v),
-                         f"a list of n_expert={n_expert} probabilities", path)
-    meta = _require(doc, "meta", lambda v: isinstance(v, dict), "an object", path)
-    result = PlanResult(pools=tuple(pools), ratios={p: float(ratios[p]) for p in pools}, capacities=capacities,
-                        thresholds=thresholds, delta=delta, memory_bytes=memory, budget_bytes=budget,
-                        n_layer_moe=n_layer_moe, n_expert=n_expert, k=k, expected_makespan_s=float(makespan),
-                        selection_probabilities=tuple(float(x) for x in selection))
-    return result, meta
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------------
-
-def _batch_marginals(profile: dict, batch_size: int, path: Path) -> tuple[np.ndarray, int]:
-    """(f, k) for one batch size of a validated profile."""
-    batch = profile["batches"].get(str(batch_size))
-    if batch is None:
-        raise ZipMoEError(f"{path}: field 'batches' has no batch size {batch_size} "
-                          f"(it has {', '.join(sorted(profile['batches'], key=int))})")
-    f = rank_inclusion_probabilities(batch["counts"], batch["n_ubatches"])
-    if batch_size == 1:
-        # one token selects exactly n_expert_used distinct experts in every layer
-        k = profile["n_expert_used"]
-        if abs(f.sum() - k) > 1e-9 * k:
-            raise ZipMoEError(f"{path}: field 'batches.1.counts' gives {f.sum():.6g} selected experts per ubatch "
-                              f"on average, but one token selects n_expert_used={k}")
-        return f, k
-    return round_to_subset_size(f)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="zipmoe-plan",
-        description="Plan ZipMoE's expert cache pools (paper Algorithm 4): split a memory budget between pools "
-                    "of full (F), compressed (C), sign+mantissa-only (S) and exponent-only (E) experts so that "
-                    "the expected makespan of a sparse layer is minimal, under the maximum-entropy model of the "
-                    "profiled expert activations. Writes a JSON plan (pool ratios, capacities per layer and the "
-                    "dispatch thresholds); the file formats are described in zipmoe_py/planner.py.")
-    ap.add_argument("profile", type=Path, metavar="PROFILE.json",
-                    help="activation profile written by zipmoe-profile (format 'zipmoe-profile')")
-    ap.add_argument("--budget", required=True,
-                    help="memory for the expert cache of all MoE layers together, bytes or like 4G, 512M, 1.5GiB")
-    ap.add_argument("--pools", default=",".join(POOLS),
-                    help="the cache pools to use, comma separated, a subset of F,C,S,E (default: %(default)s): "
-                         "F full BF16 experts, C compressed experts, S sign+mantissa chunks only, E compressed "
-                         "exponent chunks only; the hierarchy order F,C,S,E applies whatever the order given")
-    ap.add_argument("--costs", type=Path, default=None, metavar="COSTS.json",
-                    help="measured delays (format 'zipmoe-costs': u_s SM-chunk read, v_s E-chunk read, c_s "
-                         "E-chunk decompression, threads). Default: from the profile's expert sizes at 1.4 GB/s "
-                         "O_DIRECT reads and 3.2 GB/s per core of decoded BF16")
-    ap.add_argument("--threads", type=int, default=None, metavar="L",
-                    help="decompression threads L of Algorithm 3 (default: the costs file's, else all cores)")
-    ap.add_argument("--grid", type=float, default=0.05,
-                    help="step of the memory ratios searched, dividing 1 (default: %(default)s)")
-    ap.add_argument("--delta", type=int, default=0,
-                    help="dispatch tolerance margin in ranks added to every threshold (default: %(default)s)")
-    ap.add_argument("--batch-size", type=int, default=1, metavar="B",
-                    help="plan for the profile's ubatches of B tokens (default: %(default)s); for B > 1 the "
-                         "experts per ubatch k is the mean number of distinct experts its tokens select, rounded")
-    ap.add_argument("-o", "--output", type=Path, required=True, metavar="PLAN.json", help="plan file to write")
-    args = ap.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        ap.error(f"--threads must be >= 1, got {args.threads}")
-    if args.delta < 0:
-        ap.error(f"--delta must be >= 0, got {args.delta}")
-    if args.batch_size < 1:
-        ap.error(f"--batch-size must be >= 1, got {args.batch_size}")
-    try:
-        from .bindings import parse_size
-
-        budget = parse_size(args.budget, "--budget")
-        try:
-            pools = parse_pools(args.pools)
-            _grid_steps(args.grid)
-        except ValueError as e:
-            raise ZipMoEError(f"--pools/--grid: {e}") from None
-        profile = load_profile(args.profile)
-        f, k = _batch_marginals(profile, args.batch_size, args.profile)
-        if args.costs is not None:
-            costs, threads = load_costs(args.costs)
-        else:
-            costs = default_costs(profile["expert_bytes"], profile["n_tensors_per_expert"], profile["n_shards"])
-            threads = os.cpu_count() or 1
-        threads = args.threads or threads
-        if not args.output.parent.exists():
-            raise ZipMoEError(f"output folder does not exist: {args.output.parent}")
-        try:
-            result = plan(f, k, budget, profile["expert_bytes"], pools, costs, threads, profile["n_shards"],
-                          profile["n_tensors_per_expert"], profile["n_layer_moe"], grid=args.grid, delta=args.delta)
-        except ValueError as e:
-            raise ZipMoEError(f"{args.profile}: batch size {args.batch_size}: {e}") from None
-        meta = {"model": profile["model"], "profile": str(args.profile), "batch_size": args.batch_size,
-                "grid": args.grid, "threads": threads,
-                "n_shards": profile["n_shards"], "n_tensors_per_expert": profile["n_tensors_per_expert"],
-                "expert_bytes": profile["expert_bytes"],
-                "costs": {"u_s": costs.u_s, "v_s": costs.v_s, "c_s": costs.c_s,
-                          "source": str(args.costs) if args.costs else "default"},
-                "inclusion_probabilities": [float(x) for x in f]}
-        save_plan(args.output, result, meta)
-    except ZipMoEError as e:
-        print(f"zipmoe-plan: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {args.output}: k={result.k} of {result.n_expert} experts, budget {budget / 2**30:.3f} GiB over "
-          f"{result.n_layer_moe} MoE layers, expected makespan {result.expected_makespan_s * 1e3:.3f} ms per layer")
-    for pool in result.pools:
-        print(f"  {pool}: ratio {result.ratios[pool]:.2f}, {result.capacities[pool]} experts per layer "
-              f"({result.memory_bytes[pool] / 2**20:.1f} MiB), threshold {result.thresholds[pool]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

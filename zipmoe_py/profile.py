@@ -3,13 +3,14 @@
 For each batch size B, the prompts are taken B at a time and decoded together as B sequences
 (greedy), so every decode ubatch has B tokens. The expert cache counts, for every MoE layer, in
 how many ubatches each expert was chosen (ggml_zipmoe_cache_get_activations); prefills are not
-counted. The result is the PROFILE document of zipmoe_py.planner (module docstring there), with
-the rank-based inclusion probabilities f_r of each batch size added under "f" for reading (the
-planner derives them again from the counts).
+counted. The result is the PROFILE document of docs/PLAN_FORMAT.md, with the rank-based inclusion
+probabilities f_r of each batch size added under "f" for reading (the planner derives them again
+from the counts).
 
 With --costs, it also measures this machine's delays once (the scheduler's and planner's u, v
 and c: reading one SM-chunk, reading one E-chunk, decoding and recovering one E-chunk) on
-sampled expert tensors of the model, and saves them as the planner's COSTS document.
+sampled expert tensors of the model, and saves them as the planner's COSTS document
+(docs/PLAN_FORMAT.md).
 """
 from __future__ import annotations
 
@@ -26,33 +27,27 @@ import numpy as np
 
 from . import _lib
 from .errors import ZipMoEError
-from .planner import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT, rank_inclusion_probabilities
+from .plan_files import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT
+from .planner import rank_inclusion_probabilities
 
 
-def expert_bytes(path: Path) -> tuple[dict, int, int]:
-    """({F, C, S, E}: bytes of one expert in each compression state as the runtime keeps it: a slot
-    for F; for C, S and E a store entry, sized for the file's largest E-chunks and 64-byte aligned as
-    in ggml-zipmoe), tensors per expert, shards per tensor."""
+def expert_bytes_by_pool(path: Path) -> tuple[dict, int, int]:
+    """({F, C, S, E}: bytes of one expert in each pool's compression state as the runtime keeps it: a
+    slot for F; for C, S and E a store entry, sized for the file's largest E-chunks and 64-byte aligned
+    as in ggml-zipmoe), tensors per expert, shards per tensor."""
     from . import format as zformat
 
     with zformat.ZipMoEFile(path) as zf:
-        layers: dict[str, list[str]] = {}
-        for name in zf.tensors:
-            layers.setdefault(name.split(".")[1], []).append(name)
-        n_tensors = len(next(iter(layers.values())))
-        first = next(iter(layers.values()))
-        full = sum(zf.shape(t)[0] * zf.shape(t)[1] * 2 for t in first)
-        e_max = 0
-        for names in layers.values():
-            for e in range(zf.shape(names[0])[2]):
-                e_max = max(e_max, sum(c.size for t in names for c in zf.chunks(t, e)[1:]))
+        sizes = zf.expert_bytes()
+        largest_e = max(sum(chunk.size for t in tensors for chunk in zf.chunks(zf.tensors[t], e)[1:])
+                        for tensors in zf.moe_layers().values() for e in range(zf.shape(zf.tensors[tensors[0]])[2]))
         shards = zf.shards
-    sm = full // 2
 
     def entry(n: int) -> int:
         return -(-n // 64) * 64
 
-    return {"F": full, "C": entry(sm + e_max), "S": entry(sm), "E": entry(e_max)}, n_tensors, shards
+    return ({"F": sizes.one_expert, "C": entry(sizes.sm_chunks + largest_e), "S": entry(sizes.sm_chunks),
+             "E": entry(largest_e)}, len(zformat.EXPERT_KINDS), shards)
 
 
 def measure_costs(model: Path, samples: int = 24, threads: int = 1) -> dict:
@@ -182,7 +177,7 @@ def profile(model: Path, prompts: list[str], batch_sizes: list[int], n_tokens: i
             threads: int | None = None, progress: bool = True) -> dict:
     from .bindings import Llama
 
-    bytes_by_state, n_tensors, n_shards = expert_bytes(model)
+    bytes_by_state, n_tensors, n_shards = expert_bytes_by_pool(model)
     llm = Llama(model_path=str(model), n_ctx=512, n_threads=threads, verbose=False, zipmoe_budget=budget)
     try:
         cache = _lib.llama_model_zipmoe_cache(llm._model.model)

@@ -2,8 +2,13 @@
 //
 // This is the one public header of ZipMoE's C library. llama.cpp (through our patch
 // series) and the Python bindings (zipmoe_py/_lib.py, one ctypes declaration per
-// function here) use nothing else. All functions are thread-safe; the library keeps
-// no global mutable state.
+// function here) use nothing else. All functions are thread-safe on distinct objects, and an
+// object's own rules are stated where they differ (a cache: one fetch at a time). The one
+// process-wide setting is the BF16 recovery path, chosen once at first use; only the test-only
+// ggml_zipmoe_set_recover_impl changes it.
+//
+// Entry points marked "test-only" exist for the test suite and the benchmarks: the runtime never
+// calls them, and they may change without notice.
 
 #pragma once
 
@@ -34,7 +39,8 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_version(void);
 // library version as MAJOR*10000 + MINOR*100 + PATCH, for compile/run-time checks
 GGML_ZIPMOE_API int          ggml_zipmoe_version_number(void);
 
-// short, human-readable build description: version, compiler, SIMD paths compiled in
+// short, human-readable build description: version, compiler, the BF16 recovery paths compiled in
+// ("recovery: avx512bw avx2 scalar" on x86-64, "recovery: scalar" elsewhere)
 GGML_ZIPMOE_API const char * ggml_zipmoe_build_info(void);
 
 //
@@ -73,8 +79,9 @@ GGML_ZIPMOE_API void ggml_zipmoe_recover_bf16(const uint8_t * exp, const uint8_t
 // the recovery path in use: "avx512bw", "avx2" or "scalar"
 GGML_ZIPMOE_API const char * ggml_zipmoe_recover_impl(void);
 
-// force a recovery path ("avx512bw", "avx2", "scalar"; NULL = best available), for tests and
-// benchmarks; returns GGML_ZIPMOE_ERR_ARG if the CPU lacks it. Not meant to race with recovery.
+// test-only: force a recovery path ("avx512bw", "avx2", "scalar"; NULL = best available) for the
+// whole process (tests and benchmarks compare the paths); returns GGML_ZIPMOE_ERR_ARG if the CPU
+// lacks it. Must not race with recovery on another thread.
 GGML_ZIPMOE_API int          ggml_zipmoe_set_recover_impl(const char * name);
 
 //
@@ -115,11 +122,13 @@ GGML_ZIPMOE_API int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int
 
 // decode the K E-chunks of one expert (stored bytes chunks[k] of chunk_sizes[k] bytes, codec
 // codecs[k]; shard k covers values [k*n/K, (k+1)*n/K)) and recover its n BF16 values with the
-// SM bytes into dst, shard by shard while each decoded shard is in cache. scratch holds one
-// decoded shard: at least n/K + 1 bytes. This is what ggml_zipmoe_read_expert does after reading.
+// SM bytes into dst, shard by shard. Each shard decodes into the upper half of its own bytes of
+// dst and is recovered in place while it is in cache: the library's one decode + recover routine,
+// which the expert cache's workers and ggml_zipmoe_read_expert run too: the codec bench and
+// zipmoe-profile's cost probe time the runtime's routine through this entry point.
 GGML_ZIPMOE_API int ggml_zipmoe_decode_expert(struct ggml_zipmoe_decoder * dec, int n_shards, const int32_t * codecs,
                                               const void * const * chunks, const size_t * chunk_sizes,
-                                              const uint8_t * sm, size_t n, uint8_t * scratch, uint16_t * dst);
+                                              const uint8_t * sm, size_t n, uint16_t * dst);
 
 // checksum of a stored chunk, as recorded in a ZipMoE GGUF: XXH64 with seed 0
 GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
@@ -238,6 +247,7 @@ enum ggml_zipmoe_expert_kind {
 };
 
 // which resident expert a miss replaces (among slots the pass does not need)
+#define GGML_ZIPMOE_EVICT_COUNT 5
 enum ggml_zipmoe_eviction {
     GGML_ZIPMOE_EVICT_LRU     = 0, // least recently used
     GGML_ZIPMOE_EVICT_FIFO    = 1, // first filled
@@ -251,12 +261,25 @@ enum ggml_zipmoe_eviction {
 };
 
 // the cache hierarchy, in order (index of ggml_zipmoe_cache_params.pool_capacity)
+#define GGML_ZIPMOE_POOL_COUNT 4
 enum ggml_zipmoe_pool {
     GGML_ZIPMOE_POOL_F = 0, // full BF16 experts, in slots
     GGML_ZIPMOE_POOL_C = 1, // SM-chunks and E-chunks
     GGML_ZIPMOE_POOL_S = 2, // SM-chunks
     GGML_ZIPMOE_POOL_E = 3, // E-chunks
 };
+
+// the rates of the scheduler's cost model (ggml_zipmoe_cache_params.rate_*)
+enum ggml_zipmoe_rate {
+    GGML_ZIPMOE_RATE_READ    = 0, // chunk reads (O_DIRECT), stored bytes per second
+    GGML_ZIPMOE_RATE_DECODE  = 1, // decode + recovery, BF16 output bytes per second per thread
+    GGML_ZIPMOE_RATE_COMPUTE = 2, // an expert's products, BF16 weight bytes per second per token
+};
+
+// names and defaults the library owns; the llama.cpp glue and the Python layer read them from here
+GGML_ZIPMOE_API const char * ggml_zipmoe_eviction_name(int eviction); // "lru", "fifo", "marking", "lfu", "rank"; NULL if unknown
+GGML_ZIPMOE_API const char * ggml_zipmoe_pool_name(int pool);         // "F", "C", "S", "E"; NULL if unknown
+GGML_ZIPMOE_API double       ggml_zipmoe_default_rate(int rate);      // enum ggml_zipmoe_rate: bytes per second; 0 if unknown
 
 struct ggml_zipmoe_cache_params {
     const struct ggml_zipmoe_file * file;           // must outlive the cache
@@ -272,6 +295,10 @@ struct ggml_zipmoe_cache_params {
     double                          rate_read;      // scheduler cost model, bytes per second (0: defaults):
     double                          rate_decode;    //   reads, decode + recovery of BF16 output per thread,
     double                          rate_compute;   //   an expert's products per token (its BF16 weight bytes)
+    int32_t                         n_layer;        // layers of layer_tensors
+    const int32_t *                 layer_tensors;  // [n_layer][3]: the repacked tensor index (ggml_zipmoe_file_find_tensor)
+                                                    // of each layer's gate, up and down experts; -1 x 3 for a layer
+                                                    // the cache does not serve (the caller knows the model's names)
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -290,8 +317,8 @@ struct ggml_zipmoe_cache_stats {
 
 struct ggml_zipmoe_cache;
 
-// checks that every repacked tensor of a kind has the slots' ne0 x ne1 shape and that each
-// layer has all three kinds; on failure returns NULL with a message in err
+// checks that every tensor of a kind in layer_tensors has one ne0 x ne1 shape (the slots') and
+// that each layer has all three kinds or none; on failure returns NULL with a message in err
 GGML_ZIPMOE_API struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_params * params,
                                                                  char * err, size_t err_size);
 GGML_ZIPMOE_API void                       ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * cache);
@@ -357,7 +384,7 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * cache);
 // NULL) gets the experts loaded.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * cache, int n_threads, int32_t * n_loaded);
 
-// begin (by thread 0) and end in one call, for callers without an op between them
+// test-only: begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
                                             const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
                                             int32_t * slot_ids, int ith, int nth);
@@ -403,7 +430,7 @@ struct ggml_zipmoe_memory {
     char     cgroup_path[512]; // that cgroup's folder ("" when none)
 };
 
-// fills *mem; root prefixes every path read ("" or NULL: the real /proc and /sys; tests pass a
+// fills *mem; root prefixes every path read ("" or NULL: the real /proc and /sys; test-only: a
 // folder holding proc/self/cgroup, proc/self/mountinfo, proc/meminfo and the mounted cgroup files).
 // Returns OK, or ERR_IO when not even MemAvailable could be read (available is then UINT64_MAX).
 GGML_ZIPMOE_API int ggml_zipmoe_memory_available(const char * root, struct ggml_zipmoe_memory * mem);

@@ -31,8 +31,27 @@ const char * llama_zipmoe_build_info(void) {
 static std::mutex                                              g_registry_mutex;
 static std::unordered_map<const ggml_tensor *, llama_zipmoe *> g_registry;
 
+// the routed experts' tensors in llama.cpp's names, by enum ggml_zipmoe_expert_kind
 static const char * const k_kinds[3] = { "gate", "up", "down" };
-static const char * const k_evictions[5] = { "lru", "fifo", "marking", "lfu", "rank" };
+
+static std::string expert_tensor_name(int layer, int kind) {
+    return format("blk.%d.ffn_%s_exps.weight", layer, k_kinds[kind]);
+}
+
+// each layer's gate, up and down tensors in the file (-1 where a layer has none), for the cache
+static std::vector<int32_t> layer_tensor_table(const ggml_zipmoe_file * file) {
+    int n_layer = 0;
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        n_layer = std::max(n_layer, ggml_zipmoe_file_tensor_layer(file, i) + 1);
+    }
+    std::vector<int32_t> table(3 * (size_t) n_layer);
+    for (int l = 0; l < n_layer; ++l) {
+        for (int k = 0; k < 3; ++k) {
+            table[3 * l + k] = ggml_zipmoe_file_find_tensor(file, expert_tensor_name(l, k).c_str());
+        }
+    }
+    return table;
+}
 
 static constexpr double k_mib = 1024.0 * 1024.0;
 static constexpr double k_gib = 1024.0 * 1024.0 * 1024.0;
@@ -262,8 +281,8 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             }
             const std::string name = trim_lower(v.s);
             o.eviction = -1;
-            for (int e = 0; e < 5; ++e) {
-                if (name == k_evictions[e]) {
+            for (int e = 0; e < GGML_ZIPMOE_EVICT_COUNT; ++e) {
+                if (name == ggml_zipmoe_eviction_name(e)) {
                     o.eviction = e;
                 }
             }
@@ -426,9 +445,9 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
 
     // every layer's experts share one slot shape per kind (ggml_zipmoe_cache_new checks it)
     int64_t kind_ne[3][3] = {};
-    const std::string prefix = name.substr(0, name.find("ffn_"));
+    const int layer = ggml_zipmoe_file_tensor_layer(file, t);
     for (int k = 0; k < 3; ++k) {
-        const int tk = ggml_zipmoe_file_find_tensor(file, (prefix + "ffn_" + k_kinds[k] + "_exps.weight").c_str());
+        const int tk = ggml_zipmoe_file_find_tensor(file, expert_tensor_name(layer, k).c_str());
         if (tk < 0) {
             throw std::runtime_error(format("%s: %s is repacked but its layer's %s experts are not", fname.c_str(),
                                             name.c_str(), k_kinds[k]));
@@ -506,6 +525,9 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
         cp.slot_data[k]   = slots[k]->data;
         cp.slot_stride[k] = slots[k]->nb[2];
     }
+    const std::vector<int32_t> layer_tensors = layer_tensor_table(file);
+    cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
+    cp.layer_tensors = layer_tensors.data();
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
@@ -518,7 +540,7 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
             size_t entry = 0;
             const int n = ggml_zipmoe_cache_pool_entries(cache, p, &entry);
             total += (uint64_t) n * entry;
-            layout_text += format("%s%c %d x %.2f MiB", p ? ", " : "", "FCSE"[p], n, entry / k_mib);
+            layout_text += format("%s%s %d x %.2f MiB", p ? ", " : "", ggml_zipmoe_pool_name(p), n, entry / k_mib);
         }
         total += (uint64_t) opt.work_slots * expert_bytes;
         layout_text += format(", %d working slots", opt.work_slots);

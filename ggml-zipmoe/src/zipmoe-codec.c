@@ -163,21 +163,41 @@ int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const vo
     }
 }
 
+int zipmoe_shard_decode(struct ggml_zipmoe_decoder * dec, int codec, const void * src, size_t size, uint64_t n,
+                       int n_shards, int k, uint16_t * dst) {
+    uint64_t first, count;
+    zipmoe_shard_range(n, n_shards, k, &first, &count);
+    return ggml_zipmoe_decompress(dec, codec, src, size, (uint8_t *) (dst + first) + count, count);
+}
+
+void zipmoe_shard_recover(const uint8_t * sm, uint64_t n, int n_shards, int k, uint16_t * dst) {
+    uint64_t first, count;
+    zipmoe_shard_range(n, n_shards, k, &first, &count);
+    // value i overwrites bytes 2i and 2i + 1 of the shard, exponents already consumed
+    ggml_zipmoe_recover_bf16((const uint8_t *) (dst + first) + count, sm + first, count, dst + first);
+}
+
+int zipmoe_shard_decode_recover(struct ggml_zipmoe_decoder * dec, int codec, const void * src, size_t size,
+                                const uint8_t * sm, uint64_t n, int n_shards, int k, uint16_t * dst) {
+    const int status = zipmoe_shard_decode(dec, codec, src, size, n, n_shards, k, dst);
+    if (status == GGML_ZIPMOE_OK) {
+        zipmoe_shard_recover(sm, n, n_shards, k, dst);
+    }
+    return status;
+}
+
 int ggml_zipmoe_decode_expert(struct ggml_zipmoe_decoder * dec, int n_shards, const int32_t * codecs,
                               const void * const * chunks, const size_t * chunk_sizes, const uint8_t * sm, size_t n,
-                              uint8_t * scratch, uint16_t * dst) {
+                              uint16_t * dst) {
     if (dec == NULL || n_shards < 1 || codecs == NULL || chunks == NULL || chunk_sizes == NULL ||
-        ((sm == NULL || scratch == NULL || dst == NULL) && n > 0)) {
+        ((sm == NULL || dst == NULL) && n > 0)) {
         return GGML_ZIPMOE_ERR_ARG;
     }
     for (int k = 0; k < n_shards; k++) {
-        uint64_t first, count;
-        zipmoe_shard_range(n, n_shards, k, &first, &count);
-        const int status = ggml_zipmoe_decompress(dec, codecs[k], chunks[k], chunk_sizes[k], scratch, count);
+        const int status = zipmoe_shard_decode_recover(dec, codecs[k], chunks[k], chunk_sizes[k], sm, n, n_shards, k, dst);
         if (status != GGML_ZIPMOE_OK) {
             return status;
         }
-        ggml_zipmoe_recover_bf16(scratch, sm + first, count, dst + first);
     }
     return GGML_ZIPMOE_OK;
 }

@@ -76,6 +76,18 @@ void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_
 
 uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
 
+// The one decode + recover routine (zipmoe-codec.c): the expert cache's workers, the reader and
+// ggml_zipmoe_decode_expert all run it. Shard k (0-based) of an expert of n values, dst the
+// expert's n BF16 values: its E-chunk (src, size stored bytes) decodes into the upper half of the
+// shard's own bytes of dst, and recovery with the expert's SM plane (n bytes) rewrites them in place.
+// The cache decodes as soon as the E-chunk is in memory and recovers once the SM-chunk is.
+struct ggml_zipmoe_decoder;
+int  zipmoe_shard_decode(struct ggml_zipmoe_decoder * dec, int codec, const void * src, size_t size, uint64_t n,
+                         int n_shards, int k, uint16_t * dst);
+void zipmoe_shard_recover(const uint8_t * sm, uint64_t n, int n_shards, int k, uint16_t * dst);
+int  zipmoe_shard_decode_recover(struct ggml_zipmoe_decoder * dec, int codec, const void * src, size_t size,
+                                 const uint8_t * sm, uint64_t n, int n_shards, int k, uint16_t * dst);
+
 // reads a chunk's stored bytes without checking them (the caller checks the checksum, maybe on
 // another thread); buffer rules as ggml_zipmoe_file_read_chunk; *sys_errno: errno of a failed read
 int zipmoe_read_chunk_unchecked(const struct ggml_zipmoe_file * file, const struct zipmoe_chunk * c, uint8_t * buf,

@@ -1,5 +1,6 @@
-// Chunk reads from a ZipMoE GGUF (pread, optionally O_DIRECT) and whole-expert reads:
-// every chunk's checksum is checked before its bytes are used.
+// Chunk reads from a ZipMoE GGUF (pread, optionally O_DIRECT) and whole-expert reads (the
+// library's one decode + recover routine, shard by shard): every chunk's checksum is checked
+// before its bytes are used.
 
 #include "ggml-zipmoe.h"
 #include "zipmoe-impl.h"
@@ -79,7 +80,6 @@ struct ggml_zipmoe_reader {
     size_t                          sm_cap;
     uint8_t *                       stored;   // one E-chunk as stored (aligned, O_DIRECT-sized)
     size_t                          stored_cap;
-    uint8_t *                       exp;      // one decoded shard: recovered while it is still in cache
     char                            error[768];
 };
 
@@ -102,9 +102,7 @@ struct ggml_zipmoe_reader * ggml_zipmoe_reader_new(const struct ggml_zipmoe_file
     r->decoder    = ggml_zipmoe_decoder_new();
     r->sm         = (uint8_t *) aligned_buffer(r->sm_cap);
     r->stored     = (uint8_t *) aligned_buffer(r->stored_cap);
-    // a shard holds at most ceil(n / K) values
-    r->exp        = (uint8_t *) aligned_buffer((size_t) (file->max_values / (uint64_t) file->n_shards + 1));
-    if (r->decoder == NULL || r->sm == NULL || r->stored == NULL || r->exp == NULL) {
+    if (r->decoder == NULL || r->sm == NULL || r->stored == NULL) {
         ggml_zipmoe_reader_free(r);
         return NULL;
     }
@@ -116,7 +114,6 @@ void ggml_zipmoe_reader_free(struct ggml_zipmoe_reader * reader) {
         ggml_zipmoe_decoder_free(reader->decoder);
         free(reader->sm);
         free(reader->stored);
-        free(reader->exp);
         free(reader);
     }
 }
@@ -172,16 +169,13 @@ int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * r, int tensor, int exper
     }
     for (int k = 0; k < file->n_shards; k++) {
         const struct zipmoe_chunk * c = zipmoe_file_chunk(file, tensor, expert, 1 + k);
-        uint64_t first, count;
-        zipmoe_shard_range(n, file->n_shards, k, &first, &count);
         status = read_chunk(file, c, r->stored, r->stored_cap, &sys_errno);
         if (status == GGML_ZIPMOE_OK) {
-            status = ggml_zipmoe_decompress(r->decoder, c->codec, r->stored, c->size, r->exp, count);
+            status = zipmoe_shard_decode_recover(r->decoder, c->codec, r->stored, c->size, r->sm, n, file->n_shards, k, dst);
         }
         if (status != GGML_ZIPMOE_OK) {
             return fail(r, status, tensor, expert, 1 + k, sys_errno);
         }
-        ggml_zipmoe_recover_bf16(r->exp, r->sm + first, count, dst + first);
     }
     return GGML_ZIPMOE_OK;
 }

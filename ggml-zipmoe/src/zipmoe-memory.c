@@ -19,8 +19,8 @@
 // opens root + dir + "/" + name (name NULL: root + dir) for reading; NULL if it cannot
 static FILE * open_under(const char * root, const char * dir, const char * name) {
     char path[2048];
-    snprintf(path, sizeof(path), "%s%s%s%s", root, dir, name ? "/" : "", name ? name : "");
-    return fopen(path, "r");
+    const int n = snprintf(path, sizeof(path), "%s%s%s%s", root, dir, name ? "/" : "", name ? name : "");
+    return n > 0 && (size_t) n < sizeof(path) ? fopen(path, "r") : NULL; // a cut path names another file
 }
 
 // 1 if the comma-separated list names the memory controller
@@ -220,7 +220,7 @@ static void consider(struct ggml_zipmoe_memory * mem, uint64_t * best, uint64_t 
         mem->cgroup_limit   = limit;
         mem->cgroup_used    = used;
         mem->cgroup_version = version;
-        snprintf(mem->cgroup_path, sizeof(mem->cgroup_path), "%s", dir);
+        snprintf(mem->cgroup_path, sizeof(mem->cgroup_path), "%.*s", (int) sizeof(mem->cgroup_path) - 1, dir);
     }
 }
 

@@ -10,6 +10,13 @@
     ZIPMOE_STR(GGML_ZIPMOE_VERSION_MINOR) "."         \
     ZIPMOE_STR(GGML_ZIPMOE_VERSION_PATCH)
 
+// the recovery paths zipmoe-recover.c compiles in (it picks among them at run time)
+#if defined(__x86_64__) || defined(__i386__)
+#    define ZIPMOE_RECOVERY_PATHS "avx512bw avx2 scalar"
+#else
+#    define ZIPMOE_RECOVERY_PATHS "scalar"
+#endif
+
 #if defined(__clang__)
 #    define ZIPMOE_COMPILER "clang " __clang_version__
 #elif defined(__GNUC__)
@@ -27,5 +34,5 @@ int ggml_zipmoe_version_number(void) {
 }
 
 const char * ggml_zipmoe_build_info(void) {
-    return "ggml-zipmoe " ZIPMOE_VERSION_STRING " (" ZIPMOE_COMPILER ")";
+    return "ggml-zipmoe " ZIPMOE_VERSION_STRING " (" ZIPMOE_COMPILER "; recovery: " ZIPMOE_RECOVERY_PATHS ")";
 }

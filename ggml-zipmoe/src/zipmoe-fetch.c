@@ -1,0 +1,546 @@
+// Expert cache, fetch pipeline: the tasks of a planned pass made full in their slots.
+//
+// Begin (thread 0, under the lock) plans the pass (zipmoe-residency.c), orders the reads and
+// decompressions with the cache-affinity scheduler (Algorithm 1, ggml_zipmoe_schedule, on the
+// cost model's rates) and hands the reads to the cache's I/O thread, which reads and checks the
+// chunks into two staging rings (SM-chunks; a task's K E-chunks, one span read when they lie
+// back to back). End (every graph thread) is work-conserving: a thread takes the first
+// decompression of the priority list whose E-chunks are in memory and runs the library's one
+// decode + recover routine (zipmoe-codec.c) on the slot's own bytes; recovery waits for the
+// tensor's SM-chunk if it is not in memory yet. Thread 0 waits for the I/O thread and unlocks.
+
+#define _GNU_SOURCE // sched_yield on older libcs
+
+#include "zipmoe-cache-impl.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#    include <immintrin.h>
+#    define ZIPMOE_PAUSE() _mm_pause()
+#else
+#    define ZIPMOE_PAUSE() ((void) 0)
+#endif
+
+static void barrier(struct ggml_zipmoe_cache * c, int nth) {
+    if (nth <= 1) {
+        return;
+    }
+    // the generation cannot move before this thread arrives, so reading it first is safe
+    const int gen = atomic_load(&c->pipe.barrier_generation);
+    if (atomic_fetch_add(&c->pipe.barrier_count, 1) == nth - 1) {
+        atomic_store(&c->pipe.barrier_count, 0);
+        atomic_fetch_add(&c->pipe.barrier_generation, 1);
+        return;
+    }
+    for (unsigned spins = 0; atomic_load(&c->pipe.barrier_generation) == gen; spins++) {
+        if (spins < 2048) {
+            ZIPMOE_PAUSE();
+        } else {
+            sched_yield(); // a waiting thread must not take the core a reading/decoding thread needs
+        }
+    }
+}
+
+// a waiter sleeps after a short spin: the thread it waits for may need its core (three threads
+// share two cores here)
+void zipmoe_pause_waiting(unsigned spins) {
+    if (spins < 1024) {
+        ZIPMOE_PAUSE();
+    } else {
+        const struct timespec pause = { 0, 20000 };
+        nanosleep(&pause, NULL);
+    }
+}
+
+static int reads_sm(int32_t state) {
+    return state == GGML_ZIPMOE_STATE_M || state == GGML_ZIPMOE_STATE_E;
+}
+
+static int reads_e(int32_t state) {
+    return state == GGML_ZIPMOE_STATE_M || state == GGML_ZIPMOE_STATE_S;
+}
+
+// the order of the reads and decompressions: Algorithm 1 (ggml_zipmoe_schedule) on the cost model
+// of this machine; the tasks in plan order if the scheduler cannot run
+void zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c) {
+    const int32_t K = c->file->n_shards;
+    const int32_t L = c->plan.sched_threads;
+    for (int i = 0; i < c->plan.n_tasks; i++) {
+        const struct zipmoe_task * t = &c->plan.tasks[i];
+        c->plan.sched_tasks[i].expert = t->expert;
+        c->plan.sched_tasks[i].state  = t->state;
+        // an expert's products read its three tensors once per token that chose it
+        c->plan.sched_tasks[i].p = (double) c->plan.tokens[t->expert] * 2.0 * (double) c->layout.sm_bytes / c->plan.rate_compute;
+    }
+    const double n0 = (double) c->layout.kind_n[0];
+    const struct ggml_zipmoe_sched_params sp = {
+        .u = n0 / c->plan.rate_read, .rho = c->layout.rho, .c = 2.0 * n0 / (double) K / c->plan.rate_decode,
+        .n_shards = K, .n_threads = L,
+    };
+    const size_t need = GGML_ZIPMOE_SCHED_WORK_SIZE(c->plan.n_tasks, K, L);
+    if (need > c->plan.sched_work_size) {
+        free(c->plan.sched_work);
+        c->plan.sched_work = malloc(need);
+        c->plan.sched_work_size = c->plan.sched_work != NULL ? need : 0;
+    }
+    struct ggml_zipmoe_sched_result r = { c->plan.io, c->plan.dec, c->plan.order, c->plan.block_start, c->plan.task_block, 0, 0, 0, 0 };
+    if (c->plan.sched_work != NULL &&
+        ggml_zipmoe_schedule(c->plan.sched_tasks, c->plan.n_tasks, &sp, c->plan.sched_work, c->plan.sched_work_size, &r) == GGML_ZIPMOE_OK) {
+        c->plan.n_io  = r.n_io;
+        c->plan.n_dec = r.n_dec;
+        return;
+    }
+    c->plan.n_io = c->plan.n_dec = 0;
+    for (int i = 0; i < c->plan.n_tasks; i++) {
+        for (int k = 1; k <= K && reads_e(c->plan.tasks[i].state); k++) {
+            c->plan.io[c->plan.n_io++] = (struct ggml_zipmoe_sched_op) { i, k };
+        }
+        if (reads_sm(c->plan.tasks[i].state)) {
+            c->plan.io[c->plan.n_io++] = (struct ggml_zipmoe_sched_op) { i, 0 };
+        }
+        for (int k = 1; k <= K; k++) {
+            c->plan.dec[c->plan.n_dec++] = (struct ggml_zipmoe_sched_op) { i, k };
+        }
+    }
+}
+
+static void fail_once(struct ggml_zipmoe_cache * c, int status, const struct zipmoe_task * t, int chunk, int sys_errno) {
+    int ok = GGML_ZIPMOE_OK;
+    if (atomic_compare_exchange_strong(&c->status, &ok, status)) {
+        char what[768];
+        zipmoe_describe_failure(c->file, status, t->tensor, t->expert, chunk, sys_errno, what, sizeof(what));
+        snprintf(c->error, sizeof(c->error), "%s: %s", c->file->path, what);
+    }
+}
+
+// bytes of one E-chunk's region of an E staging buffer: the largest E-chunk, whole blocks (what an
+// O_DIRECT read of it transfers); the SM-chunks, far larger, have a ring of their own
+size_t zipmoe_cache_e_region_bytes(const struct ggml_zipmoe_cache * c) {
+    uint64_t largest = 1;
+    for (int l = 0; l < c->layout.n_layer; l++) {
+        for (int kind = 0; kind < 3 && ggml_zipmoe_cache_has_layer(c, l); kind++) {
+            for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
+                for (int k = 1; k <= c->file->n_shards; k++) {
+                    const uint64_t size = zipmoe_file_chunk(c->file, c->layout.layer_tensor[l * 3 + kind], e, k)->size;
+                    largest = size > largest ? size : largest;
+                }
+            }
+        }
+    }
+    return (size_t) zipmoe_align_up(largest, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+}
+
+// the staging memory, made once (thread 0, before the I/O thread or a worker looks at it)
+static int ensure_staging(struct ggml_zipmoe_cache * c) {
+    if (c->pipe.sm_ring[0].mem != NULL) {
+        return GGML_ZIPMOE_OK;
+    }
+    c->pipe.sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    c->pipe.e_region  = zipmoe_cache_e_region_bytes(c);
+    for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
+        void * sm = NULL, * e = NULL;
+        if (posix_memalign(&sm, GGML_ZIPMOE_CHUNK_ALIGNMENT, c->pipe.sm_region) != 0 ||
+            posix_memalign(&e, GGML_ZIPMOE_CHUNK_ALIGNMENT, (size_t) c->file->n_shards * c->pipe.e_region) != 0) {
+            free(sm);
+            snprintf(c->error, sizeof(c->error), "%s: out of memory for staging buffers", c->file->path);
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        c->pipe.sm_ring[i].mem = (uint8_t *) sm;
+        c->pipe.e_ring[i].mem  = (uint8_t *) e;
+        atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);
+        atomic_store(&c->pipe.e_ring[i].state, STAGE_FREE);
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// E-chunk k (1..K) of a task, read or kept
+static const uint8_t * task_e_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k) {
+    if (t->e_src != NULL) {
+        const uint8_t * p = t->e_src;
+        for (int j = 1; j < k; j++) {
+            p += zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+        }
+        return p;
+    }
+    const struct zipmoe_staging * s = &c->pipe.e_ring[atomic_load(&t->e_buf)];
+    if (s->base != UINT64_MAX) {
+        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, k)->offset - s->base);
+    }
+    return s->mem + (size_t) (k - 1) * c->pipe.e_region;
+}
+
+static const uint8_t * task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return t->sm_src != NULL ? t->sm_src : c->pipe.sm_ring[atomic_load(&t->sm_buf)].mem;
+}
+
+// I/O thread: a free buffer of a ring, or -1 when the fetch failed meanwhile
+static int acquire_buffer(struct ggml_zipmoe_cache * c, struct zipmoe_staging * ring) {
+    for (unsigned spins = 0;; spins++) {
+        for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
+            int expected = STAGE_FREE;
+            if (atomic_compare_exchange_strong(&ring[i].state, &expected, STAGE_BUSY)) {
+                return i;
+            }
+        }
+        if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+            return -1;
+        }
+        zipmoe_pause_waiting(spins);
+    }
+}
+
+// I/O thread: read and check chunks first..last of a task into a staging buffer. A task's E-chunks
+// are stored next to each other (each 4096-aligned: docs/FORMAT.md), so one read of their span
+// replaces K small ones; chunks placed otherwise are read one by one.
+static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int first, int last,
+                       struct zipmoe_staging * s, size_t region) {
+    const struct ggml_zipmoe_file * f = c->file;
+    uint64_t lo = UINT64_MAX, hi = 0, stored = 0;
+    int packed = 1;
+    for (int k = first; k <= last; k++) {
+        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
+        packed = packed && (k == first || ch->offset == zipmoe_align_up(hi, GGML_ZIPMOE_CHUNK_ALIGNMENT));
+        lo = ch->offset < lo ? ch->offset : lo;
+        hi = ch->offset + ch->size > hi ? ch->offset + ch->size : hi;
+        stored += ch->size;
+    }
+    const size_t capacity = region * (size_t) (last - first + 1);
+    const uint64_t t0 = zipmoe_now_ns();
+    int sys_errno = 0, status = GGML_ZIPMOE_OK, bad = first;
+    s->base = UINT64_MAX;
+    if (packed && lo % GGML_ZIPMOE_CHUNK_ALIGNMENT == 0 && zipmoe_align_up(hi - lo, GGML_ZIPMOE_CHUNK_ALIGNMENT) <= capacity) {
+        const struct zipmoe_chunk span = { lo, hi - lo, 0, 0 };
+        status = zipmoe_read_chunk_unchecked(f, &span, s->mem, capacity, &sys_errno);
+        s->base = lo;
+    } else {
+        for (int k = first; k <= last && status == GGML_ZIPMOE_OK; k++) {
+            bad = k;
+            status = zipmoe_read_chunk_unchecked(f, zipmoe_file_chunk(f, t->tensor, t->expert, k),
+                                                 s->mem + (size_t) (k - first) * region, region, &sys_errno);
+        }
+    }
+    atomic_fetch_add(&c->stats.io_ns, zipmoe_now_ns() - t0);
+    if (status != GGML_ZIPMOE_OK) {
+        fail_once(c, status, t, bad, sys_errno);
+        return status;
+    }
+    atomic_fetch_add(&c->stats.bytes_read, stored);
+    for (int k = first; k <= last; k++) {
+        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
+        const uint8_t * p = s->base != UINT64_MAX ? s->mem + (ch->offset - s->base) : s->mem + (size_t) (k - first) * region;
+        if (ggml_zipmoe_checksum(p, ch->size) != ch->checksum) {
+            fail_once(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
+            return GGML_ZIPMOE_ERR_CHECKSUM;
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// I/O thread: the schedule's reads in order. A task's E-chunks are read together at the first of
+// them (the scheduler lists them back to back), so its shards become ready together.
+static void read_all(struct ggml_zipmoe_cache * c) {
+    const int K = c->file->n_shards;
+    for (int j = 0; j < c->plan.n_io && atomic_load(&c->status) == GGML_ZIPMOE_OK; j++) {
+        struct zipmoe_task * t = &c->plan.tasks[c->plan.io[j].task];
+        const int sm = c->plan.io[j].chunk == 0;
+        if (!sm && atomic_load(&t->e_buf) >= 0) {
+            continue;
+        }
+        struct zipmoe_staging * ring = sm ? c->pipe.sm_ring : c->pipe.e_ring;
+        const int b = acquire_buffer(c, ring);
+        if (b < 0) {
+            break;
+        }
+        if (read_chunks(c, t, sm ? 0 : 1, sm ? 0 : K, &ring[b], sm ? c->pipe.sm_region : c->pipe.e_region) != GGML_ZIPMOE_OK) {
+            atomic_store(&ring[b].state, STAGE_FREE);
+            break;
+        }
+        atomic_store(sm ? &t->sm_buf : &t->e_buf, b); // publishes the buffer's bytes
+    }
+}
+
+static struct zipmoe_worker * worker_of(struct ggml_zipmoe_cache * c, int ith) {
+    struct zipmoe_worker * w = &c->pipe.workers[ith];
+    if (w->decoder == NULL) {
+        w->decoder = ggml_zipmoe_decoder_new();
+    }
+    return w->decoder != NULL ? w : NULL;
+}
+
+static int e_ready(const struct zipmoe_task * t) {
+    return t->e_src != NULL || atomic_load(&t->e_buf) >= 0;
+}
+
+static int sm_ready(const struct zipmoe_task * t) {
+    return t->sm_src != NULL || atomic_load(&t->sm_buf) >= 0;
+}
+
+// the task's tensor in its slot: the BF16 values the decode + recover routine writes
+static uint16_t * slot_tensor(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
+}
+
+static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
+    const uint64_t t0 = zipmoe_now_ns();
+    zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
+    *recover_ns += zipmoe_now_ns() - t0;
+    if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
+        // the tensor is full: keep its SM-chunk if dispatched to C or S, free its buffer
+        if (t->sm_dst != NULL) {
+            memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].n);
+        }
+        if (t->sm_src == NULL) {
+            atomic_store(&c->pipe.sm_ring[atomic_load(&t->sm_buf)].state, STAGE_FREE);
+        }
+    }
+    atomic_fetch_add(&c->pipe.ops_done, 1);
+}
+
+// shard k (1..K) of a task: decode its E-chunk into the slot; 1 if it decoded (0: a failure)
+static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w,
+                        uint64_t * decode_ns) {
+    const int K = c->file->n_shards;
+    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+    const uint64_t t0 = zipmoe_now_ns();
+    const int status = zipmoe_shard_decode(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size,
+                                           c->file->tensors[t->tensor].n, K, k - 1, slot_tensor(c, t));
+    *decode_ns += zipmoe_now_ns() - t0;
+    if (status != GGML_ZIPMOE_OK) {
+        fail_once(c, status, t, k, 0);
+        return 0;
+    }
+    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
+        // every E-chunk is decoded: keep them if dispatched to C or E, free their buffer
+        if (t->e_dst != NULL) {
+            uint8_t * dst = t->e_dst;
+            for (int j = 1; j <= K; j++) {
+                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+                memcpy(dst, task_e_chunk(c, t, j), size);
+                dst += size;
+            }
+        }
+        if (t->e_src == NULL) {
+            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
+        }
+    }
+    return 1;
+}
+
+// a decoding thread: the first operation of the priority list that can run (a decompression whose
+// E-chunks are in memory, or a recovery whose SM-chunk is), until every shard is recovered
+static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
+    const int total = c->plan.n_tasks * c->file->n_shards;
+    struct zipmoe_worker * w = NULL;
+    uint64_t decode_ns = 0, recover_ns = 0;
+    unsigned idle = 0;
+    while (atomic_load(&c->pipe.ops_done) < total && atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+        int worked = 0;
+        for (int j = atomic_load(&c->pipe.first_open); j < c->plan.n_dec && !worked; j++) {
+            const int st = atomic_load(&c->pipe.op_state[j]);
+            if (st == OP_DONE || st == OP_CLAIMED) {
+                if (st == OP_DONE && j == atomic_load(&c->pipe.first_open)) {
+                    atomic_compare_exchange_strong(&c->pipe.first_open, &(int) { j }, j + 1);
+                }
+                continue;
+            }
+            struct zipmoe_task * t = &c->plan.tasks[c->plan.dec[j].task];
+            const int k = c->plan.dec[j].chunk;
+            if (st == OP_TODO && e_ready(t)) {
+                int expected = OP_TODO;
+                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+                    continue;
+                }
+                if (w == NULL && (w = worker_of(c, ith)) == NULL) {
+                    int ok = GGML_ZIPMOE_OK;
+                    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
+                        snprintf(c->error, sizeof(c->error), "%s: out of memory for a decoder", c->file->path);
+                    }
+                    break;
+                }
+                if (!decode_shard(c, t, k, w, &decode_ns)) {
+                    break;
+                }
+                if (sm_ready(t)) {
+                    recover_shard(c, t, k, &recover_ns);
+                    atomic_store(&c->pipe.op_state[j], OP_DONE);
+                } else {
+                    atomic_store(&c->pipe.op_state[j], OP_DECODED);
+                }
+                worked = 1;
+            } else if (st == OP_DECODED && sm_ready(t)) {
+                int expected = OP_DECODED;
+                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+                    continue;
+                }
+                recover_shard(c, t, k, &recover_ns);
+                atomic_store(&c->pipe.op_state[j], OP_DONE);
+                worked = 1;
+            }
+        }
+        idle = worked ? 0 : idle + 1;
+        if (!worked) {
+            zipmoe_pause_waiting(idle);
+        }
+    }
+    atomic_fetch_add(&c->stats.decode_ns, decode_ns);
+    atomic_fetch_add(&c->stats.recover_ns, recover_ns);
+}
+
+static void * io_thread_main(void * arg) {
+    struct ggml_zipmoe_cache * c = (struct ggml_zipmoe_cache *) arg;
+    uint64_t done = 0;
+    for (;;) {
+        pthread_mutex_lock(&c->pipe.io_lock);
+        while (!c->pipe.io_quit && c->pipe.io_job == done) {
+            pthread_cond_wait(&c->pipe.io_wake, &c->pipe.io_lock);
+        }
+        const int      quit = c->pipe.io_quit;
+        const uint64_t job  = c->pipe.io_job;
+        pthread_mutex_unlock(&c->pipe.io_lock);
+        if (quit) {
+            return NULL;
+        }
+        // the task list is fixed until end has seen io_done reach this job
+        read_all(c);
+        done = job;
+        atomic_store(&c->pipe.io_done, done);
+    }
+}
+
+static int ensure_io_thread(struct ggml_zipmoe_cache * c) {
+    if (c->pipe.io_started) {
+        return GGML_ZIPMOE_OK;
+    }
+    if (pthread_create(&c->pipe.io_thread, NULL, io_thread_main, c) != 0) {
+        snprintf(c->error, sizeof(c->error), "%s: cannot start the cache's I/O thread", c->file->path);
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    c->pipe.io_started = 1;
+    return GGML_ZIPMOE_OK;
+}
+
+// thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up, unlock
+static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
+    if (c->plan.n_io > 0) {
+        const struct timespec pause = { 0, 20000 };
+        while (atomic_load(&c->pipe.io_done) != c->pipe.io_job) {
+            nanosleep(&pause, NULL);
+        }
+    }
+    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+        zipmoe_cache_forget_tasks(c);
+        for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
+            atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);
+            atomic_store(&c->pipe.e_ring[i].state, STAGE_FREE);
+        }
+    }
+    atomic_fetch_add(&c->stats.fetch_calls, 1);
+    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t_end);
+    c->fetch_open = 0;
+    pthread_mutex_unlock(&c->lock);
+}
+
+// a graph stopped between a fetch's begin and end (an abort callback): stop the I/O thread's
+// reads and forget the slots and entries they were for
+void zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c) {
+    int ok = GGML_ZIPMOE_OK;
+    atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG);
+    finish_fetch(c, zipmoe_now_ns());
+}
+
+int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
+                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+    if (c == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (c->fetch_open && pthread_equal(c->fetch_owner, pthread_self())) {
+        zipmoe_cache_abandon_fetch(c);
+    }
+    const uint64_t t0 = zipmoe_now_ns();
+    pthread_mutex_lock(&c->lock);
+    c->fetch_open  = 1;
+    c->fetch_owner = pthread_self();
+    c->plan.n_tasks     = 0;
+    c->plan.n_io        = 0;
+    c->plan.n_dec       = 0;
+    int status = GGML_ZIPMOE_ERR_ARG;
+    if (!ggml_zipmoe_cache_has_layer(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
+    } else {
+        c->error[0] = '\0';
+        status = zipmoe_cache_plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+        if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
+            status = ensure_staging(c);
+        }
+        if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
+            status = ensure_io_thread(c);
+        }
+    }
+    if (status != GGML_ZIPMOE_OK) {
+        zipmoe_cache_forget_tasks(c);
+        c->plan.n_tasks = c->plan.n_io = c->plan.n_dec = 0;
+    }
+    for (int j = 0; j < c->plan.n_dec; j++) {
+        atomic_store(&c->pipe.op_state[j], OP_TODO);
+    }
+    atomic_store(&c->pipe.ops_done, 0);
+    atomic_store(&c->pipe.first_open, 0);
+    atomic_store(&c->status, status);
+    if (c->plan.n_io > 0) {
+        pthread_mutex_lock(&c->pipe.io_lock);
+        c->pipe.io_job++;
+        pthread_cond_signal(&c->pipe.io_wake);
+        pthread_mutex_unlock(&c->pipe.io_lock);
+    }
+    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t0);
+    return status;
+}
+
+int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * c, int ith, int nth) {
+    if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    // begin ran before this op; nothing changes fetch_open until every thread is past the barrier
+    if (!c->fetch_open) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const uint64_t t0 = ith == 0 ? zipmoe_now_ns() : 0;
+    int n_decoders = c->n_decoders > 0 && c->n_decoders < nth ? c->n_decoders : nth;
+    n_decoders = n_decoders < ZIPMOE_MAX_THREADS ? n_decoders : ZIPMOE_MAX_THREADS;
+    if (ith < n_decoders) {
+        work_tasks(c, ith);
+    }
+    barrier(c, nth);
+    const int status = atomic_load(&c->status);
+    if (ith == 0) {
+        c->plan.sched_threads = n_decoders; // the scheduler's L for the next fetch
+        finish_fetch(c, t0);
+    }
+    // the next fetch must not re-plan while another thread still reads this one's state
+    barrier(c, nth);
+    return status;
+}
+
+int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * c) {
+    if (c == NULL || !c->fetch_open || !pthread_equal(c->fetch_owner, pthread_self())) {
+        return 0;
+    }
+    zipmoe_cache_abandon_fetch(c);
+    return 1;
+}
+
+int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
+                            int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int ith, int nth) {
+    if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (ith == 0) {
+        ggml_zipmoe_cache_fetch_begin(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+    }
+    barrier(c, nth);
+    return ggml_zipmoe_cache_fetch_end(c, ith, nth);
+}

@@ -1,0 +1,136 @@
+"""ZipMoE's options (budget, pools, eviction, ...) parsed into the KV overrides of the fork's model loader.
+
+Pure option logic, shared by `Llama(...)` (bindings), zipmoe-chat and zipmoe-plan: it imports neither
+llama_cpp (zipmoe_py.bindings) nor the planner, so parsing an option never loads libllama. The names C
+owns (eviction policies, pools) come from libggml-zipmoe (_lib), loaded on first use.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _lib
+from .errors import ZipMoEError
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+               "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
+               "TIB": 1 << 40}
+
+
+def parse_size(value, what: str = "zipmoe_budget") -> int:
+    """Bytes from an int or a string like "4G", "512M", "1.5GiB" (binary units)."""
+    if isinstance(value, bool):
+        raise ZipMoEError(f"{what} must be a size in bytes or like '4G', not {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        text = str(value).strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            n = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            raise ZipMoEError(f"{what} must be a size in bytes or like '4G', '512M', '1.5GiB'; got {value!r}") from None
+    if n <= 0:
+        raise ZipMoEError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+def parse_count(value, what: str) -> int:
+    """A whole number >= 0 (zipmoe_threads: 0 means all of the graph's threads; zipmoe_rank_delta)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ZipMoEError(f"{what} must be a whole number >= 0; got {value!r}")
+    return value
+
+
+def pool_overrides(value, what: str = "zipmoe_pools") -> dict:
+    """The KV overrides zipmoe.pool_f, pool_c, pool_s, pool_e from {"F": 4, "C": 8} or "F=4,C=8"
+    (experts per MoE layer of the pools F, C, S, E)."""
+    if isinstance(value, str):
+        items = [item.split("=", 1) for item in value.replace(" ", "").split(",") if item]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    else:
+        raise ZipMoEError(f"{what} must be like 'F=4,C=8,E=2' or {{'F': 4, 'C': 8}}; got {value!r}")
+    names = _lib.pool_names()
+    pools = {}
+    for item in items:
+        name, count = (item + [None])[:2] if isinstance(item, list) else item
+        name = str(name).upper()
+        try:
+            count = int(count)
+        except (TypeError, ValueError):
+            count = -1
+        if name not in names or name in pools or count < 0:
+            raise ZipMoEError(f"{what}: {value!r} must name each of the pools {', '.join(names)} at most once with a "
+                              "count >= 0 of experts per MoE layer, like 'F=4,C=8,E=2'")
+        pools[name] = count
+    if not pools or not any(pools.values()):
+        raise ZipMoEError(f"{what}: {value!r} holds no expert; give e.g. 'F=4,C=8,E=2'")
+    return {f"zipmoe.pool_{p.lower()}": pools[p] for p in names if p in pools}
+
+
+def plan_overrides(plan_path) -> dict:
+    """zipmoe.pool_* and zipmoe.rank_delta from a zipmoe-plan PLAN file (docs/PLAN_FORMAT.md)."""
+    from .plan_files import load_plan  # only when a plan is given
+
+    result, _ = load_plan(Path(plan_path))
+    if not any(result.capacities.values()):
+        raise ZipMoEError(f"{plan_path}: the plan keeps no expert in any pool "
+                          "(its budget is below one expert per layer)")
+    return {**pool_overrides(dict(result.capacities), f"{plan_path}: capacities"),
+            "zipmoe.rank_delta": int(result.delta)}
+
+
+def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
+                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
+                     preload: bool | None = None) -> dict:
+    """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
+    not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
+    out = {}
+    if plan is not None and pools is not None:
+        raise ZipMoEError("give zipmoe_plan or zipmoe_pools, not both (a plan sets the pools)")
+    if plan is not None:
+        out.update(plan_overrides(plan))
+    if pools is not None:
+        out.update(pool_overrides(pools))
+    if work_slots is not None:
+        if isinstance(work_slots, bool) or not isinstance(work_slots, int) or work_slots < 1:
+            raise ZipMoEError(f"zipmoe_work_slots must be a whole number >= 1; got {work_slots!r}")
+        out["zipmoe.work_slots"] = work_slots
+    if any(key.startswith("zipmoe.pool_") for key in out) and eviction not in (None, "rank"):
+        raise ZipMoEError(f"pools dispatch experts by rank: zipmoe_eviction={eviction!r} cannot be used with them")
+    if eviction is not None:
+        policies = _lib.eviction_names()
+        if eviction not in policies:
+            raise ZipMoEError(f"zipmoe_eviction must be one of {', '.join(policies)}; got {eviction!r}")
+        out["zipmoe.eviction"] = eviction
+    if rank_delta is not None:
+        out["zipmoe.rank_delta"] = parse_count(rank_delta, "zipmoe_rank_delta")
+    if budget is not None:
+        out["zipmoe.budget"] = parse_size(budget)
+    if mem_limit is not None:
+        out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
+    if direct_io is not None:
+        out["zipmoe.direct_io"] = bool(direct_io)
+    if preload is not None:
+        if not isinstance(preload, bool):
+            raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
+        out["zipmoe.preload"] = preload
+    if threads is not None:
+        out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads")
+    return out
+
+
+def check_budget(model_path: Path, budget: int) -> None:
+    """A budget below one expert (gate + up + down) cannot work: say so before llama.cpp's loader does."""
+    from . import format as zformat
+
+    try:
+        zf = zformat.ZipMoEFile(model_path)
+    except ZipMoEError:
+        return  # not a ZipMoE GGUF: the budget does not apply
+    with zf:
+        one = zf.expert_bytes().one_expert
+    if budget < one:
+        raise ZipMoEError(f"zipmoe_budget of {budget} bytes cannot hold one expert of {Path(model_path).name} "
+                          f"({one} bytes: gate + up + down); give at least that, better a layer's top-k experts")
