@@ -109,3 +109,87 @@ def test_converter_failure_leaves_no_output(tmp_path, tiny_hf):
 def test_output_folder_must_exist(tmp_path, tiny_hf):
     err = _convert_error(tiny_hf("qwen2moe"), tmp_path / "nowhere" / "out.gguf")
     assert "output folder does not exist" in err
+
+
+def _wait_for(pattern_dir, pattern: str, proc, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not list(pattern_dir.glob(pattern)):
+        assert proc.poll() is None, f"zipmoe-convert ended (exit {proc.returncode}) before writing {pattern}"
+        assert time.monotonic() < deadline, f"no {pattern} after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_an_interrupted_repacking_leaves_nothing(tmp_path, tiny_gguf, signum, code):
+    """Killed halfway through writing (slow codec settings so that there is a halfway): no output,
+    no partial file, a message, the signal's exit code."""
+    import signal
+    import subprocess
+
+    out = tmp_path / "out.gguf"
+    out_dir = tmp_path
+    proc = subprocess.Popen([str(zipmoe_command("zipmoe-convert")), str(tiny_gguf("qwen2moe")), "-o", str(out),
+                             "--codec", "zstd", "--level", "19", "--threads", "1", "--quiet"],
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(out_dir, "out.gguf.partial", proc)
+    proc.send_signal(getattr(signal, signum))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert f"interrupted by {signum}" in err and "Traceback" not in err
+    assert sorted(p.name for p in out_dir.iterdir()) == []
+
+
+def test_an_interrupted_checkpoint_conversion_stops_the_converter_and_leaves_nothing(tmp_path, tiny_hf):
+    import signal
+    import subprocess
+    import time
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([str(zipmoe_command("zipmoe-convert")), str(tiny_hf("qwen2moe")), "-o",
+                             str(out_dir / "m.gguf"), "--quiet"], stderr=subprocess.PIPE, text=True)
+    _wait_for(out_dir, ".zipmoe-*", proc)  # the intermediate BF16 GGUF's folder: the converter is running
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    time.sleep(0.5)  # a converter left running would still be writing
+    assert list(out_dir.iterdir()) == []
+
+
+def _small_filesystem(path, size: str = "4m") -> bool:
+    """A tmpfs of `size` mounted at path, where this process may mount one (root in a VM)."""
+    import subprocess
+
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_full_disk_is_named_and_leaves_nothing(tmp_path, tiny_gguf):
+    """Output on a 4 MB filesystem (a tmpfs; where mounting is not allowed, a 4 MB file-size limit,
+    which fails the same write the same way, with EFBIG instead of ENOSPC)."""
+    import resource
+    import signal
+    import subprocess
+
+    small = tmp_path / "small"
+    mounted = _small_filesystem(small)
+
+    def limit_file_size():
+        if not mounted:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, 4 << 20))
+
+    try:
+        out = small / "out.gguf"
+        proc = subprocess.run([str(zipmoe_command("zipmoe-convert")), str(tiny_gguf("qwen2moe")), "-o", str(out),
+                               "--quiet"], capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+        assert proc.returncode == 1, proc.stderr
+        reason = "No space left on device" if mounted else "File too large"
+        assert f"writing {out} failed: {reason}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(small)], check=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install ZipMoE and everything it needs into ./.venv, from scratch or incrementally.
 #
-#   bash tools/setup.sh          # runtime: the fork, its bindings, converter dependencies
-#   bash tools/setup.sh --dev    # + pytest and llama.cpp's own test programs
+#   bash tools/setup.sh          # runtime: the fork, its bindings, converter and server dependencies
+#   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs
 #
 # Reruns are cheap: the pinned sdist is cached (~/.cache/zipmoe/sdist or
 # $ZIPMOE_SDIST_CACHE) and the CMake build directory build/ is reused.
@@ -49,10 +49,10 @@ if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.vers
     CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${pip[@]}" install -q "$sdist"
 fi
 
-extras=""
+extras="[server]"   # zipmoe-server (llama-cpp-python's server dependencies)
 cmake_args=()
 if [ "$dev" = 1 ]; then
-    extras="[test]"
+    extras="[server,test]"
     cmake_args=(-C cmake.define.ZIPMOE_BUILD_UPSTREAM_TESTS=ON)
 fi
 echo "setup: building and installing zipmoe (first build takes several minutes)"

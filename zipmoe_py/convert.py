@@ -3,8 +3,9 @@
 Runs llama.cpp's own, unmodified convert_hf_to_gguf.py from the pinned source: the
 code path real DeepSeek-V2-Lite and Qwen1.5-MoE checkpoints take. The checkpoint is
 checked first so that unsupported or incomplete input fails with a message naming
-the file at fault, and the output is written under a temporary name and renamed
-only when complete, so an interrupted conversion never leaves a truncated GGUF.
+the file at fault, and the output is written under a temporary name and renamed only when
+complete (and, for a ZipMoE GGUF, read back: every chunk checked and decoded), so an interrupted
+conversion (SIGINT, SIGTERM, a full disk) never leaves a file at the output path.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -82,11 +84,15 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     try:
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, errors="replace", bufsize=1) as proc:
-            for line in proc.stdout:
-                tail.append(line.rstrip())
-                if not quiet:
-                    sys.stderr.write(line)
-                    sys.stderr.flush()
+            try:
+                for line in proc.stdout:
+                    tail.append(line.rstrip())
+                    if not quiet:
+                        sys.stderr.write(line)
+                        sys.stderr.flush()
+            except BaseException:
+                proc.kill()  # interrupted: the converter must not go on writing the file removed below
+                raise
         if proc.returncode != 0:
             shown = "\n".join(tail)
             raise ZipMoEError(f"llama.cpp's converter failed on {hf_dir} (exit {proc.returncode})"
@@ -167,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
+    previous_sigint = signal.signal(signal.SIGINT, _interrupt)
     try:
         if args.bf16:
             if args.source.is_file():
@@ -193,6 +201,27 @@ def main(argv: list[str] | None = None) -> int:
     except ZipMoEError as e:
         print(f"zipmoe-convert: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a full disk, a quota, a read-only folder: the partial output is already removed
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"zipmoe-convert: error: writing {args.outfile} failed: {e.strerror or e}{where}; "
+              f"{args.outfile} was not written and no partial file is left", file=sys.stderr)
+        return 1
+    except Interrupted as e:
+        print(f"zipmoe-convert: interrupted by {e}; {args.outfile} was not written and no partial file is left",
+              file=sys.stderr)
+        return 130 if str(e) == "SIGINT" else 143
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        signal.signal(signal.SIGINT, previous_sigint)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM during a conversion: unwinds like KeyboardInterrupt, so that every partial
+    file is removed on the way out."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def verify_main(argv: list[str] | None = None) -> int:

@@ -231,6 +231,8 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
             out.write(head)
             out.flush()
             os.fsync(out.fileno())
+        # the output path only ever holds a complete file that reads back: every chunk checked and decoded
+        verify(partial)
         os.replace(partial, dst)
     finally:
         if partial.exists():

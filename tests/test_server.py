@@ -1,0 +1,239 @@
+"""zipmoe-server: llama-cpp-python's OpenAI server on the fork, driven by the real OpenAI client.
+
+A live server on 127.0.0.1 (the installed zipmoe-server command) serving a tiny Qwen2-MoE ZipMoE
+GGUF from an expert budget of a few experts, so that every request reads experts from the file.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai  # the test extra (setup.sh --dev) installs it
+import pytest
+
+SERVER = Path(sys.executable).with_name("zipmoe-server")
+BUDGET = "100K"  # 5 slots of this model's 18 KiB experts: most selections are read from the file
+# the server's own memory besides the model's (Python, FastAPI, uvicorn, llama-cpp-python): the
+# README's "Serve" section states it
+SERVER_OVERHEAD = 300 << 20
+PROMPTS = ["Tell me a story.", "What is a mixture of experts?", "Count to five.", "Name a colour.",
+           "Why is the sky blue?", "Write a haiku about disks."]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, port: int | None = None):
+        self.port = port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._log: list[str] = []
+        threading.Thread(target=lambda: self._log.extend(self.proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"zipmoe-server exited with {self.proc.returncode}:\n{self.log}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.3)
+        else:
+            raise AssertionError(f"zipmoe-server did not answer within 120 s:\n{self.log}")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    @property
+    def log(self) -> str:
+        return "".join(self._log)
+
+    def get(self, route: str) -> dict:
+        return json.loads(urllib.request.urlopen(self.url + route, timeout=30).read())
+
+    def post(self, route: str, body: bytes) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + route, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def rss(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+        raise AssertionError("no VmRSS")
+
+    def chat(self, prompt: str, max_tokens: int = 12) -> str:
+        r = self.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=max_tokens, temperature=0)
+        return r.choices[0].message.content
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(zipmoe_gguf):
+    s = Server("--model", str(zipmoe_gguf("qwen2moe")), "--model_alias", "tiny", "--n_ctx", "512",
+               "--zipmoe_budget", BUDGET, "--verbose", "false")
+    yield s
+    s.close()
+    assert s.proc.returncode is not None
+
+
+def test_chat_completion_models_and_zipmoe_stats(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    r = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    stats = server.get("/zipmoe/stats")
+    assert stats["model"] == "tiny"
+    zipmoe = stats["zipmoe"]
+    assert zipmoe["n_slots"] == 5 and zipmoe["memory"]["budget"] == 100 * 1024
+    assert zipmoe["expert_misses"] > 0 and zipmoe["bytes_read"] > 0  # served from the file, under budget
+
+
+def test_streaming_gives_the_same_text_as_one_response(server):
+    whole = server.chat(PROMPTS[0], max_tokens=16)
+    stream = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                   max_tokens=16, temperature=0, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
+    assert len(pieces) > 2 and "".join(pieces) == whole
+
+
+def test_concurrent_clients_get_the_answers_they_get_alone(server):
+    """4 clients x 3 requests at once: every one answered, each answer at temperature 0 the one the same
+    request gets alone, the server's memory within the model's sizing + its overhead."""
+    server.chat("warm-up")
+    alone = {p: server.chat(p) for p in PROMPTS}
+    results, latencies, errors = [], [], []
+    peak = [server.rss()]
+    done = threading.Event()
+
+    def watch_rss():
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], server.rss())
+
+    def client(i: int):
+        for j in range(3):
+            prompt = PROMPTS[(i + j) % len(PROMPTS)]
+            t = time.perf_counter()
+            try:
+                results.append((prompt, server.chat(prompt)))
+                latencies.append(time.perf_counter() - t)
+            except Exception as e:  # reported below, with the others
+                errors.append(repr(e))
+
+    watcher = threading.Thread(target=watch_rss)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    done.set()
+    watcher.join()
+    assert errors == [] and len(results) == 12
+    for prompt, answer in results:
+        assert answer == alone[prompt], prompt
+    latencies.sort()
+    p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))]
+    memory = server.get("/zipmoe/stats")["zipmoe"]["memory"]
+    sizing = memory["non_expert"] + memory["contexts"] + memory["cache_buffers"] + memory["budget"]
+    print(f"\nload: 4 clients x 3 requests, 0 failures, p50 {statistics.median(latencies):.2f} s, "
+          f"p95 {p95:.2f} s, peak RSS {peak[0] / 2**20:.0f} MiB (sizing {sizing / 2**20:.0f} MiB)")
+    assert peak[0] <= sizing + SERVER_OVERHEAD
+
+
+@pytest.mark.parametrize("body, field", [
+    (b"{not json", None),
+    (b'{"messages": "hello"}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}', "max_tokens"),
+    (b'[1, 2]', None),
+])
+def test_malformed_requests_get_a_400_and_serving_goes_on(server, body, field):
+    status, reply = server.post("/v1/chat/completions", body)
+    assert status == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"] == field
+    assert server.chat("Still there?", max_tokens=4)
+
+
+def test_a_config_file_sets_zipmoe_options_per_model(zipmoe_gguf, tmp_path):
+    config = tmp_path / "server.yaml"
+    port = _free_port()
+    config.write_text(f"host: 127.0.0.1\nport: {port}\nmodels:\n  - model: {zipmoe_gguf('qwen2moe')}\n"
+                      f"    model_alias: tiny\n    n_ctx: 256\n    verbose: false\n    zipmoe_budget: 60K\n"
+                      f"    zipmoe_eviction: lru\n")
+    s = Server("--config_file", str(config), port=port)  # the file's settings replace the flags
+    try:
+        assert s.chat("Hello", max_tokens=4)
+        stats = s.get("/zipmoe/stats")["zipmoe"]
+        assert stats["n_slots"] == 3 and stats["memory"]["budget"] == 60 * 1024
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--zipmoe_budget", "lots"], "zipmoe_budget"),
+    (["--zipmoe_eviction", "random"], "zipmoe_eviction"),
+])
+def test_a_bad_option_stops_the_server_with_a_message_naming_it(zipmoe_gguf, args, message):
+    proc = subprocess.run([str(SERVER), "--model", str(zipmoe_gguf("qwen2moe")), "--port", str(_free_port()), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_missing_model_file_is_named(tmp_path):
+    proc = subprocess.run([str(SERVER), "--model", str(tmp_path / "nope.gguf"), "--port", str(_free_port())],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "nope.gguf" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _readme_serve_blocks() -> tuple[str, str]:
+    """The README's "Serve" example: the command that starts the server, and the client."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = re.search(r"<!--[^>]*test_server\.py[^>]*-->\s*```bash\n(.*?)```\s*```python\n(.*?)```", readme, re.S)
+    assert found, "README.md lost its Serve example"
+    return found.group(1), found.group(2)
+
+
+def test_the_readme_serve_example_runs_as_written(zipmoe_gguf):
+    command, client = _readme_serve_blocks()
+    command = command.strip()
+    assert command.startswith(".venv/bin/zipmoe-server ") and command.endswith("&")
+    port = str(_free_port())
+    args = command.removeprefix(".venv/bin/zipmoe-server ").rstrip("&").split()
+    args = [str(zipmoe_gguf("qwen2moe")) if a == "/tmp/tiny-qwen.gguf" else a for a in args]
+    port_at = args.index("--port") + 1
+    assert args[port_at] == "8000" and "127.0.0.1:8000" in client
+    del args[port_at - 1:port_at + 1], args[args.index("--host"):args.index("--host") + 2]
+    s = Server(*args, port=int(port))  # adds --host 127.0.0.1 --port PORT
+    try:
+        proc = subprocess.run([sys.executable, "-c", client.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip()
+    finally:
+        s.close()
