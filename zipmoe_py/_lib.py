@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Mapping, Sequence
 
 from . import _paths
@@ -175,7 +176,10 @@ _PROTOTYPES = {
 
 @functools.lru_cache(maxsize=None)
 def lib() -> ctypes.CDLL:
-    handle = ctypes.CDLL(str(_paths.shared_library("ggml-zipmoe")))
+    # test-only: ZIPMOE_TEST_LIBGGML_ZIPMOE loads another build of the library (the sanitizer build
+    # tests/test_sanitizers.py makes); users never set it
+    override = os.environ.get("ZIPMOE_TEST_LIBGGML_ZIPMOE")
+    handle = ctypes.CDLL(override or str(_paths.shared_library("ggml-zipmoe")))
     for name, (restype, argtypes) in _PROTOTYPES.items():
         fn = getattr(handle, name)
         fn.restype, fn.argtypes = restype, argtypes

@@ -1,0 +1,76 @@
+"""ggml-zipmoe under AddressSanitizer and UndefinedBehaviorSanitizer: the C-level tests (codecs and
+recovery, the file parser and its fuzzing, the expert cache, the scheduler, the memory probe) run
+again against a sanitizer build of the library, and any report fails them.
+
+The build is the project's own CMake with the sanitizer flags, ggml-zipmoe's target only, in
+build/sanitize (reused: incremental). The tests run in a child pytest with libasan preloaded (a
+Python interpreter is not built with it) and _lib pointed at that build (ZIPMOE_TEST_LIBGGML_ZIPMOE).
+Tests that also load libllama are left out: it is not a sanitizer build, and its C++ exceptions
+do not cross an ASan-preloaded process reliably.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "sanitize"
+FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+# the C-level tests: ggml-zipmoe through ctypes only (no libllama)
+SELECTION = [str(REPO / "tests" / name) for name in ("test_codec.py", "test_cache.py", "test_sched.py",
+                                                     "test_format.py", "test_memory.py")] + ["-k", "not both_tiny_models and not stock_gguf_py and "
+             "(not test_memory or cgroup or mem_available or over_limit or this_machine)"]
+
+
+@pytest.fixture(scope="module")
+def sanitized_lib() -> Path:
+    if not (BUILD / "CMakeCache.txt").exists():
+        subprocess.run(["cmake", "-S", str(REPO), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                        f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_FLAGS={FLAGS}"],
+                       check=True, capture_output=True)
+    proc = subprocess.run(["cmake", "--build", str(BUILD), "-j2", "--target", "ggml-zipmoe"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return BUILD / "ggml-zipmoe" / "libggml-zipmoe.so"
+
+
+def _sanitized_env(lib: Path) -> dict:
+    asan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    return {**os.environ, "LD_PRELOAD": asan, "ZIPMOE_TEST_LIBGGML_ZIPMOE": str(lib),
+            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+
+
+def test_the_sanitizer_build_catches_an_overflow(sanitized_lib, tmp_path):
+    """A control: recovery asked for one value more than its buffers hold is reported and stops the
+    process, so a clean run below means something."""
+    code = textwrap.dedent('''
+        import numpy as np
+        from zipmoe_py import _lib
+        exp, sm, dst = np.zeros(64, np.uint8), np.zeros(64, np.uint8), np.zeros(65, np.uint16)
+        u8 = lambda a: a.ctypes.data_as(_lib.c_uint8_p)
+        _lib.lib().ggml_zipmoe_recover_bf16(u8(exp), u8(sm), 65, dst.ctypes.data_as(_lib.c_uint16_p))
+    ''')
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=_sanitized_env(sanitized_lib), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_c_level_tests_pass_under_asan_and_ubsan(sanitized_lib, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
+                          capture_output=True, text=True, timeout=1200, env=_sanitized_env(sanitized_lib),
+                          cwd=tmp_path)  # not the repository: zipmoe_py must come from the installed package
+    report = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, report
+    assert proc.returncode == 0, report
+    import re
+
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= 150 and "failed" not in proc.stdout, report
+    print(f"\n{passed.group(1)} C-level tests passed under ASan + UBSan")
