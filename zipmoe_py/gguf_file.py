@@ -1,8 +1,10 @@
 """Fast GGUF header reading and writing: metadata key-values and tensor infos, not tensor data.
 
-gguf-py's GGUFReader builds a numpy view per array element and takes close to a minute
-on a 150k-token vocabulary; this reads the same header in well under a second, and
-keeps each key-value's raw bytes so a writer can copy them verbatim.
+gguf-py's GGUFReader builds a numpy view per array element: on the tests' tiny Qwen2-MoE GGUF
+(151,936-token vocabulary) it took 17.2 s against 0.52 s for read_header here (measured
+2026-11-23, 2 cores). This reader also keeps each key-value's raw bytes so that a writer can copy
+them verbatim. Everywhere speed does not matter, the tests use gguf-py (GGUFWriter makes their
+models, GGUFReader checks that it reads every file zipmoe-convert writes).
 Layout (GGUF v2/v3): magic "GGUF", u32 version, u64 n_tensors, u64 n_kv, n_kv entries of
 (string key, u32 type, value), n_tensors tensor infos of (string name, u32 n_dims,
 u64 dims[n_dims], u32 ggml type, u64 offset), padding to the alignment, tensor data.
