@@ -210,7 +210,8 @@ static inline size_t zipmoe_cache_n_keys(const struct ggml_zipmoe_cache * c) {
 // zipmoe-residency.c
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
-int      zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, char * msg, size_t msg_size);
+int      zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                                  size_t msg_size);
 int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                                 int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);

@@ -251,8 +251,8 @@ static int alloc_bookkeeping(struct ggml_zipmoe_cache * c) {
 }
 
 // the active pools, their thresholds tau_p and F's capacity; the stores of C, S and E
-static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int n_pools, char * msg,
-                        size_t msg_size) {
+static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int n_pools, uint64_t max_e,
+                        char * msg, size_t msg_size) {
     struct zipmoe_pools * pools = &c->pools;
     if (n_pools == 0) {
         // one F pool of every slot (the planner's Lambda = {F}); only the RANK policy dispatches
@@ -276,7 +276,7 @@ static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, 
                  c->layout.n_served, pools->f_capacity, c->slots.n_used);
         return GGML_ZIPMOE_ERR_ARG;
     }
-    return zipmoe_cache_make_stores(c, capacity, msg, msg_size);
+    return zipmoe_cache_make_stores(c, capacity, max_e, msg, msg_size);
 }
 
 struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_params * p, char * err, size_t err_size) {
@@ -315,14 +315,14 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         status = alloc_bookkeeping(c);
     }
     if (status == GGML_ZIPMOE_OK) {
-        status = set_up_pools(c, p->pool_capacity, n_pools, msg, sizeof(msg));
+        const uint64_t max_e = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
+        status = set_up_pools(c, p->pool_capacity, n_pools, max_e, msg, sizeof(msg));
     }
     if (status != GGML_ZIPMOE_OK) {
         set_error(err, err_size, msg);
         ggml_zipmoe_cache_free(c);
         return NULL;
     }
-    zipmoe_cache_measure_e_bytes(c); // rho, for the scheduler
     return c;
 }
 

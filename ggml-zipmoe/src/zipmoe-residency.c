@@ -50,9 +50,10 @@ uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
     return max_e;
 }
 
-// the entries of the stores of pools C, S and E (experts per served layer times served layers)
-int zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, char * msg, size_t msg_size) {
-    const uint64_t max_e = zipmoe_cache_measure_e_bytes(c);
+// the entries of the stores of pools C, S and E (experts per served layer times served layers); max_e:
+// the largest stored E bytes of one expert (zipmoe_cache_measure_e_bytes)
+int zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                             size_t msg_size) {
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
         struct zipmoe_store * s = &c->pools.store[p];
         s->n_entries = capacity[p] * c->layout.n_served;

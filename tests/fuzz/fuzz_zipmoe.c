@@ -11,7 +11,7 @@
 // It runs every corpus file, then mutates them (bit flips, byte sets, interesting values,
 // truncation, duplication, splicing) until SECONDS have passed. Each input is written to
 // CRASH_DIR/current before it runs, so an input that crashes the process (a sanitizer report) is
-// left there; it prints the number of runs at the end.
+// left there; it prints the number of runs at the end. The seed corpus is tests/fuzz/make_corpus.py's.
 
 #define _GNU_SOURCE
 #include "ggml-zipmoe.h"

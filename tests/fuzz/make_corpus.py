@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Writes the fuzz harness's seed corpus (tests/fuzz/corpus, committed): small valid inputs of
-each target, from which the fuzzer mutates.
+"""Writes the fuzz harness's seed corpus: small valid inputs of each target, from which the fuzzer
+mutates. Made afresh by tests/test_fuzz.py for each run (deterministic: fixed seeds), so no binary
+file is committed; by hand:
 
-    .venv/bin/python tests/fuzz/make_corpus.py
+    .venv/bin/python tests/fuzz/make_corpus.py OUT_DIR
 
 file_*.bin: byte 0 (the parser target) + a ZipMoE GGUF of one MoE layer of 2 experts of 16 x 8
 values, one per codec and shard count; dec_*.bin: the decoder target byte, the decoded size
@@ -10,6 +11,7 @@ values, one per codec and shard count; dec_*.bin: the decoder target byte, the d
 """
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,9 +19,6 @@ import numpy as np
 
 from zipmoe_py import _paths, codec
 from zipmoe_py import format as zformat
-
-OUT = Path(__file__).resolve().parent / "corpus"
-
 
 def tiny_moe_gguf(path: Path, seed: int) -> None:
     gguf = _paths.import_gguf()
@@ -36,23 +35,25 @@ def tiny_moe_gguf(path: Path, seed: int) -> None:
     w.close()
 
 
-def main() -> None:
-    OUT.mkdir(exist_ok=True)
+def write_corpus(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src.gguf"
         tiny_moe_gguf(src, 0)
         for name, shards in (("fhuf", 2), ("zstd", 1), ("raw", 3), ("huf", 2), ("lz4", 1)):
-            out = Path(tmp) / f"{name}.gguf"
-            zformat.repack(src, out, codec=name, shards=shards)
-            (OUT / f"file_{name}_k{shards}.bin").write_bytes(b"\x00" + out.read_bytes())
+            packed = Path(tmp) / f"{name}.gguf"
+            zformat.repack(src, packed, codec=name, shards=shards)
+            (out / f"file_{name}_k{shards}.bin").write_bytes(b"\x00" + packed.read_bytes())
     rng = np.random.default_rng(1)
     plane = np.clip(rng.normal(120, 2, 3000), 0, 255).astype(np.uint8).tobytes()
     for name, cid in codec.CODECS.items():
         stored = codec.compress(plane, name)
         header = bytes([1 + 2 * cid]) + len(plane).to_bytes(3, "little")
-        (OUT / f"dec_{name}.bin").write_bytes(header + stored)
-    print(f"wrote {len(list(OUT.iterdir()))} inputs to {OUT}")
+        (out / f"dec_{name}.bin").write_bytes(header + stored)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_corpus.py OUT_DIR")
+    write_corpus(Path(sys.argv[1]))
+    print(f"wrote {len(list(Path(sys.argv[1]).iterdir()))} inputs to {sys.argv[1]}")
