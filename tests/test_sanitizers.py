@@ -27,16 +27,26 @@ SELECTION = [str(REPO / "tests" / name) for name in ("test_codec.py", "test_cach
              "(not test_memory or cgroup or mem_available or over_limit or this_machine)"]
 
 
-@pytest.fixture(scope="module")
-def sanitized_lib() -> Path:
-    if not (BUILD / "CMakeCache.txt").exists():
-        subprocess.run(["cmake", "-S", str(REPO), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
-                        f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_FLAGS={FLAGS}"],
-                       check=True, capture_output=True)
-    proc = subprocess.run(["cmake", "--build", str(BUILD), "-j2", "--target", "ggml-zipmoe"], capture_output=True,
+def build_ggml_zipmoe(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: tuple = ()) -> Path:
+    """ggml-zipmoe (and ggml-base, whose GGUF reader it uses) built by the project's CMake in `build`,
+    configured once and rebuilt incrementally; returns the library."""
+    if not (build / "CMakeCache.txt").exists():
+        proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                               f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_FLAGS={c_flags}",
+                               f"-DCMAKE_CXX_FLAGS={cxx_flags}", *cmake_args],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "ggml-zipmoe"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return BUILD / "ggml-zipmoe" / "libggml-zipmoe.so"
+    return build / "ggml-zipmoe" / "libggml-zipmoe.so"
+
+
+@pytest.fixture(scope="module")
+def sanitized_lib() -> Path:
+    # C flags only: ggml-base's C++ stays uninstrumented (libasan is preloaded into Python, whose C++
+    # runtime does not carry UBSan's)
+    return build_ggml_zipmoe(BUILD, FLAGS)
 
 
 def _sanitized_env(lib: Path) -> dict:

@@ -23,11 +23,19 @@ python=${PYTHON:-python3}
 venv="$root/.venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 
-# the patch series is applied with patch(1); readelf/ldd (binutils, libc-bin) are used by the tests
+# Debian packages: patch(1) applies the patch series; with --dev, clang and its runtimes build the
+# coverage-guided libFuzzer harness (tests/test_fuzz.py; without them it uses its gcc driver)
+apt_install() {  # PACKAGE... (as root; otherwise say what is missing)
+    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq "$@" >/dev/null
+    else echo "setup: $* missing; install with: apt-get install $*" >&2; return 1; fi
+}
 if ! command -v patch >/dev/null; then
     echo "setup: installing patch(1)"
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq patch >/dev/null
-    else echo "setup: error: patch(1) is missing; install it (apt-get install patch)" >&2; exit 1; fi
+    apt_install patch || exit 1
+fi
+if [ "$dev" = 1 ] && ! dpkg -s libclang-rt-14-dev >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+    echo "setup: installing clang and libFuzzer (for the fuzz test)"
+    apt_install clang-14 libclang-rt-14-dev || echo "setup: the fuzz test will use its gcc driver" >&2
 fi
 
 if [ ! -x "$venv/bin/python" ]; then
