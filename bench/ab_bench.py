@@ -45,7 +45,8 @@ def main() -> int:
     for name, prog in builds.items():
         if not prog.is_file():
             ap.error(f"--{name}: {prog} is not a file")
-    model = args.zipmoe or args.bf16.with_name(args.bf16.name.replace(".gguf", ".zipmoe.gguf"))
+    # absolute: capped-run and the programs need not run in this folder
+    model = (args.zipmoe or args.bf16.with_name(args.bf16.name.replace(".gguf", ".zipmoe.gguf"))).resolve()
     if not model.is_file():
         ap.error(f"--zipmoe: {model} is not a file")
     cap = args.bf16.stat().st_size * args.cap // 100

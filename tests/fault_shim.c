@@ -4,8 +4,9 @@
 // $ZIPMOE_FAULT_CONTROL arms it: "SEQ N KIND" makes the N-th such read after the file last changed
 // (SEQ tells one arming from the next) fail once, as KIND says:
 //   eio    the read fails with EIO
-//   short  the read returns half of what it was asked for, and the next read of that descriptor
-//          returns 0 (end of file): a file shorter than its index
+//   short  the read returns its first byte only, and the next read of that descriptor returns 0
+//          (end of file): a file shorter than its index (an O_DIRECT read asks for whole blocks,
+//          so any larger part, half say, may still hold the whole chunk)
 //   flip   the read returns the data with its first byte's low bit flipped
 // Reads after the faulty one are left alone until the control file changes again. In-process,
 // ctypes.CDLL(None) reaches the counters below.
@@ -108,7 +109,7 @@ ssize_t pread(int fd, void * buf, size_t count, off_t offset) {
         return got;
     }
     if (kind == 1) {
-        return got / 2;
+        return 1;
     }
     ((unsigned char *) buf)[0] ^= 1;
     return got;

@@ -24,7 +24,8 @@ from test_format import make_moe_gguf
 
 
 class Cache:
-    def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0)):
+    def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0),
+                 rate_read=0.0):
         lib = self.lib = _lib.lib()
         self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
         layers = self.zf.moe_layers()
@@ -33,6 +34,7 @@ class Cache:
         params.file, params.n_slots, params.n_decoders = self.zf._handle, n_slots, n_decoders
         params.eviction, params.rank_delta = eviction, rank_delta
         params.pool_capacity[:] = pools
+        params.rate_read = rate_read
         params.set_layers(layers)
         self.slots = []
         for k, tensor in enumerate(layers[min(layers)]):
@@ -103,8 +105,8 @@ def setup(tmp_path):
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
     caches = []
 
-    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0):
-        caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta))
+    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0):
+        caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta, rate_read=rate_read))
         return caches[-1]
 
     yield make, experts
@@ -222,6 +224,9 @@ def test_passes_split_distinct_experts_in_ascending_order_and_merge_takes_rows_f
         mine = [(t, k) for t in range(3) for k in range(2) if [(0, 2), (3, 5), ()][p].count(ids[t, k])]
         for t, k in mine:
             assert_resident(cache, experts, 0, [[ids[t, k]]], [[slots[t, k]]])
+        # the others are not computed by this pass (ggml's mul_mat_id skips a negative id)
+        others = [slots[t, k] for t in range(3) for k in range(2) if (t, k) not in mine]
+        assert others == [-1] * len(others)  # GGML_ZIPMOE_NO_SLOT
         # a stand-in for the pass's product: the slot's first value, row by row
         rows.append(np.array([[[cache.slots[0][s][0]] * 4 for s in row] for row in slots], np.float32))
     acc = None
@@ -234,6 +239,33 @@ def test_passes_split_distinct_experts_in_ascending_order_and_merge_takes_rows_f
     merged = acc
     want = np.array([[[experts["blk.0.ffn_gate_exps.weight", int(e)][0]] * 4 for e in row] for row in ids], np.float32)
     assert np.array_equal(merged, want)
+
+
+def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
+    make, experts = setup
+    cache = make(6)
+    defaults = {name: _lib.default_rate(r) for name, r in (("read", _lib.RATE_READ), ("decode", _lib.RATE_DECODE),
+                                                           ("compute", _lib.RATE_COMPUTE))}
+    assert cache.stats()["rates"] == defaults  # nothing measured yet
+    bf16 = 2 * 67 * 45 * 3  # one expert's three tensors, BF16 bytes
+    assert cache.fetch(0, [[0, 1, 2]])[0] == 0
+    s = cache.stats()
+    # the first measurement replaces the default: this fetch's bytes over its own time
+    read1 = s["bytes_read"] * 1e9 / s["io_ns"]
+    decode1 = 3 * bf16 * 1e9 / (s["decode_ns"] + s["recover_ns"])
+    assert s["rates"] == {"read": read1, "decode": decode1, "compute": defaults["compute"]}
+    assert cache.fetch(0, [[3, 4]])[0] == 0
+    t = cache.stats()
+    # then a running average, moved by a quarter of each fetch's own rate
+    read2 = (t["bytes_read"] - s["bytes_read"]) * 1e9 / (t["io_ns"] - s["io_ns"])
+    decode2 = 2 * bf16 * 1e9 / (t["decode_ns"] + t["recover_ns"] - s["decode_ns"] - s["recover_ns"])
+    assert t["rates"] == {"read": 0.75 * read1 + 0.25 * read2, "decode": 0.75 * decode1 + 0.25 * decode2,
+                          "compute": defaults["compute"]}
+    # a rate given in the params stays as given
+    given = make(6, rate_read=5e8)
+    assert given.fetch(0, [[0, 1, 2]])[0] == 0
+    rates = given.stats()["rates"]
+    assert rates["read"] == 5e8 and rates["decode"] != defaults["decode"]
 
 
 def test_several_threads_fill_the_same_slots_as_one(setup):

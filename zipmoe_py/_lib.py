@@ -118,6 +118,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_eviction_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_pool_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_default_rate": (ctypes.c_double, [ctypes.c_int]),
+    "ggml_zipmoe_cache_rate": (ctypes.c_double, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_file_close": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_file_path": (ctypes.c_char_p, [ctypes.c_void_p]),
@@ -294,6 +295,9 @@ def cache_stats(cache) -> dict:
     lookups = out["expert_hits"] + out["c_hits"] + out["s_hits"] + out["e_hits"] + out["expert_misses"]
     # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
+    # the scheduler's cost model now (bytes/s): measured on this machine unless given
+    out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
+                    for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE))}
     return out
 
 

@@ -75,6 +75,11 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
                                                              "decode_ns", "recover_ns", "fetch_ns")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
+    rates = now.get("rates")
+    if rates:
+        print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s, decode {rates['decode'] / 1e9:.2f} "
+              f"GB/s per thread (measured by the runtime unless given), compute {rates['compute'] / 1e9:.2f} GB/s",
+              file=sys.stderr)
     plan = now.get("memory")
     if plan:
         gib = 1 << 30

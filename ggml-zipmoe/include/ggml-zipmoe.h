@@ -292,7 +292,8 @@ struct ggml_zipmoe_cache_params {
     int32_t                         rank_delta;     // GGML_ZIPMOE_EVICT_RANK's tolerance margin delta (>= 0)
     int32_t                         pool_capacity[4]; // experts per served layer in F, C, S, E (all 0: one
                                                       // F pool of every slot); F's must leave a working slot
-    double                          rate_read;      // scheduler cost model, bytes per second (0: defaults):
+    double                          rate_read;      // scheduler cost model, bytes per second (0: measured, see
+                                                    //   ggml_zipmoe_cache_rate):
     double                          rate_decode;    //   reads, decode + recovery of BF16 output per thread,
     double                          rate_compute;   //   an expert's products per token (its BF16 weight bytes)
     int32_t                         n_layer;        // layers of layer_tensors
@@ -353,12 +354,15 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cach
 // passes a graph needs for a ubatch of n_ids expert selections in this layer
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * cache, int layer, int64_t n_ids);
 
+// the slot id of a selection that a pass does not compute (see ggml_zipmoe_cache_fetch_begin)
+#define GGML_ZIPMOE_NO_SLOT (-1)
+
 // A fetch makes the experts a layer's router chose resident, in two steps so that the disk
 // reads overlap the graph's other work (the shared expert):
 // ggml_zipmoe_cache_fetch_begin (one thread): ids is [n_tokens][n_used] expert ids (row stride
 // ids_stride elements); writes [n_tokens][n_used] slot ids (contiguous) for pass `pass`:
-// selections outside this pass get a valid slot of the pass (their results are discarded by the
-// merge). Starts the cache's I/O thread on the missing chunks and returns. It takes the cache's
+// selections outside this pass get GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu mul_mat_id
+// skips (their rows are left alone and dropped by the merge), so that a pass computes its rows only. Starts the cache's I/O thread on the missing chunks and returns. It takes the cache's
 // lock, which the matching ggml_zipmoe_cache_fetch_end releases: call both from the same thread,
 // in pairs (a begin not followed by its end, e.g. after a graph abort, is drained by that
 // thread's next begin).
@@ -400,6 +404,13 @@ GGML_ZIPMOE_API int  ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache
 
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_get_stats  (const struct ggml_zipmoe_cache * cache, struct ggml_zipmoe_cache_stats * stats);
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * cache);
+
+// the rate (enum ggml_zipmoe_rate, bytes per second) the scheduler's cost model uses now: the params'
+// rate when one was given; else, for reads and decodes, the running average of this cache's own
+// fetches (stored bytes over read time; BF16 bytes over decode + recovery time per thread), the
+// default until a fetch has measured it. Compute stays the params' or the default (the products run
+// in the graph, where the cache does not time them). 0 if cache is NULL or rate unknown.
+GGML_ZIPMOE_API double       ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * cache, int rate);
 
 // profiling (zipmoe-profile): counts[e] = ubatches whose router chose expert e in this layer
 // (counts has ggml_zipmoe_cache_n_expert entries), n_ubatches = ubatches the layer ran; since

@@ -385,7 +385,7 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     char err[1024];
     // O_DIRECT by default: reads through the page cache would compete, under a memory limit, with the
     // mapped non-expert weights (and cost page-cache reclaim on every read)
-    const unsigned flags = opt.direct_io == 1 ? GGML_ZIPMOE_OPEN_DIRECT :
+    const unsigned flags = opt.direct_io == 1 ? (unsigned) GGML_ZIPMOE_OPEN_DIRECT :
                            opt.direct_io == 0 ? 0u : (unsigned) GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED;
     file = ggml_zipmoe_file_open(fname.c_str(), flags, err, sizeof(err));
     if (file == nullptr) {
@@ -800,8 +800,10 @@ static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * us
     const auto *        a   = (const llama_zipmoe::op_args *) userdata;
     const ggml_tensor * ids = dst->src[0];
     int32_t *           out = (int32_t *) dst->data;
-    // valid slot ids whatever happens: the products never see an out-of-range id
-    memset(out, 0, ggml_nbytes(dst));
+    // whatever happens, the products never see an out-of-range id: a failed fetch computes nothing
+    for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+        out[i] = GGML_ZIPMOE_NO_SLOT;
+    }
     zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
                                                   ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
 }

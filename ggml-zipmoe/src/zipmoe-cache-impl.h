@@ -28,13 +28,15 @@
 // staging buffer states
 enum { STAGE_FREE = 0, STAGE_BUSY = 1 };
 
+// where a rate of the cost model comes from
+enum { RATE_GIVEN = 0, RATE_DEFAULT = 1, RATE_MEASURED = 2 };
+
 // the shard operations of the decompression list
 enum { OP_TODO = 0, OP_CLAIMED = 1, OP_DECODED = 2, OP_DONE = 3 };
 
 // stored chunks read by the I/O thread: one task's SM-chunk, or its K E-chunks
 struct zipmoe_staging {
-    uint8_t *  mem;   // aligned for O_DIRECT
-    uint64_t   base;  // E ring: file offset at mem when the E-chunks were read in one span, else UINT64_MAX
+    uint8_t *  mem;   // aligned for O_DIRECT; the E ring's holds E-chunk k at (k - 1) * e_region
     atomic_int state; // STAGE_FREE or STAGE_BUSY
 };
 
@@ -57,7 +59,8 @@ struct zipmoe_task {
     int32_t         dst_pool;  // the store entry of sm_dst/e_dst (forgotten if the fill fails)
     int32_t         dst_entry;
     atomic_int      sm_buf;    // staging buffer holding the read SM-chunk (-1: not yet)
-    atomic_int      e_buf;     // staging buffer holding the read E-chunks (-1: not yet)
+    atomic_int      e_buf;     // staging buffer the E-chunks are read into (-1: not yet)
+    atomic_int      e_read;    // its E-chunks read and checked so far, in order (0..K)
     atomic_int      n_decoded; // shards decoded
     atomic_int      n_recovered;
 };
@@ -140,6 +143,10 @@ struct zipmoe_plan {
     size_t                          sched_work_size;
     int32_t                         sched_threads; // L: decoding threads of the last fetch
     double                          rate_read, rate_decode, rate_compute; // the cost model, bytes per second
+    // rates not given in the params follow this machine (zipmoe-fetch.c: calibrate): running
+    // averages of the fetches' own reads and decodes; the counters as of the last update
+    int                             measure_read, measure_decode; // RATE_GIVEN, RATE_DEFAULT or RATE_MEASURED
+    uint64_t                        seen_bytes_read, seen_io_ns, seen_decode_ns;
 };
 
 // the fetch pipeline (zipmoe-fetch.c): the I/O thread, the staging rings, the decoding threads

@@ -3,9 +3,10 @@
 // Begin (thread 0, under the lock) plans the pass (zipmoe-residency.c), orders the reads and
 // decompressions with the cache-affinity scheduler (Algorithm 1, ggml_zipmoe_schedule, on the
 // cost model's rates) and hands the reads to the cache's I/O thread, which reads and checks the
-// chunks into two staging rings (SM-chunks; a task's K E-chunks, one span read when they lie
-// back to back). End (every graph thread) is work-conserving: a thread takes the first
-// decompression of the priority list whose E-chunks are in memory and runs the library's one
+// chunks into two staging rings (SM-chunks; a task's K E-chunks), releasing each E-chunk's shard
+// as soon as it is read, as the scheduler's model has it. End (every graph thread) is
+// work-conserving: a thread takes the first decompression of the priority list whose E-chunk is
+// in memory and runs the library's one
 // decode + recover routine (zipmoe-codec.c) on the slot's own bytes; recovery waits for the
 // tensor's SM-chunk if it is not in memory yet. Thread 0 waits for the I/O thread and unlocks.
 
@@ -166,11 +167,7 @@ static const uint8_t * task_e_chunk(const struct ggml_zipmoe_cache * c, const st
         }
         return p;
     }
-    const struct zipmoe_staging * s = &c->pipe.e_ring[atomic_load(&t->e_buf)];
-    if (s->base != UINT64_MAX) {
-        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, k)->offset - s->base);
-    }
-    return s->mem + (size_t) (k - 1) * c->pipe.e_region;
+    return c->pipe.e_ring[atomic_load(&t->e_buf)].mem + (size_t) (k - 1) * c->pipe.e_region;
 }
 
 static const uint8_t * task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
@@ -193,55 +190,38 @@ static int acquire_buffer(struct ggml_zipmoe_cache * c, struct zipmoe_staging * 
     }
 }
 
-// I/O thread: read and check chunks first..last of a task into a staging buffer. A task's E-chunks
-// are stored next to each other (each 4096-aligned: docs/FORMAT.md), so one read of their span
-// replaces K small ones; chunks placed otherwise are read one by one.
+// I/O thread: read and check chunks first..last of a task into a staging buffer, one region each.
+// Each is published as soon as it is checked (*n_ready = chunks ready), so that a shard's
+// decompression starts while the task's next E-chunks are read: the scheduler's model (Alg. 1)
+// releases shard k when E-chunk k arrives.
 static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int first, int last,
-                       struct zipmoe_staging * s, size_t region) {
+                       struct zipmoe_staging * s, size_t region, atomic_int * n_ready) {
     const struct ggml_zipmoe_file * f = c->file;
-    uint64_t lo = UINT64_MAX, hi = 0, stored = 0;
-    int packed = 1;
     for (int k = first; k <= last; k++) {
         const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
-        packed = packed && (k == first || ch->offset == zipmoe_align_up(hi, GGML_ZIPMOE_CHUNK_ALIGNMENT));
-        lo = ch->offset < lo ? ch->offset : lo;
-        hi = ch->offset + ch->size > hi ? ch->offset + ch->size : hi;
-        stored += ch->size;
-    }
-    const size_t capacity = region * (size_t) (last - first + 1);
-    const uint64_t t0 = zipmoe_now_ns();
-    int sys_errno = 0, status = GGML_ZIPMOE_OK, bad = first;
-    s->base = UINT64_MAX;
-    if (packed && lo % GGML_ZIPMOE_CHUNK_ALIGNMENT == 0 && zipmoe_align_up(hi - lo, GGML_ZIPMOE_CHUNK_ALIGNMENT) <= capacity) {
-        const struct zipmoe_chunk span = { lo, hi - lo, 0, 0 };
-        status = zipmoe_read_chunk_unchecked(f, &span, s->mem, capacity, &sys_errno);
-        s->base = lo;
-    } else {
-        for (int k = first; k <= last && status == GGML_ZIPMOE_OK; k++) {
-            bad = k;
-            status = zipmoe_read_chunk_unchecked(f, zipmoe_file_chunk(f, t->tensor, t->expert, k),
-                                                 s->mem + (size_t) (k - first) * region, region, &sys_errno);
+        uint8_t * p = s->mem + (size_t) (k - first) * region;
+        int sys_errno = 0;
+        const uint64_t t0 = zipmoe_now_ns();
+        const int status = zipmoe_read_chunk_unchecked(f, ch, p, region, &sys_errno);
+        atomic_fetch_add(&c->stats.io_ns, zipmoe_now_ns() - t0);
+        if (status != GGML_ZIPMOE_OK) {
+            fail_once(c, status, t, k, sys_errno);
+            return status;
         }
-    }
-    atomic_fetch_add(&c->stats.io_ns, zipmoe_now_ns() - t0);
-    if (status != GGML_ZIPMOE_OK) {
-        fail_once(c, status, t, bad, sys_errno);
-        return status;
-    }
-    atomic_fetch_add(&c->stats.bytes_read, stored);
-    for (int k = first; k <= last; k++) {
-        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
-        const uint8_t * p = s->base != UINT64_MAX ? s->mem + (ch->offset - s->base) : s->mem + (size_t) (k - first) * region;
+        atomic_fetch_add(&c->stats.bytes_read, ch->size);
         if (ggml_zipmoe_checksum(p, ch->size) != ch->checksum) {
             fail_once(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
             return GGML_ZIPMOE_ERR_CHECKSUM;
+        }
+        if (n_ready != NULL) {
+            atomic_store(n_ready, k - first + 1); // publishes the chunk's bytes
         }
     }
     return GGML_ZIPMOE_OK;
 }
 
-// I/O thread: the schedule's reads in order. A task's E-chunks are read together at the first of
-// them (the scheduler lists them back to back), so its shards become ready together.
+// I/O thread: the schedule's reads in order. A task's E-chunks are read at the first of them (the
+// scheduler lists them back to back), one after the other, each released as it arrives.
 static void read_all(struct ggml_zipmoe_cache * c) {
     const int K = c->file->n_shards;
     for (int j = 0; j < c->plan.n_io && atomic_load(&c->status) == GGML_ZIPMOE_OK; j++) {
@@ -255,11 +235,17 @@ static void read_all(struct ggml_zipmoe_cache * c) {
         if (b < 0) {
             break;
         }
-        if (read_chunks(c, t, sm ? 0 : 1, sm ? 0 : K, &ring[b], sm ? c->pipe.sm_region : c->pipe.e_region) != GGML_ZIPMOE_OK) {
+        if (!sm) {
+            atomic_store(&t->e_buf, b); // before its chunks: they are published by e_read
+        }
+        if (read_chunks(c, t, sm ? 0 : 1, sm ? 0 : K, &ring[b], sm ? c->pipe.sm_region : c->pipe.e_region,
+                        sm ? NULL : &t->e_read) != GGML_ZIPMOE_OK) {
             atomic_store(&ring[b].state, STAGE_FREE);
             break;
         }
-        atomic_store(sm ? &t->sm_buf : &t->e_buf, b); // publishes the buffer's bytes
+        if (sm) {
+            atomic_store(&t->sm_buf, b); // publishes the buffer's bytes
+        }
     }
 }
 
@@ -271,8 +257,9 @@ static struct zipmoe_worker * worker_of(struct ggml_zipmoe_cache * c, int ith) {
     return w->decoder != NULL ? w : NULL;
 }
 
-static int e_ready(const struct zipmoe_task * t) {
-    return t->e_src != NULL || atomic_load(&t->e_buf) >= 0;
+// E-chunk k (1..K) of the task is in memory
+static int e_ready(const struct zipmoe_task * t, int k) {
+    return t->e_src != NULL || atomic_load(&t->e_read) >= k;
 }
 
 static int sm_ready(const struct zipmoe_task * t) {
@@ -349,7 +336,7 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
             }
             struct zipmoe_task * t = &c->plan.tasks[c->plan.dec[j].task];
             const int k = c->plan.dec[j].chunk;
-            if (st == OP_TODO && e_ready(t)) {
+            if (st == OP_TODO && e_ready(t, k)) {
                 int expected = OP_TODO;
                 if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
                     continue;
@@ -423,6 +410,40 @@ static int ensure_io_thread(struct ggml_zipmoe_cache * c) {
     return GGML_ZIPMOE_OK;
 }
 
+// a running average that a new measurement moves by a quarter: one slow read (another process on
+// the disk) does not swing the schedule, a lasting change of speed shows within a few fetches
+static void update_rate(double * rate, int * measure, double bytes, uint64_t ns) {
+    if (*measure == RATE_GIVEN || bytes <= 0 || ns == 0) {
+        return;
+    }
+    const double now = bytes * 1e9 / (double) ns;
+    *rate    = *measure == RATE_MEASURED ? 0.75 * *rate + 0.25 * now : now; // the first replaces the default
+    *measure = RATE_MEASURED;
+}
+
+// the cost model follows this machine (rates the params did not give): read rate from the I/O
+// thread's bytes and time, decode rate from the fetch's BF16 output and its threads' decode +
+// recovery time. Thread 0 of end, after a fetch that succeeded.
+static void calibrate(struct ggml_zipmoe_cache * c) {
+    const uint64_t bytes  = atomic_load(&c->stats.bytes_read), io_ns = atomic_load(&c->stats.io_ns);
+    const uint64_t dec_ns = atomic_load(&c->stats.decode_ns) + atomic_load(&c->stats.recover_ns);
+    if (bytes < c->plan.seen_bytes_read || io_ns < c->plan.seen_io_ns || dec_ns < c->plan.seen_decode_ns) {
+        // the statistics were reset: measure from here
+        c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+        return;
+    }
+    update_rate(&c->plan.rate_read, &c->plan.measure_read, (double) (bytes - c->plan.seen_bytes_read),
+                io_ns - c->plan.seen_io_ns);
+    if (c->plan.measure_decode != RATE_GIVEN) {
+        double out = 0;
+        for (int i = 0; i < c->plan.n_tasks; i++) {
+            out += 2.0 * (double) c->file->tensors[c->plan.tasks[i].tensor].n;
+        }
+        update_rate(&c->plan.rate_decode, &c->plan.measure_decode, out, dec_ns - c->plan.seen_decode_ns);
+    }
+    c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+}
+
 // thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up, unlock
 static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
     if (c->plan.n_io > 0) {
@@ -431,7 +452,9 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
             nanosleep(&pause, NULL);
         }
     }
-    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+    if (atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+        calibrate(c);
+    } else {
         zipmoe_cache_forget_tasks(c);
         for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
             atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);

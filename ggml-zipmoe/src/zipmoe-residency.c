@@ -345,6 +345,7 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         t->e_dst     = dst_pool != NO_POOL ? entry_e(c, dst_pool, dst_entry, layer, e, k) : NULL;
         atomic_store(&t->sm_buf, -1);
         atomic_store(&t->e_buf, -1);
+        atomic_store(&t->e_read, 0);
         atomic_store(&t->n_decoded, 0);
         atomic_store(&t->n_recovered, 0);
     }
@@ -401,12 +402,12 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
     if (c->plan.n_tasks > 0) {
         zipmoe_cache_schedule_tasks(c);
     }
-    // selections of other passes compute on any slot of this pass; the merge drops their rows
-    const int32_t filler = last > first ? c->plan.pass_slot[c->plan.unique[first]] : 0;
+    // selections of other passes are skipped by the products (ggml's mul_mat_id leaves the rows of
+    // a negative id alone): each pass computes its own rows only, the merge takes them
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int64_t k = 0; k < n_used; k++) {
             const int32_t s = c->plan.pass_slot[ids[t * ids_stride + k]];
-            slot_ids[t * n_used + k] = s >= 0 ? s : filler;
+            slot_ids[t * n_used + k] = s >= 0 ? s : GGML_ZIPMOE_NO_SLOT;
         }
     }
     return GGML_ZIPMOE_OK;
