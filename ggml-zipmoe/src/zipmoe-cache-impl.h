@@ -36,7 +36,8 @@ enum { OP_TODO = 0, OP_CLAIMED = 1, OP_DECODED = 2, OP_DONE = 3 };
 
 // stored chunks read by the I/O thread: one task's SM-chunk, or its K E-chunks
 struct zipmoe_staging {
-    uint8_t *  mem;   // aligned for O_DIRECT; the E ring's holds E-chunk k at (k - 1) * e_region
+    uint8_t *  mem;   // aligned for O_DIRECT
+    uint64_t   base;  // E ring: file offset at mem when the E-chunks were read in one span, else UINT64_MAX
     atomic_int state; // STAGE_FREE or STAGE_BUSY
 };
 
@@ -59,8 +60,7 @@ struct zipmoe_task {
     int32_t         dst_pool;  // the store entry of sm_dst/e_dst (forgotten if the fill fails)
     int32_t         dst_entry;
     atomic_int      sm_buf;    // staging buffer holding the read SM-chunk (-1: not yet)
-    atomic_int      e_buf;     // staging buffer the E-chunks are read into (-1: not yet)
-    atomic_int      e_read;    // its E-chunks read and checked so far, in order (0..K)
+    atomic_int      e_buf;     // staging buffer holding the read E-chunks (-1: not yet)
     atomic_int      n_decoded; // shards decoded
     atomic_int      n_recovered;
 };

@@ -345,7 +345,6 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         t->e_dst     = dst_pool != NO_POOL ? entry_e(c, dst_pool, dst_entry, layer, e, k) : NULL;
         atomic_store(&t->sm_buf, -1);
         atomic_store(&t->e_buf, -1);
-        atomic_store(&t->e_read, 0);
         atomic_store(&t->n_decoded, 0);
         atomic_store(&t->n_recovered, 0);
     }
