@@ -298,7 +298,8 @@ def test_bad_budgets_thread_counts_and_policies_are_clear_errors(zipmoe_gguf):
 MEMORY_PROBE = """
 import json, sys
 from zipmoe_py import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False, use_mmap=False,
+mlock = len(sys.argv) > 3 and sys.argv[3] == "mlock"  # llama-cpp-python's server locks by default
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False, use_mmap=mlock, use_mlock=mlock,
             **({"zipmoe_budget": int(sys.argv[2])} if len(sys.argv) > 2 else {}))
 llm.create_completion("The capital of France is", max_tokens=16, temperature=0.0)
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -346,6 +347,9 @@ def test_resident_memory_stays_within_the_budget(tmp_path_factory):
     assert served["peak_rss"] <= limit, (
         f"peak RSS {served['peak_rss'] / 2**20:.1f} MiB > BF16 peak {plain['peak_rss'] / 2**20:.1f} MiB "
         f"- experts {everything / 2**20:.1f} MiB + budget {budget / 2**20:.1f} MiB + overhead {allowance / 2**20:.1f} MiB")
+    # asked to lock the model (mmap + mlock), the loader locks none of it: a lock would pin the chunks
+    locked = probe(zipmoe, budget, "mlock")
+    assert locked["peak_rss"] <= limit, f"with use_mlock, peak RSS {locked['peak_rss'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
 
 
 def test_a_corrupt_chunk_met_while_serving_stops_with_its_name(zipmoe_gguf, tmp_path):

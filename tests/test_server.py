@@ -203,6 +203,14 @@ def test_a_bad_option_stops_the_server_with_a_message_naming_it(zipmoe_gguf, arg
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_models_are_not_locked_by_default():
+    """llama-cpp-python's server locks models unless told not to; a lock of a ZipMoE file would read
+    and pin every expert chunk (the loader refuses it anyway, with a warning)."""
+    from zipmoe_py.server import ZipMoEModelSettings
+
+    assert ZipMoEModelSettings(model="m.gguf").use_mlock is False
+
+
 def test_a_missing_model_file_is_named(tmp_path):
     proc = subprocess.run([str(SERVER), "--model", str(tmp_path / "nope.gguf"), "--port", str(_free_port())],
                           capture_output=True, text=True, timeout=60)

@@ -56,6 +56,9 @@ class ZipMoEModelSettings(ModelSettings):
     """llama-cpp-python's model settings plus zipmoe_py.Llama's options (None: its environment
     variable, then its default)."""
 
+    # llama-cpp-python's server locks the model by default; a lock of a ZipMoE file would read and pin
+    # the expert chunks the budget keeps on disk (the fork's loader then ignores it, with a warning)
+    use_mlock: bool = Field(default=False, description="Use mlock (default false; never applied to a ZipMoE model).")
     zipmoe_budget: Optional[str] = Field(
         default=None, description="Bytes of expert slots (e.g. 4G, 512M); default: sized from the memory this "
         "process may use (cgroup limits, MemAvailable) minus the rest of the model, KV caches and buffers.")
