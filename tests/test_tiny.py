@@ -82,3 +82,37 @@ def test_unknown_architecture_is_refused(tmp_path):
     proc = run([zipmoe_command("zipmoe-make-tiny"), "llama", tmp_path / "x"])
     assert proc.returncode == 2
     assert b"invalid choice: 'llama'" in proc.stderr
+
+
+def test_streamed_weights_are_a_sharded_checkpoint_of_every_tensor(tmp_path):
+    """The bench models' path (real widths, written layer by layer, never whole in memory), on a tiny
+    config: one shard per layer plus one for the rest, an index naming every tensor of the model,
+    norms 1, biases 0, the other weights drawn."""
+    from transformers import AutoConfig
+
+    from zipmoe_py.tiny import _write_streamed_weights, make_tiny
+
+    hf = make_tiny("qwen2moe", tmp_path / "hf")
+    streamed = tmp_path / "streamed"
+    streamed.mkdir()
+    _write_streamed_weights(AutoConfig.from_pretrained(hf), streamed)
+    index = json.loads((streamed / "model.safetensors.index.json").read_text())
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        whole = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    assert set(index["weight_map"]) == set(whole)
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) == json.loads((hf / "config.json").read_text())["num_hidden_layers"] + 1
+    total = 0
+    for shard in shards:
+        with safe_open(str(streamed / shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                assert list(t.shape) == whole[name] and str(t.dtype) == "torch.bfloat16", name
+                total += t.numel() * 2
+                if name.endswith("norm.weight"):
+                    assert bool((t == 1).all()), name
+                elif name.endswith(".bias"):
+                    assert bool((t == 0).all()), name
+                else:
+                    assert float(t.float().std()) > 0, name
+    assert index["metadata"]["total_size"] == total

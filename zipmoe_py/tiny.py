@@ -233,12 +233,49 @@ def _tokenizer_config(arch: str, vocab: dict) -> dict:
     }
 
 
+def _write_streamed_weights(hf_config, out_dir: Path) -> None:
+    """A multi-GB checkpoint without holding it in memory: the model is laid out on the meta device
+    (names and shapes only), then each layer's tensors are drawn and saved as a shard of their own
+    (model-NNNNN.safetensors + model.safetensors.index.json, as sharded HF checkpoints are). Weights
+    as transformers initialises them: norms 1, biases 0, the rest N(0, initializer_range)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    groups: dict[str, list[tuple[str, tuple]]] = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        group = ".".join(parts[:3]) if parts[1:2] == ["layers"] else "rest"
+        groups.setdefault(group, []).append((name, tuple(tensor.shape)))
+    std = float(getattr(hf_config, "initializer_range", 0.02))
+    weight_map, total = {}, 0
+    for i, (group, tensors) in enumerate(groups.items()):
+        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        state = {}
+        for name, shape in tensors:
+            if name.endswith("norm.weight"):
+                state[name] = torch.ones(shape, dtype=torch.bfloat16)
+            elif name.endswith(".bias"):
+                state[name] = torch.zeros(shape, dtype=torch.bfloat16)
+            else:
+                state[name] = (torch.randn(shape, dtype=torch.float32) * std).to(torch.bfloat16)
+            weight_map[name] = shard
+            total += state[name].numel() * 2
+        save_file(state, str(out_dir / shard), metadata={"format": "pt"})
+        (out_dir / shard).chmod(0o644)
+        del state
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
               real_widths_layers: int | None = None, sizes: dict | None = None) -> Path:
     """Write a tiny HF checkpoint of `arch` into out_dir and return out_dir.
 
     real_widths_layers: keep the real model's widths and expert counts (multi-GB) and only cut
-    the layer count to this (benchmarks). sizes: config values to change on top (tests)."""
+    the layer count to this (benchmarks; written layer by layer, never whole in memory). sizes: config values to change on top (tests)."""
     if arch not in ARCHITECTURES:
         raise ZipMoEError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     vocab_file, _, _ = ARCHITECTURES[arch]
@@ -273,6 +310,9 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
 
     torch.manual_seed(seed)
     hf_config = AutoConfig.from_pretrained(out_dir, trust_remote_code=False)
+    if real_widths_layers is not None:
+        _write_streamed_weights(hf_config, out_dir)
+        return out_dir
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialise in BF16: no F32 copy of a multi-GB model
     try:
