@@ -439,12 +439,13 @@ static void update_rate(double * rate, int * measure, double bytes, uint64_t ns)
 
 // the cost model follows this machine (rates the params did not give): read rate from the I/O
 // thread's bytes and time, decode rate from the fetch's BF16 output and its threads' decode +
-// recovery time. Thread 0 of end, after a fetch that succeeded.
-static void calibrate(struct ggml_zipmoe_cache * c) {
+// recovery time. Thread 0 of end; a failed fetch only moves the starting point.
+static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
     const uint64_t bytes  = atomic_load(&c->stats.bytes_read), io_ns = atomic_load(&c->stats.io_ns);
     const uint64_t dec_ns = atomic_load(&c->stats.decode_ns) + atomic_load(&c->stats.recover_ns);
-    if (bytes < c->plan.seen_bytes_read || io_ns < c->plan.seen_io_ns || dec_ns < c->plan.seen_decode_ns) {
-        // the statistics were reset: measure from here
+    if (!succeeded || bytes < c->plan.seen_bytes_read || io_ns < c->plan.seen_io_ns ||
+        dec_ns < c->plan.seen_decode_ns) {
+        // a failure's partial reads, or statistics reset: measure from here
         c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
         return;
     }
@@ -468,9 +469,8 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
             nanosleep(&pause, NULL);
         }
     }
-    if (atomic_load(&c->status) == GGML_ZIPMOE_OK) {
-        calibrate(c);
-    } else {
+    calibrate(c, atomic_load(&c->status) == GGML_ZIPMOE_OK);
+    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
         zipmoe_cache_forget_tasks(c);
         for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
             atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);
