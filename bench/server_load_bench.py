@@ -23,30 +23,23 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
 
-SERVER = Path(sys.executable).with_name("zipmoe-server")
+# the suite's live-server helper: this bench needs the [test] extra anyway (openai)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_server import SERVER, Server  # noqa: E402
+
 ALIAS = "bench"
 LOAD_TIMEOUT_S = 600
 PROMPTS = ["Tell me a story.", "What is a mixture of experts?", "Count to five.", "Name a colour.",
            "Why is the sky blue?", "Write a haiku about disks.", "Explain caching in one sentence.",
            "List three prime numbers."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mem_total() -> int | None:
@@ -57,55 +50,6 @@ def mem_total() -> int | None:
     except OSError:
         pass
     return None
-
-
-class Server:
-    """A zipmoe-server process, its output collected in the background."""
-
-    def __init__(self, args: list[str], port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [str(SERVER), "--host", "127.0.0.1", "--port", str(port), *args]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._log: list[str] = []
-        threading.Thread(target=lambda: self._log.extend(self.proc.stdout), daemon=True).start()
-
-    @property
-    def log(self) -> str:
-        return "".join(self._log)
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until /v1/models answers; RuntimeError (with the log) if the server exits or times out."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"zipmoe-server exited with {self.proc.returncode}:\n{self.log}")
-            try:
-                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
-                return time.monotonic() - t0
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.3)
-        raise RuntimeError(f"zipmoe-server did not answer within {timeout:.0f} s:\n{self.log}")
-
-    def get(self, route: str) -> dict:
-        return json.loads(urllib.request.urlopen(self.url + route, timeout=30).read())
-
-    def rss(self) -> int | None:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) << 10
-        except OSError:  # exited
-            pass
-        return None
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def chat(client: openai.OpenAI, prompt: str, max_tokens: int) -> tuple[str, int, float]:
@@ -127,14 +71,15 @@ def run_load(server: Server, client: openai.OpenAI, n_clients: int, n_requests: 
     records: list[dict] = []
     lock = threading.Lock()
     barrier = threading.Barrier(n_clients + 1)
-    peak = [server.rss() or 0]
+    peak = [server.rss()]
     done = threading.Event()
 
     def watch_rss():
         while not done.wait(0.05):
-            rss = server.rss()
-            if rss is not None:
-                peak[0] = max(peak[0], rss)
+            try:
+                peak[0] = max(peak[0], server.rss())
+            except (AssertionError, OSError):  # the server exited: its failure shows in the requests
+                return
 
     def worker(i: int):
         barrier.wait()
@@ -192,14 +137,14 @@ def main() -> int:
         server_args += ["--zipmoe_budget", args.budget]
     server_args += args.extra
 
-    server = Server(server_args, args.port or free_port())
-    print(f"starting: {shlex.join(server.cmd)}", flush=True)
+    print(f"starting: zipmoe-server {shlex.join(server_args)}", flush=True)
     try:
-        try:
-            load_s = server.wait_ready(LOAD_TIMEOUT_S)
-        except RuntimeError as e:
-            print(e, file=sys.stderr)
-            return 1
+        server = Server(*server_args, port=args.port, ready_timeout=LOAD_TIMEOUT_S)
+    except AssertionError as e:  # its message holds the server's log
+        print(e, file=sys.stderr)
+        return 1
+    load_s = server.load_s
+    try:
         print(f"server ready in {load_s:.1f} s", flush=True)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
         try:

@@ -35,15 +35,17 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, port: int | None = None):
+    """A live zipmoe-server (also bench/server_load_bench.py's), ready once made: load_s is how long that took."""
+
+    def __init__(self, *args: str, port: int | None = None, ready_timeout: float = 120):
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.cmd = [str(SERVER), "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._log: list[str] = []
         threading.Thread(target=lambda: self._log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        start = time.monotonic()
+        while time.monotonic() < start + ready_timeout:
             if self.proc.poll() is not None:
                 raise AssertionError(f"zipmoe-server exited with {self.proc.returncode}:\n{self.log}")
             try:
@@ -52,7 +54,8 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 time.sleep(0.3)
         else:
-            raise AssertionError(f"zipmoe-server did not answer within 120 s:\n{self.log}")
+            raise AssertionError(f"zipmoe-server did not answer within {ready_timeout:.0f} s:\n{self.log}")
+        self.load_s = time.monotonic() - start
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     @property
