@@ -6,7 +6,7 @@ the ZipMoE GGUF, no ZipMoE options at all, under memory caps of 25 / 50 / 75% of
         [--contexts default,256] [--gen-tokens 32] [--threads 2] [--out docs/benchmarks/cli_bench.json]
 
 Every run is `capped-run --mem CAP --evict FILE -- llama-completion -m FILE -p PROMPT -n N --temp 1
---seed S --ignore-eos -no-cnv -t T [CONTEXT]` (../shared/tools/capped-run: a child memory cgroup,
+--seed S --ignore-eos -no-cnv -t T -v [CONTEXT]` (-v: the runtime's counters at exit are logged; ../shared/tools/capped-run: a child memory cgroup,
 page cache included; the model evicted from the page cache first). CONTEXT is llama-completion's
 default (8192 tokens, batch 2048) or `-c 256 -b 64`. TPOT is llama-completion's own "eval time" per
 token; a run that fails or is killed is recorded as such. The O_DIRECT bandwidth of the disk is
@@ -29,6 +29,9 @@ CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed.")
 CONTEXTS = {"default": [], "256": ["-c", "256", "-b", "64"]}
+# systems beyond stock and zipmoe (the defaults): one ZipMoE option changed through its environment variable
+SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"}}
+STATS = re.compile(r"ZipMoE cache stats: (.*)")
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
@@ -38,13 +41,17 @@ def llama_completion() -> Path:
     return _paths.program("llama-completion")
 
 
-def run_one(cap: int, model: Path, args, context: str) -> dict:
+def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) -> dict:
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--",
            str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp", "1",
-           "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), *CONTEXTS[context]]
+           "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *CONTEXTS[context]]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL)
-    row = {"command": cmd[cmd.index("--") + 1:], "wall_s": time.perf_counter() - t}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
+                          env={**os.environ, **(env or {})})
+    row = {"command": cmd[cmd.index("--") + 1:], "env": env or {}, "wall_s": time.perf_counter() - t}
+    stats = STATS.findall(proc.stderr)
+    if stats:
+        row["zipmoe_stats"] = stats[-1].strip()  # the runtime's counters at exit: where the time went
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     capped = json.loads(lines[-1]) if lines else {}
     row.update({"rc": capped.get("rc", proc.returncode), "peak_bytes": capped.get("peak_bytes")})
@@ -73,7 +80,8 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=32, help="tokens sampled at temperature 1 (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--systems", default="stock,zipmoe", help="(default: %(default)s)")
+    ap.add_argument("--systems", default="stock,zipmoe",
+                    help=f"stock, zipmoe and/or {', '.join(SYSTEM_ENV)} (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/cli_bench.json"))
     args = ap.parse_args()
 
@@ -87,6 +95,9 @@ def main() -> int:
             print(f"making {zipmoe} from {bf16} ...", flush=True)
             zformat.repack(bf16, zipmoe)
     zipmoe = zipmoe.resolve()
+    bad = [s for s in args.systems.split(",") if s not in ("stock", "zipmoe", *SYSTEM_ENV)]
+    if bad:
+        ap.error(f"--systems: unknown {bad}; known are stock, zipmoe, {', '.join(SYSTEM_ENV)}")
     contexts = args.contexts.split(",")
     unknown = [c for c in contexts if c not in CONTEXTS]
     if unknown:
@@ -104,7 +115,7 @@ def main() -> int:
             for system in args.systems.split(","):
                 path = bf16 if system == "stock" else zipmoe
                 row = {"system": system, "context": context, "cap_pct": pct, "cap_bytes": cap,
-                       **run_one(cap, path, args, context)}
+                       **run_one(cap, path, args, context, SYSTEM_ENV.get(system))}
                 rows.append(row)
                 if "error" in row:
                     print(f"ctx {context:>7} {pct:>3}% {system:7s} FAILED (rc {row['rc']}): {row['error'][-300:]}",
@@ -135,19 +146,28 @@ def markdown(result: dict, contexts: list[str]) -> str:
              f"{Path(result['bf16']).name}: {result['model_bytes'] / 1e9:.2f} GB BF16, "
              f"{result['zipmoe_bytes'] / 1e9:.2f} GB ZipMoE; O_DIRECT {result['odirect_gbps']:.2f} GB/s measured in "
              f"the run; {result['threads']} threads; {result['gen_tokens']} tokens sampled at temperature 1.", "",
-             "| context | cap | stock TPOT ms | ZipMoE TPOT ms | ZipMoE / stock | stock peak GB | ZipMoE peak GB |",
+             "| context | cap | system | TPOT ms | stock TPOT / TPOT | prompt eval s | peak GB |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
+    systems = list(dict.fromkeys(r["system"] for r in result["rows"]))
     for context in contexts:
         for pct in sorted({r["cap_pct"] for r in result["rows"]}):
-            pair = {r["system"]: r for r in result["rows"] if r["context"] == context and r["cap_pct"] == pct}
-            cell = {s: (f"{pair[s]['tpot_s'] * 1e3:.0f}" if "tpot_s" in pair.get(s, {}) else
-                        (f"failed (rc {pair[s]['rc']})" if s in pair else "")) for s in ("stock", "zipmoe")}
-            ratio = (f"{pair['zipmoe']['tpot_s'] / pair['stock']['tpot_s']:.2f}"
-                     if all("tpot_s" in pair.get(s, {}) for s in ("stock", "zipmoe")) else "")
-            peak = {s: f"{(pair.get(s, {}).get('peak_bytes') or 0) / 1e9:.2f}" for s in ("stock", "zipmoe")}
+            rows = {r["system"]: r for r in result["rows"] if r["context"] == context and r["cap_pct"] == pct}
+            stock = rows.get("stock", {}).get("tpot_s")
             label = "default (8192)" if context == "default" else f"-c {context} -b 64"
-            lines.append(f"| {label} | {pct}% | {cell['stock']} | {cell['zipmoe']} | {ratio} | {peak['stock']} | "
-                         f"{peak['zipmoe']} |")
+            for system in systems:
+                r = rows.get(system)
+                if r is None:
+                    continue
+                if "tpot_s" not in r:
+                    lines.append(f"| {label} | {pct}% | {system} | failed (rc {r['rc']}) | | | |")
+                    continue
+                speedup = f"{stock / r['tpot_s']:.2f}x" if stock else ""
+                lines.append(f"| {label} | {pct}% | {system} | {r['tpot_s'] * 1e3:.0f} | {speedup} | "
+                             f"{r.get('prompt_s', 0):.2f} | {(r.get('peak_bytes') or 0) / 1e9:.2f} |")
+    counters = [(r["system"], r["context"], r["cap_pct"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
+    if counters:
+        lines += ["", "The runtime's counters at exit (whole run: prompt and generation):", ""]
+        lines += [f"- {system}, {context}, {pct}%: {text}" for system, context, pct, text in counters]
     return "\n".join(lines) + "\n"
 
 
@@ -162,11 +182,13 @@ def plot(result: dict, contexts: list[str], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
     for ax, context in zip(axes[0], contexts):
-        for system in ("stock", "zipmoe"):
+        for system in dict.fromkeys(r["system"] for r in result["rows"]):
             pts = [(r["cap_pct"], r["tpot_s"] * 1e3) for r in result["rows"]
                    if r["system"] == system and r["context"] == context and "tpot_s" in r]
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label="stock llama.cpp" if system == "stock" else "ZipMoE")
+                names = {"stock": "stock llama.cpp", "zipmoe": "ZipMoE", "zipmoe-prefetch": "ZipMoE, prefetch",
+                         "zipmoe-noprefetch": "ZipMoE, no prefetch"}
+                ax.plot(*zip(*sorted(pts)), marker="o", label=names.get(system, system))
         ax.set_title("default context" if context == "default" else f"-c {context} -b 64")
         ax.set_xlabel("memory cap, % of the BF16 model")
         ax.set_ylabel("TPOT, ms (lower is better)")

@@ -25,7 +25,7 @@ from test_format import make_moe_gguf
 
 class Cache:
     def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0),
-                 rate_read=0.0):
+                 rate_read=0.0, prefetch=0):
         lib = self.lib = _lib.lib()
         self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
         layers = self.zf.moe_layers()
@@ -35,6 +35,7 @@ class Cache:
         params.eviction, params.rank_delta = eviction, rank_delta
         params.pool_capacity[:] = pools
         params.rate_read = rate_read
+        params.prefetch_experts = prefetch
         params.set_layers(layers)
         self.slots = []
         for k, tensor in enumerate(layers[min(layers)]):
@@ -88,6 +89,23 @@ class Cache:
         assert len(set(statuses)) == 1
         return statuses[0]
 
+    def prefetch(self, layer, ids):
+        ids = np.ascontiguousarray(ids, np.int32)
+        return self.lib.ggml_zipmoe_cache_prefetch(self.handle, layer, ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                                   ids.shape[1], ids.shape[0], ids.shape[1])
+
+    def wait_prefetched(self, n_bytes, timeout=10.0):
+        """Until the I/O thread has read n_bytes for prefetches (it reads them in the background)."""
+        deadline = time.monotonic() + timeout
+        while self.stats()["prefetch_bytes_read"] < n_bytes:
+            assert time.monotonic() < deadline, f"prefetch read {self.stats()['prefetch_bytes_read']} of {n_bytes} bytes"
+            time.sleep(0.001)
+
+    def stored_bytes(self, layer, experts):
+        """Stored bytes (SM-chunk and E-chunks, all three kinds) of the given experts of a layer."""
+        tensors = [self.zf.tensors[t] for t in self.zf.moe_layers()[layer]]
+        return sum(c.size for t in tensors for e in experts for c in self.zf.chunks(t, e))
+
     def stats(self):
         return _lib.cache_stats(self.handle)
 
@@ -105,8 +123,9 @@ def setup(tmp_path):
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
     caches = []
 
-    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0):
-        caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta, rate_read=rate_read))
+    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0, prefetch=0, pools=(0, 0, 0, 0)):
+        caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta, pools, rate_read=rate_read,
+                            prefetch=prefetch))
         return caches[-1]
 
     yield make, experts
@@ -379,6 +398,81 @@ def test_the_layer_table_is_checked_and_its_faults_named(tmp_path):
     gate, up, down = layers[0]
     assert "layer 0's up tensor index 99 is not a repacked tensor" in _cache_new_error(path, {0: (gate, 99, down)})
     assert "layer 0 has 2 of the 3 routed-expert tensors" in _cache_new_error(path, {0: (gate, -1, down)})
+
+def test_a_prefetch_is_read_ahead_and_the_fetch_takes_it_instead_of_reading(setup):
+    make, experts = setup
+    cache = make(3, prefetch=2)
+    assert cache.prefetch(1, [[2, 4]]) == _lib.OK
+    cache.wait_prefetched(cache.stored_bytes(1, [2, 4]))
+    read = cache.stats()["bytes_read"]
+    status, slots = cache.fetch(1, [[4, 2]])
+    assert status == 0
+    assert_resident(cache, experts, 1, [[4, 2]], slots)
+    s = cache.stats()
+    assert s["bytes_read"] == read and s["expert_misses"] == 2  # a miss of the cache, served by the prefetch
+    assert s["prefetch_hits"] == 2 and s["prefetch_bytes_used"] == s["prefetch_bytes_read"] == read
+    r = s["prefetch_recall"]
+    assert (r["predicted"], r["actual"], r["correct"]) == (2, 2, 2) and list(r["layers"]) == [1]
+
+    # a misprediction is read and wasted; the fetch reads what it needs itself
+    assert cache.prefetch(0, [[0, 1]]) == _lib.OK
+    cache.wait_prefetched(read + cache.stored_bytes(0, [0, 1]))
+    status, slots = cache.fetch(0, [[5]])
+    assert status == 0
+    assert_resident(cache, experts, 0, [[5]], slots)
+    s = cache.stats()
+    assert s["prefetch_hits"] == 2 and s["prefetch_bytes_used"] == read
+    assert s["bytes_read"] == s["prefetch_bytes_read"] + cache.stored_bytes(0, [5])
+    assert s["prefetch_recall"]["layers"][0] == {"predicted": 2, "actual": 1, "correct": 0, "recall": 0.0}
+
+    # experts already in a slot are not read again
+    before = cache.stats()["prefetch_bytes_read"]
+    assert cache.prefetch(0, [[5]]) == _lib.OK
+    time.sleep(0.05)
+    assert cache.stats()["prefetch_bytes_read"] == before
+
+    # bad predictions are refused, and so is a cache made without prefetch
+    assert cache.prefetch(0, [[6]]) == _lib.ERR_ARG and cache.prefetch(2, [[0]]) == _lib.ERR_ARG
+    assert make(3).prefetch(0, [[0]]) == _lib.ERR_ARG
+
+
+@pytest.mark.parametrize("pools", [(0, 0, 0, 0), (1, 1, 1, 1)])
+def test_prefetches_interleaved_with_fetches_never_change_what_the_slots_hold(setup, pools):
+    """Predictions right, wrong and partial, fetched at once or after the reads, with and without
+    pools (whose S and E stores leave a prefetch half an expert to read), from 1 and 2 threads."""
+    make, experts = setup
+    kwargs = {"eviction": _lib.EVICT_RANK, "pools": pools} if any(pools) else {}
+    cache = make(5 if any(pools) else 3, prefetch=2, **kwargs)
+    rng = np.random.default_rng(3)
+    for step in range(120):
+        layer = step % 2
+        actual = rng.choice(6, size=2, replace=False)
+        predicted = actual if rng.random() < 0.5 else rng.choice(6, size=2, replace=False)
+        assert cache.prefetch(layer, [predicted]) == _lib.OK
+        if rng.random() < 0.5:
+            time.sleep(0.002)
+        status, slots = cache.fetch(layer, [actual], nth=1 + step % 2)
+        assert status == 0
+        assert_resident(cache, experts, layer, [actual], slots)
+    s = cache.stats()
+    assert s["prefetch_hits"] > 0 and 0 < s["prefetch_bytes_used"] <= s["prefetch_bytes_read"]
+
+
+def test_a_corrupt_chunk_read_ahead_is_named_by_the_fetch(tmp_path):
+    path = corrupt_chunk(tmp_path, "blk.0.ffn_up_exps.weight", 1, 2)
+    cache = Cache(path, 2, prefetch=2)
+    try:
+        assert cache.prefetch(0, [[1, 0]]) == _lib.OK
+        time.sleep(0.1)
+        status, _ = cache.fetch(0, [[1]])
+        assert status == _lib.ERR_CHECKSUM
+        assert (b"checksum mismatch in layer 0, tensor blk.0.ffn_up_exps.weight, expert 1, E-chunk (shard 1)"
+                in cache.lib.ggml_zipmoe_cache_error(cache.handle))
+        status, _ = cache.fetch(0, [[0]])
+        assert status == 0
+    finally:
+        cache.close()
+
 
 def corrupt_chunk(tmp_path, tensor: str, expert: int, chunk: int, byte: int = 0, flip: int = 0x01):
     """A repacked test file (3 shards, 6 experts) with one bit of one stored chunk flipped."""

@@ -7,7 +7,6 @@ through everything-fits.
 """
 from __future__ import annotations
 
-import ctypes
 import subprocess
 
 import numpy as np
@@ -30,6 +29,24 @@ def expert_geometry(path) -> tuple[int, int, int]:
         sizes = zf.expert_bytes()
         n_expert = zf.shape(zf.tensors[0])[2]
     return sizes.one_expert, n_expert, sizes.all_experts
+
+
+TOP_K = {"qwen2moe": 4, "deepseek2": 6}
+
+
+def budget_of(path, arch: str, name: str) -> int:
+    """The test budgets: one token's experts of a layer ("top-k"), half of all experts, all of them."""
+    one, _, everything = expert_geometry(path)
+    return {"top-k": TOP_K[arch] * one, "half": everything // 2, "everything": everything}[name]
+
+
+def trace_and_close(llm, n_seq: int):
+    """logits_trace of the first n_seq prompts, and the cache's statistics after it; closes llm."""
+    try:
+        got, got_tokens = logits_trace(llm, PROMPTS[:n_seq])
+        return got, got_tokens, llm.zipmoe_stats()
+    finally:
+        llm.close()
 
 
 def load(path, **zipmoe_options):
@@ -111,16 +128,11 @@ def reference(tiny_gguf):
 @pytest.mark.parametrize("budget_name", ["top-k", "half", "everything"])
 def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zipmoe_gguf, reference):
     path = zipmoe_gguf(arch)
-    one, n_expert, everything = expert_geometry(path)
-    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
-    budget = {"top-k": top_k * one, "half": everything // 2, "everything": everything}[budget_name]
-    llm = load(path, zipmoe_budget=budget)
-    try:
-        want, want_tokens = reference(arch, n_seq)
-        got, got_tokens = logits_trace(llm, PROMPTS[:n_seq])
-        stats = llm.zipmoe_stats()
-    finally:
-        llm.close()
+    one, _, _ = expert_geometry(path)
+    top_k = TOP_K[arch]
+    budget = budget_of(path, arch, budget_name)
+    want, want_tokens = reference(arch, n_seq)
+    got, got_tokens, stats = trace_and_close(load(path, zipmoe_budget=budget), n_seq)
     assert got_tokens == want_tokens
     assert got.shape == want.shape
     differing = int((got != want).any(axis=1).sum())
@@ -132,15 +144,33 @@ def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zip
         assert stats["fetch_calls"] > stats["expert_misses"] / top_k
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("budget_name", ["top-k", "half"])
+def test_prefetch_on_and_off_are_bit_identical(arch, prefetch, budget_name, zipmoe_gguf, reference):
+    """The next layer's predicted experts are read ahead (the default) or not: the same logits, and
+    with it on, the prediction is scored at every MoE layer after the first."""
+    path = zipmoe_gguf(arch)
+    llm = load(path, zipmoe_budget=budget_of(path, arch, budget_name), zipmoe_prefetch=prefetch)
+    got, got_tokens, stats = trace_and_close(llm, 1)
+    want, want_tokens = reference(arch, 1)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    recall = stats["prefetch_recall"]
+    assert stats["prefetch_bytes_used"] <= stats["prefetch_bytes_read"]
+    if prefetch:
+        with zformat.ZipMoEFile(path) as zf:
+            moe_layers = sorted(zf.moe_layers())
+        assert sorted(recall["layers"]) == moe_layers[1:]
+        assert 0 < recall["actual"] and recall["correct"] <= recall["actual"]
+    else:
+        assert recall["actual"] == 0 and stats["prefetch_bytes_read"] == 0
+
+
 @pytest.mark.parametrize("budget_name", ["top-k", "half", "everything"])
 def test_preload_fills_the_slots_and_stays_bit_identical(arch, budget_name, zipmoe_gguf, reference):
     """The default: the first context fills every slot in use (each layer its share, experts in id order),
     uncounted by the statistics; serving then hits where the preload guessed right."""
     path = zipmoe_gguf(arch)
-    one, n_expert, everything = expert_geometry(path)
-    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
-    budget = {"top-k": top_k * one, "half": everything // 2, "everything": everything}[budget_name]
-    llm = load(path, zipmoe_budget=budget, zipmoe_preload=True)
+    llm = load(path, zipmoe_budget=budget_of(path, arch, budget_name), zipmoe_preload=True)
     try:
         before = llm.zipmoe_stats()
         got, got_tokens = logits_trace(llm, PROMPTS[:4])
@@ -160,7 +190,7 @@ def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):
     """zipmoe_threads caps the graph threads that decode; the I/O thread reads either way."""
     path = zipmoe_gguf(arch)
     one, _, _ = expert_geometry(path)
-    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    top_k = TOP_K[arch]
     llm = load(path, zipmoe_budget=top_k * one, zipmoe_threads=1)
     try:
         got, got_tokens = logits_trace(llm, PROMPTS[:4])
@@ -195,7 +225,7 @@ def test_every_pool_mix_is_bit_identical(arch, mix, zipmoe_gguf, reference):
     """Experts decoded from the C, S and E stores (and read in Algorithm 1's order) give the same logits;
     the working slots are just the top-k, so a prefill runs in several passes per layer."""
     path = zipmoe_gguf(arch)
-    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    top_k = TOP_K[arch]
     llm = load(path, zipmoe_pools=POOL_MIXES[mix], zipmoe_work_slots=top_k)
     try:
         got, got_tokens = logits_trace(llm, PROMPTS[:4])
@@ -246,7 +276,7 @@ def test_fork_cli_with_warmup_matches_the_bf16_gguf_at_the_smallest_budget(arch,
     """llama-completion's warmup selects every expert of every layer: it must fit a top-k budget too."""
     path = zipmoe_gguf(arch)
     one, _, _ = expert_geometry(path)
-    top_k = {"qwen2moe": 4, "deepseek2": 6}[arch]
+    top_k = TOP_K[arch]
     cmd = [_paths.program("llama-completion"), "-p", PROMPTS[0], "-n", 16, "--temp", 0, "-t", THREADS,
            "-no-cnv", "--seed", 1]
     want = run(cmd + ["-m", tiny_gguf(arch)], stdin=subprocess.DEVNULL)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from zipmoe_py.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A2
 from conftest import run, zipmoe_command
 
 REAL = {"deepseek2": DEEPSEEK_V2_LITE_CONFIG, "qwen2moe": QWEN15_MOE_A27B_CONFIG}
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def test_config_has_the_real_models_keys(arch, tiny_hf):
@@ -116,3 +118,37 @@ def test_streamed_weights_are_a_sharded_checkpoint_of_every_tensor(tmp_path):
                 else:
                     assert float(t.float().std()) > 0, name
     assert index["metadata"]["total_size"] == total
+
+
+def test_uniform_router_spreads_routing_and_forgets_the_last_token(tmp_path):
+    """router="uniform" (the bench models' worst case for expert caches): against the random router of
+    the same seed, expert popularity close to uniform and consecutive tokens sharing experts about as
+    often as chance; only attention output projections and routers differ (experts bit-identical).
+    Measured with bench/prefetch_recall.py on text, where frequent words keep some experts busier."""
+    import torch
+
+    from zipmoe_py.tiny import make_tiny
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        from prefetch_recall import default_text, load_model, measure, tokenize
+    finally:
+        sys.path.remove(str(BENCH))
+
+    stats, weights = {}, {}
+    for router in ("random", "uniform"):
+        hf = make_tiny("qwen2moe", tmp_path / router, router=router)
+        with safe_open(str(hf / "model.safetensors"), "pt") as f:
+            weights[router] = {n: f.get_tensor(n) for n in f.keys()}
+        result = measure(load_model(hf, torch.float32), tokenize(hf, default_text(), 256))
+        stats[router] = result["overall"]
+        assert stats[router]["self_check"] > 0.99, stats[router]
+    chance = result["k"] / result["n_experts"]  # 4 of 16
+
+    changed = {n for n in weights["random"] if not torch.equal(weights["random"][n], weights["uniform"][n])}
+    assert changed and all(n.endswith((".self_attn.o_proj.weight", ".mlp.gate.weight")) for n in changed), changed
+    random, uniform = stats["random"], stats["uniform"]
+    assert uniform["entropy"] > 0.98 and uniform["top25"] < 0.36, uniform
+    assert uniform["consecutive_overlap"] < chance + 0.05, uniform
+    assert random["top25"] > uniform["top25"] + 0.1, (random, uniform)
+    assert random["consecutive_overlap"] > uniform["consecutive_overlap"] + 0.1, (random, uniform)

@@ -35,7 +35,8 @@ class ChunkInfo(ctypes.Structure):
 class CacheStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("fetch_calls", "expert_hits", "expert_misses", "bytes_read",
                                                      "io_ns", "decode_ns", "recover_ns", "fetch_ns",
-                                                     "c_hits", "s_hits", "e_hits")]
+                                                     "c_hits", "s_hits", "e_hits", "prefetch_hits",
+                                                     "prefetch_bytes_read", "prefetch_bytes_used")]
 
 
 class Memory(ctypes.Structure):
@@ -56,7 +57,7 @@ class CacheParams(ctypes.Structure):
                 ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
                 ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
-                ("layer_tensors", ctypes.POINTER(ctypes.c_int32))]
+                ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),
@@ -153,6 +154,10 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_fetch_begin": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
     "ggml_zipmoe_cache_fetch_end": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_cache_get_prefetch_recall": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] +
+                                              [ctypes.POINTER(ctypes.c_uint64)] * 3),
+    "ggml_zipmoe_cache_prefetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32),
+                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
     "ggml_zipmoe_cache_get_activations": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int,
                                                          ctypes.POINTER(ctypes.c_uint64),
                                                          ctypes.POINTER(ctypes.c_uint64)]),
@@ -295,9 +300,28 @@ def cache_stats(cache) -> dict:
     lookups = out["expert_hits"] + out["c_hits"] + out["s_hits"] + out["e_hits"] + out["expert_misses"]
     # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
+    out["prefetch_recall"] = prefetch_recall(cache)
     # the scheduler's cost model now (bytes/s): measured on this machine unless given
     out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
                     for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE))}
+    return out
+
+
+def prefetch_recall(cache) -> dict:
+    """How well the next-layer prediction named the experts routers chose: totals and per layer
+    (layers with predictions only), each {predicted, actual, correct, recall}."""
+    def one(layer):
+        vals = [ctypes.c_uint64() for _ in range(3)]
+        if lib().ggml_zipmoe_cache_get_prefetch_recall(cache, layer, *[ctypes.byref(v) for v in vals]) != OK:
+            return None
+        predicted, actual, correct = (v.value for v in vals)
+        return {"predicted": predicted, "actual": actual, "correct": correct,
+                "recall": correct / actual if actual else None}
+
+    out = one(-1) or {}
+    # served layers need not be contiguous (DeepSeek's layer 0 is dense); models have far fewer
+    layers = {layer: one(layer) for layer in range(1024) if lib().ggml_zipmoe_cache_has_layer(cache, layer)}
+    out["layers"] = {layer: r for layer, r in layers.items() if r is not None and r["actual"]}
     return out
 
 

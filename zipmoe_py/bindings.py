@@ -103,6 +103,10 @@ class Llama(llama_cpp.Llama):
       zipmoe_work_slots: with pools, the slots beyond F's where other experts are made full for a
                         pass (default 8; a ubatch choosing more distinct experts per layer than the
                         free slots runs in several passes)
+      zipmoe_prefetch:  read ahead, while a layer computes, the chunks of the experts the next layer's
+                        router is predicted to choose (its gate applied to this layer's FFN input);
+                        lossless: routing and arithmetic are unchanged (default False: on the
+                        random-weight bench models it did not pay for itself)
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
@@ -112,7 +116,8 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
                                    kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
-                                   kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"))
+                                   kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"),
+                                   kwargs.get("zipmoe_prefetch"))
         if "zipmoe.budget" in options:
             check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
@@ -120,11 +125,12 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
                  zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
-                 zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None, **kwargs):
+                 zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None,
+                 zipmoe_prefetch: bool | None = None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
                                           zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
-                                          zipmoe_mem_limit, zipmoe_preload))
+                                          zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

@@ -60,6 +60,10 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
              f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
              f"{stats['fetch_ns'] / 1e6:.1f} ms")
+    if stats.get("prefetch_bytes_read"):
+        read, used = stats["prefetch_bytes_read"], stats["prefetch_bytes_used"]
+        text += (f"; prefetch: {stats['prefetch_hits']} experts served, read {read / 1e6:.2f} MB, used "
+                 f"{used / 1e6:.2f} MB, wasted {max(0, read - used) / 1e6:.2f} MB")
     if n_tokens:
         text += f"; per token: {stats['expert_misses'] / n_tokens:.2f} misses, {stats['bytes_read'] / n_tokens / 1e6:.3f} MB"
     return text
@@ -72,9 +76,16 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
         return None
     delta = {k: now[k] - (before or {}).get(k, 0) for k in ("expert_hits", "c_hits", "s_hits", "e_hits",
                                                              "expert_misses", "bytes_read", "io_ns",
-                                                             "decode_ns", "recover_ns", "fetch_ns")}
+                                                             "decode_ns", "recover_ns", "fetch_ns",
+                                                             "prefetch_hits", "prefetch_bytes_read",
+                                                             "prefetch_bytes_used")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
+    recall = now.get("prefetch_recall") or {}
+    if recall.get("actual"):
+        per_layer = ", ".join(f"{layer}: {r['recall']:.2f}" for layer, r in recall["layers"].items())
+        print(f"[stats] prefetch recall (experts the next-layer prediction named, of those chosen): "
+              f"{recall['recall']:.2f} over all layers; by layer {per_layer}", file=sys.stderr)
     rates = now.get("rates")
     if rates:
         print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s, decode {rates['decode'] / 1e9:.2f} "
@@ -125,7 +136,7 @@ def chat(args) -> int:
                 verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
                 zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
-                zipmoe_preload=None if args.preload else False)
+                zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -201,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-preload", dest="preload", action="store_false",
                     help="ZipMoE GGUFs: do not fill the expert slots when the model is loaded (by default they are, "
                          "as a memory-mapped model's populate does; $ZIPMOE_PRELOAD=0 does the same)")
+    ap.add_argument("--prefetch", action="store_const", const=True, default=None,
+                    help="ZipMoE GGUFs: while a layer computes, read the chunks of the experts the next layer's "
+                         "router is predicted to choose (lossless; off by default: on the random-weight bench "
+                         "models it did not pay for itself; $ZIPMOE_PREFETCH=1 does the same)")
     io = ap.add_mutually_exclusive_group()
     io.add_argument("--direct-io", dest="direct_io", action="store_const", const=True, default=None,
                     help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache, and fail where "

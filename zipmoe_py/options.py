@@ -83,7 +83,7 @@ def plan_overrides(plan_path) -> dict:
 
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
                      rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
-                     preload: bool | None = None) -> dict:
+                     preload: bool | None = None, prefetch: bool | None = None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
     not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
@@ -116,6 +116,10 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         if not isinstance(preload, bool):
             raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
         out["zipmoe.preload"] = preload
+    if prefetch is not None:
+        if not isinstance(prefetch, bool):
+            raise ZipMoEError(f"zipmoe_prefetch must be True or False; got {prefetch!r}")
+        out["zipmoe.prefetch"] = prefetch
     if threads is not None:
         out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads")
     return out

@@ -49,7 +49,8 @@ from .errors import ZipMoEError
 
 # the zipmoe_py.Llama keyword arguments that are also server settings (see its docstring)
 ZIPMOE_OPTIONS = ("zipmoe_budget", "zipmoe_mem_limit", "zipmoe_direct_io", "zipmoe_preload", "zipmoe_threads",
-                  "zipmoe_eviction", "zipmoe_rank_delta", "zipmoe_pools", "zipmoe_plan", "zipmoe_work_slots")
+                  "zipmoe_eviction", "zipmoe_rank_delta", "zipmoe_pools", "zipmoe_plan", "zipmoe_work_slots",
+                  "zipmoe_prefetch")
 
 
 class ZipMoEModelSettings(ModelSettings):
@@ -83,6 +84,9 @@ class ZipMoEModelSettings(ModelSettings):
         default=None, description="A zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools).")
     zipmoe_work_slots: Optional[int] = Field(
         default=None, description="With pools, the slots beyond F's where other experts are made full (default 8).")
+    zipmoe_prefetch: Optional[bool] = Field(
+        default=None, description="Read ahead the chunks of the experts the next layer is predicted to choose "
+        "(lossless; default false).")
 
     def zipmoe_kwargs(self) -> dict:
         """The zipmoe_* keyword arguments given, for zipmoe_py.Llama."""

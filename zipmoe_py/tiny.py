@@ -152,6 +152,24 @@ DEEPSEEK_V2_CHAT_TEMPLATE = (
 
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 1, 3, 4
 
+# Router variants (make_tiny's router=). "random": every weight as drawn. Such a model routes in a
+# concentrated, memoryful way, kinder to expert caches than a trained model (Qwen1.5-MoE widths,
+# 3 layers, 512 tokens of English: the top 25% of the experts take 84-96% of the selections,
+# consecutive tokens share 40-66% of their experts against 4/60 by chance), and for a reason no
+# change of the routers alone undoes: random attention is close to uniform, so an attention output
+# is about the mean of the prefix's values (at those widths 8x the embedding already after layer 0,
+# cosine 0.6 between consecutive tokens), and every hidden state is dominated by this slowly
+# drifting, document-specific average. Scaling a router changes no top-k; rows made orthogonal to
+# the mean hidden state of one text route uniformly on that text only, as before on others.
+# "uniform", the worst case for every expert cache: attention output projections scaled by
+# UNIFORM_ATTN_OUTPUT_SCALE, so a hidden state depends on its own token only and routing becomes
+# a random hash of the token (memoryless; as uniform as the token frequencies allow), and each
+# router's rows made orthonormal with one common norm, so that no expert wins more often on
+# isotropic inputs. Every other weight is the same draw as "random" (routed experts bit-identical,
+# so compress the same). bench/prefetch_recall.py measures both; tests/test_tiny.py checks.
+ROUTERS = ("random", "uniform")
+UNIFORM_ATTN_OUTPUT_SCALE = 1e-3
+
 ARCHITECTURES = {
     "deepseek2": ("ggml-vocab-deepseek-llm.gguf", DEEPSEEK_V2_LITE_CONFIG, DEEPSEEK_TINY_SIZES),
     "qwen2moe": ("ggml-vocab-qwen2.gguf", QWEN15_MOE_A27B_CONFIG, QWEN_TINY_SIZES),
@@ -233,7 +251,24 @@ def _tokenizer_config(arch: str, vocab: dict) -> dict:
     }
 
 
-def _write_streamed_weights(hf_config, out_dir: Path) -> None:
+def _uniform_router_weight(name: str, tensor):
+    """A weight of the router="uniform" variant, from the one drawn for "random" (float32 in and out;
+    see ROUTERS). Tensors other than attention output projections and routers pass unchanged."""
+    import torch
+
+    if name.endswith(".self_attn.o_proj.weight"):
+        return tensor * UNIFORM_ATTN_OUTPUT_SCALE
+    if name.endswith(".mlp.gate.weight"):  # the router (ffn_gate_inp), (n_experts, hidden)
+        norm = tensor.norm(dim=1).mean()
+        if tensor.shape[0] <= tensor.shape[1]:
+            rows = torch.linalg.qr(tensor.t()).Q.t()
+        else:  # more experts than dimensions: no orthonormal set, equal norms only
+            rows = tensor / tensor.norm(dim=1, keepdim=True)
+        return (rows * norm).contiguous()
+    return tensor
+
+
+def _write_streamed_weights(hf_config, out_dir: Path, router: str = "random") -> None:
     """A multi-GB checkpoint without holding it in memory: the model is laid out on the meta device
     (names and shapes only), then each layer's tensors are drawn and saved as a shard of their own
     (model-NNNNN.safetensors + model.safetensors.index.json, as sharded HF checkpoints are). Weights
@@ -260,7 +295,10 @@ def _write_streamed_weights(hf_config, out_dir: Path) -> None:
             elif name.endswith(".bias"):
                 state[name] = torch.zeros(shape, dtype=torch.bfloat16)
             else:
-                state[name] = (torch.randn(shape, dtype=torch.float32) * std).to(torch.bfloat16)
+                drawn = torch.randn(shape, dtype=torch.float32) * std
+                if router == "uniform":
+                    drawn = _uniform_router_weight(name, drawn)
+                state[name] = drawn.to(torch.bfloat16)
             weight_map[name] = shard
             total += state[name].numel() * 2
         save_file(state, str(out_dir / shard), metadata={"format": "pt"})
@@ -271,13 +309,17 @@ def _write_streamed_weights(hf_config, out_dir: Path) -> None:
 
 
 def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
-              real_widths_layers: int | None = None, sizes: dict | None = None) -> Path:
+              real_widths_layers: int | None = None, sizes: dict | None = None,
+              router: str = "random") -> Path:
     """Write a tiny HF checkpoint of `arch` into out_dir and return out_dir.
 
     real_widths_layers: keep the real model's widths and expert counts (multi-GB) and only cut
-    the layer count to this (benchmarks; written layer by layer, never whole in memory). sizes: config values to change on top (tests)."""
+    the layer count to this (benchmarks; written layer by layer, never whole in memory). sizes: config values to change on top (tests).
+    router: "random" (weights as drawn) or "uniform" (near-uniform, memoryless routing; see ROUTERS)."""
     if arch not in ARCHITECTURES:
         raise ZipMoEError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if router not in ROUTERS:
+        raise ZipMoEError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
     vocab_file, _, _ = ARCHITECTURES[arch]
     vocab_path = _paths.vendored_vocab(vocab_file)
     out_dir = Path(out_dir)
@@ -311,7 +353,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     torch.manual_seed(seed)
     hf_config = AutoConfig.from_pretrained(out_dir, trust_remote_code=False)
     if real_widths_layers is not None:
-        _write_streamed_weights(hf_config, out_dir)
+        _write_streamed_weights(hf_config, out_dir, router)
         return out_dir
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialise in BF16: no F32 copy of a multi-GB model
@@ -320,6 +362,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     finally:
         torch.set_default_dtype(default_dtype)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if router == "uniform":
+        state = {k: _uniform_router_weight(k, v.float()).to(torch.bfloat16) for k, v in state.items()}
     weights = out_dir / "model.safetensors"
     save_file(state, str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors creates it owner-only; the rest of the checkpoint is world-readable
@@ -338,9 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: %(default)s)")
     ap.add_argument("--std", type=float, default=None,
                     help="standard deviation of the random weights (default: the config's initializer_range, 0.02)")
+    ap.add_argument("--router", choices=ROUTERS, default="random",
+                    help="random: weights as drawn (concentrated, memoryful routing); uniform: near-uniform, "
+                         "memoryless routing, the worst case for expert caches (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
-        out = make_tiny(args.arch, args.out_dir, seed=args.seed, std=args.std)
+        out = make_tiny(args.arch, args.out_dir, seed=args.seed, std=args.std, router=args.router)
     except ZipMoEError as e:
         print(f"zipmoe-make-tiny: error: {e}", file=sys.stderr)
         return 1

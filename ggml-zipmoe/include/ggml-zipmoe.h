@@ -300,6 +300,8 @@ struct ggml_zipmoe_cache_params {
     const int32_t *                 layer_tensors;  // [n_layer][3]: the repacked tensor index (ggml_zipmoe_file_find_tensor)
                                                     // of each layer's gate, up and down experts; -1 x 3 for a layer
                                                     // the cache does not serve (the caller knows the model's names)
+    int32_t                         prefetch_experts; // experts a prefetch may read ahead (0: no prefetch; see
+                                                      // ggml_zipmoe_cache_prefetch)
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -314,6 +316,9 @@ struct ggml_zipmoe_cache_stats {
     uint64_t c_hits;         // selections found in pool C (no read)
     uint64_t s_hits;         // selections found in pool S (E-chunks read)
     uint64_t e_hits;         // selections found in pool E (SM-chunks read)
+    uint64_t prefetch_hits;       // selections not in a slot whose missing chunks a prefetch had read (all or some)
+    uint64_t prefetch_bytes_read; // stored bytes prefetches read (also counted in bytes_read)
+    uint64_t prefetch_bytes_used; // of those, bytes a fetch used (the rest were mispredicted: wasted)
 };
 
 struct ggml_zipmoe_cache;
@@ -411,6 +416,29 @@ GGML_ZIPMOE_API void         ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_ca
 // default until a fetch has measured it. Compute stays the params' or the default (the products run
 // in the graph, where the cache does not time them). 0 if cache is NULL or rate unknown.
 GGML_ZIPMOE_API double       ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * cache, int rate);
+
+// Prefetch (SMoE §5.2's top-score prediction, lossless): the caller predicts the experts of a layer
+// before its router runs (its gate applied to an earlier hidden state) and hands them here; the I/O
+// thread reads the chunks the cache lacks for them into a prefetch buffer when it has no fetch's
+// reads to do, stopping after the read in progress whenever a fetch begins, so that a layer's true
+// misses always go first. That layer's fetch takes what was read like a store hit (no read) and
+// reads the rest; what was read for experts the router did not choose is dropped (wasted). Only
+// reads are done ahead: decoding stays in the fetch, on the graph's threads, which are busy with
+// the products meanwhile. Routing and arithmetic are unchanged, so results are bit-identical with
+// or without it. Two buffers of params.prefetch_experts experts alternate, so that one prefetch can
+// be read while the previous one is used.
+// ids is [n_tokens][n_used] predicted expert ids (row stride ids_stride); the distinct ones are
+// taken in order, up to prefetch_experts of those the cache lacks. Call it from the thread that
+// runs the fetches, between them or while one it began is open (the graph's thread 0). Returns OK,
+// or ERR_ARG (a layer not served, an id out of range, prefetch off): nothing is prefetched then.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * cache, int layer, const int32_t * ids,
+                                               int64_t n_used, int64_t n_tokens, int64_t ids_stride);
+
+// how well prefetches predicted a layer's experts (layer -1: all layers), counted at the layer's
+// first pass of each ubatch that had a prediction: predicted = distinct experts predicted, actual =
+// distinct experts the router chose, correct = both (recall = correct / actual). Returns OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_get_prefetch_recall(const struct ggml_zipmoe_cache * cache, int layer,
+                                                          uint64_t * predicted, uint64_t * actual, uint64_t * correct);
 
 // profiling (zipmoe-profile): counts[e] = ubatches whose router chose expert e in this layer
 // (counts has ggml_zipmoe_cache_n_expert entries), n_ubatches = ubatches the layer ran; since

@@ -84,6 +84,7 @@ const option_desc k_options[] = {
     { "zipmoe.pool_s",     "ZIPMOE_POOL_S",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
+    { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
 };
 
 std::string trim_lower(const std::string & s) {
@@ -296,6 +297,8 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             o.pools[strchr("fcse", key.back()) - "fcse"] = (int32_t) as_int(v, d, 0, 1 << 20);
         } else if (key == "zipmoe.work_slots") {
             o.work_slots = (int32_t) as_int(v, d, 1, 1 << 20);
+        } else if (key == "zipmoe.prefetch") {
+            o.prefetch = as_bool(v, d);
         }
     }
     if (o.with_pools() && o.eviction_set && o.eviction != GGML_ZIPMOE_EVICT_RANK) {
@@ -394,6 +397,21 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
 }
 
 llama_zipmoe::~llama_zipmoe() {
+    if (cache != nullptr) {
+        // where the time went, for programs that print no statistics of their own (llama-completion)
+        ggml_zipmoe_cache_stats s;
+        ggml_zipmoe_cache_get_stats(cache, &s);
+        uint64_t predicted = 0, actual = 0, correct = 0;
+        ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
+        LLAMA_LOG_INFO("%s: ZipMoE cache stats: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB read "
+                       "(prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
+                       "%.1f ms, recover %.1f ms, fetch wall %.1f ms\n", __func__,
+                       (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
+                       (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
+                       s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
+                       (unsigned long long) s.prefetch_hits, actual ? (double) correct / actual : 0.0, s.io_ns / 1e6,
+                       s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6);
+    }
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
         for (ggml_tensor * t : slots) {
@@ -528,6 +546,10 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     const std::vector<int32_t> layer_tensors = layer_tensor_table(file);
     cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
     cp.layer_tensors = layer_tensors.data();
+    // a bank of half a token's experts, the best-scored of those the cache lacks: a decode step's
+    // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
+    // taken from the slots
+    cp.prefetch_experts = opt.prefetch ? (n_expert_used + 1) / 2 : 0;
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
@@ -568,11 +590,15 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
 }
 
 void llama_zipmoe::check_model(const llama_model & model) {
+    gate_inp.assign(model.layers.size(), nullptr);
+    ffn_norm.assign(model.layers.size(), nullptr);
     for (size_t il = 0; il < model.layers.size(); ++il) {
         const llama_layer & l = model.layers[il];
         if (l.ffn_down_exps == nullptr || of(l.ffn_down_exps) != this) {
             continue;
         }
+        gate_inp[il] = l.ffn_gate_inp;
+        ffn_norm[il] = l.ffn_norm;
         const bool unsupported = l.ffn_gate_exps_b || l.ffn_up_exps_b || l.ffn_down_exps_b || l.ffn_gate_up_exps ||
                                  l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
         if (unsupported) {
@@ -842,7 +868,48 @@ static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata
     }
 }
 
-ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * selected_experts,
+static void zipmoe_prefetch_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    const auto *        a   = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    if (ith == 0) {
+        // advisory: a prediction that cannot be read ahead (ERR_ARG) costs the fetch nothing
+        ggml_zipmoe_cache_prefetch(a->zm->cache, a->il, (const int32_t *) ids->data, ids->ne[0], ids->ne[1],
+                                   ids->nb[1] / sizeof(int32_t));
+    }
+}
+
+// SMoE's top-score prediction: the next MoE layer's router applied to this layer's FFN input, taken
+// to the next layer's FFN norm (RMS norm is per-token scale-invariant and top-k ignores a positive
+// scale, so the ratio of the two norms' weights is all that differs). The residual stream changes
+// little from one layer to the next, so the top-k of these scores mostly names the experts the next
+// router will choose. The op runs after this layer's fetch began: its reads go after the fetch's.
+void llama_zipmoe::build_prefetch(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
+                                  ggml_tensor * after, int64_t n_used) {
+    int next = il + 1;
+    while (next < (int) gate_inp.size() && gate_inp[next] == nullptr) {
+        ++next;
+    }
+    if (!opt.prefetch || next >= (int) gate_inp.size() || ffn_inp == nullptr || ffn_inp->ne[1] != 1 ||
+        !ggml_is_contiguous(ffn_inp) || gate_inp[next]->ne[0] != ffn_inp->ne[0]) {
+        return;
+    }
+    ggml_tensor * x = ggml_reshape_2d(ctx0, ffn_inp, ffn_inp->ne[0], ffn_inp->ne[2]);
+    if (ffn_norm[il] != nullptr && ffn_norm[next] != nullptr && ggml_are_same_shape(ffn_norm[il], ffn_norm[next]) &&
+        ffn_norm[il]->ne[0] == x->ne[0] && ffn_norm[il]->type == GGML_TYPE_F32 && ffn_norm[next]->type == GGML_TYPE_F32) {
+        x = ggml_mul(ctx0, x, ggml_div(ctx0, ffn_norm[next], ffn_norm[il]));
+    }
+    ggml_tensor * scores = ggml_mul_mat(ctx0, gate_inp[next], x); // [n_expert, n_tokens]
+    const int64_t k = std::min<int64_t>(n_used, scores->ne[0]);
+    ggml_tensor * predicted = ggml_argsort_top_k(ctx0, scores, (int) k);
+    ggml_tensor * srcs[2] = { predicted, after };
+    ggml_tensor * op = ggml_custom_4d(ctx0, GGML_TYPE_I32, 1, 1, 1, 1, srcs, 2, zipmoe_prefetch_op, 1, args_for(next, 0));
+    ggml_format_name(op, "zipmoe_prefetch-%d", next);
+    ggml_build_forward_expand(gf, op);
+}
+
+ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
+                                          ggml_tensor * selected_experts,
                                           const std::function<ggml_tensor * (ggml_tensor * ids)> & build) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
@@ -861,6 +928,7 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
         if (pass == 0) {
             ggml_build_forward_expand(gf, begin);
+            build_prefetch(ctx0, gf, il, ffn_inp, begin, n_used);
         }
         ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
                                                 zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
@@ -893,8 +961,9 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
         const int64_t n_ids    = (int64_t) n_tokens * n_expert_used_max;
         const int64_t distinct = std::min<int64_t>(n_ids, ggml_zipmoe_cache_n_expert(cache, il));
         const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
-        // fetch begin and end + merge + the ~16 nodes of one experts block, per pass
-        total += 19u * (uint32_t) passes;
+        // fetch begin and end + merge + the ~16 nodes of one experts block, per pass; the prefetch's
+        // reshape, norm ratio (div, mul), scores, argsort, top-k view and op
+        total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u);
     }
     return total;
 }

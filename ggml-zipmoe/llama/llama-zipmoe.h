@@ -36,6 +36,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 struct gguf_context;
 struct ggml_zipmoe_file;
@@ -57,6 +58,9 @@ struct llama_zipmoe_options {
     int32_t     rank_delta = 0;     // zipmoe.rank_delta / ZIPMOE_RANK_DELTA
     int32_t     pools[4]   = { 0, 0, 0, 0 }; // zipmoe.pool_f..pool_e / ZIPMOE_POOL_F..E: experts per MoE layer
     int32_t     work_slots = 8;     // zipmoe.work_slots / ZIPMOE_WORK_SLOTS: slots beyond F's with pools
+    bool        prefetch   = false; // zipmoe.prefetch / ZIPMOE_PREFETCH: read ahead for the next layer's
+                                    // predicted experts (ggml_zipmoe_cache_prefetch); off: it did not win
+                                    // on the bench models (docs/benchmarks/BENCHMARKS.md)
 
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 
@@ -97,7 +101,10 @@ struct llama_zipmoe {
     // the ids it is given; here they are slot ids, one pass per group of slots (see ggml-zipmoe.h).
     // The first fetch's begin is expanded into gf at once, so that the caller's later work (the
     // shared expert) is computed while the experts are read; the products are left unexpanded.
-    ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * selected_experts,
+    // With zipmoe.prefetch, the next MoE layer's experts are predicted from ffn_inp (this layer's
+    // normalized FFN input, [n_embd, 1, n_tokens]) and read ahead after this layer's own reads.
+    ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
+                                ggml_tensor * selected_experts,
                                 const std::function<ggml_tensor * (ggml_tensor * ids)> & build);
 
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
@@ -147,6 +154,8 @@ private:
     };
 
     op_args * args_for(int il, int pass);
+    void build_prefetch(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp, ggml_tensor * after,
+                        int64_t n_used);
     context_state & state_of(const llama_context * lctx);
     void resize(const llama_context * making);
     int32_t slots_for(uint64_t budget) const;
@@ -166,6 +175,9 @@ private:
     uint64_t non_expert_bytes = 0;  // non-expert weights in host memory a decode step reads
     int32_t  n_threads_max = 1;     // decoding threads of the largest context (for the cache's buffers)
     bool     preloaded     = false; // the slots were filled once (zipmoe.preload)
+
+    // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
+    std::vector<ggml_tensor *> gate_inp, ffn_norm;
 
     // slots: one reserved region, committed only where slots are used
     void *                mapping       = nullptr;

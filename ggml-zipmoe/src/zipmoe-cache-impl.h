@@ -5,6 +5,7 @@
 //                       and the plan of a pass (hits, victims, one task per expert tensor to fill)
 //   zipmoe-fetch.c      how it gets there: the scheduler's order, the I/O thread, the staging rings,
 //                       the decoding threads (the one decode + recover routine of zipmoe-codec.c)
+//   zipmoe-prefetch.c   reads ahead for predicted experts, and what a fetch takes from them
 //
 // A cache is one struct of sub-structs by concern; each file owns the sub-structs named above it.
 
@@ -160,6 +161,7 @@ struct zipmoe_pipeline {
     int                   io_started;
     int                   io_quit;
     uint64_t              io_job;     // guarded by io_lock
+    atomic_uint_least64_t io_posted;  // io_job, readable without the lock (a prefetch yields to it)
     atomic_uint_least64_t io_done;
     pthread_mutex_t       io_lock;
     pthread_cond_t        io_wake;
@@ -174,6 +176,44 @@ struct zipmoe_pipeline {
     atomic_int            barrier_generation;
 
     struct zipmoe_worker  workers[ZIPMOE_MAX_THREADS]; // by thread index
+};
+
+// one predicted expert a prefetch reads: per kind (gate, up, down) its SM-chunk and its E-chunks
+// (packed back to back once read, as a store keeps them)
+struct zipmoe_prefetch_entry {
+    int32_t    expert;
+    uint8_t    need_sm, need_e; // what the cache lacked when predicted
+    atomic_int ready[3];        // by kind: bit 1 the SM-chunk, bit 2 the E-chunks, read and checked
+    uint8_t    used[3];         // by kind: the same bits, taken by a fetch
+    uint64_t   sm_read[3];      // by kind: bytes of the SM-chunk read so far (it is read in pieces)
+};
+
+// a prefetch's buffer: the predictions for one layer
+struct zipmoe_prefetch_bank {
+    int32_t                        layer;       // -1: none
+    int32_t                        n_entries;   // experts to read (the predicted ones the cache lacked)
+    int32_t                        n_predicted; // distinct experts predicted (for recall)
+    int32_t *                      predicted;   // [max_expert]
+    int                            scored;      // recall counted
+    struct zipmoe_prefetch_entry * entries;     // [capacity]
+    uint8_t *                      mem;         // [capacity][3][entry_region] (made on first use)
+};
+
+// prefetch (zipmoe-prefetch.c). The bank fields are written by the fetching thread while the I/O
+// thread is not reading them (active == 0, under pipe.io_lock).
+struct zipmoe_prefetch {
+    int32_t                     capacity;    // experts per bank (0: prefetch off)
+    size_t                      sm_region;   // bytes of a kind's SM part of an entry (largest SM-chunk, aligned)
+    size_t                      e_region;    // bytes of a kind's E part (K regions of the E ring's size)
+    struct zipmoe_prefetch_bank bank[2];
+    int                         latest;      // bank of the last prefetch (-1: none)
+    int                         consuming;   // bank the open fetch takes from (-1: none)
+    int                         pending;     // the latest bank has reads left (under pipe.io_lock)
+    int                         active;      // the I/O thread reads for it (under pipe.io_lock)
+    atomic_int                  interrupt;   // a fetch wants the I/O thread: stop after the read in progress
+    pthread_cond_t              idle;        // active went to 0
+    atomic_uint_least64_t       hits, bytes_read, bytes_used;
+    uint64_t *                  recall;      // [n_layer][3]: predicted, actual, correct
 };
 
 struct zipmoe_counters {
@@ -192,6 +232,7 @@ struct ggml_zipmoe_cache {
     struct zipmoe_pools             pools;
     struct zipmoe_plan              plan;
     struct zipmoe_pipeline          pipe;
+    struct zipmoe_prefetch          prefetch;
     struct zipmoe_counters          stats;
 
     pthread_mutex_t lock;        // held from a fetch's begin to its end
@@ -224,7 +265,24 @@ int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pas
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
 
 // zipmoe-fetch.c
+int    zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last,
+                          uint8_t * mem, size_t region, uint64_t * base, int * bad, int * sys_errno);
 void   zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c);
 size_t zipmoe_cache_e_region_bytes(const struct ggml_zipmoe_cache * c);
 void   zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c);
+int    zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);
 void   zipmoe_pause_waiting(unsigned spins);
+
+// zipmoe-prefetch.c
+int    zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity);
+void   zipmoe_prefetch_free(struct ggml_zipmoe_cache * c);
+size_t zipmoe_prefetch_bytes(const struct ggml_zipmoe_cache * c);
+void   zipmoe_prefetch_pause(struct ggml_zipmoe_cache * c, int wait);
+void   zipmoe_prefetch_resume_locked(struct ggml_zipmoe_cache * c);
+void   zipmoe_prefetch_claim(struct ggml_zipmoe_cache * c, int layer);
+void   zipmoe_prefetch_release(struct ggml_zipmoe_cache * c);
+void   zipmoe_prefetch_score(struct ggml_zipmoe_cache * c, int layer, const int32_t * unique, int n_unique);
+int    zipmoe_prefetch_supply(struct ggml_zipmoe_cache * c, struct zipmoe_task * t);
+int    zipmoe_prefetch_has_work_locked(const struct ggml_zipmoe_cache * c);
+void   zipmoe_prefetch_read(struct ggml_zipmoe_cache * c);
+void   zipmoe_prefetch_reset_stats(struct ggml_zipmoe_cache * c);

@@ -71,6 +71,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
         zipmoe_cache_abandon_fetch(c);
     }
     if (c->pipe.io_started) {
+        atomic_store(&c->prefetch.interrupt, 1); // a prefetch's reads stop after the one in progress
         pthread_mutex_lock(&c->pipe.io_lock);
         c->pipe.io_quit = 1;
         pthread_cond_signal(&c->pipe.io_wake);
@@ -79,6 +80,8 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     }
     pthread_mutex_destroy(&c->pipe.io_lock);
     pthread_cond_destroy(&c->pipe.io_wake);
+    pthread_cond_destroy(&c->prefetch.idle);
+    zipmoe_prefetch_free(c);
     free(c->stats.activations);
     free(c->stats.layer_ubatches);
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
@@ -146,6 +149,9 @@ static const char * check_params(const struct ggml_zipmoe_cache_params * p, int 
     }
     if (p->rate_read < 0 || p->rate_decode < 0 || p->rate_compute < 0) {
         return "ggml_zipmoe_cache_new: a rate of the cost model is negative";
+    }
+    if (p->prefetch_experts < 0) {
+        return "ggml_zipmoe_cache_new: prefetch_experts is negative";
     }
     return NULL;
 }
@@ -306,6 +312,7 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->pipe.io_lock, NULL);
     pthread_cond_init(&c->pipe.io_wake, NULL);
+    pthread_cond_init(&c->prefetch.idle, NULL);
     c->file              = p->file;
     c->slots.n_used      = p->n_slots;
     c->slots.capacity    = p->n_slots;
@@ -327,6 +334,9 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     int status = map_layers(c, p, msg, sizeof(msg));
     if (status == GGML_ZIPMOE_OK) {
         status = alloc_bookkeeping(c);
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        status = zipmoe_prefetch_init(c, p->prefetch_experts);
     }
     if (status == GGML_ZIPMOE_OK) {
         const uint64_t max_e = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
@@ -429,6 +439,7 @@ size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_t
     const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     const size_t e_region  = c->pipe.e_region != 0 ? c->pipe.e_region : zipmoe_cache_e_region_bytes(c);
     total += ZIPMOE_N_STAGING * (sm_region + (size_t) c->file->n_shards * e_region);
+    total += zipmoe_prefetch_bytes(c);
     const int n_decoders = c->n_decoders > 0 && c->n_decoders < n_threads ? c->n_decoders : n_threads;
     total += (size_t) (n_decoders > 0 ? n_decoders : 1) * ZIPMOE_DECODER_BYTES;
     // per-slot and per-expert bookkeeping, the scheduler's arrays
@@ -592,6 +603,9 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->c_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_C]);
     s->s_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_S]);
     s->e_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_E]);
+    s->prefetch_hits       = atomic_load(&c->prefetch.hits);
+    s->prefetch_bytes_read = atomic_load(&c->prefetch.bytes_read);
+    s->prefetch_bytes_used = atomic_load(&c->prefetch.bytes_used);
 }
 
 int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int layer, uint64_t * counts,
@@ -626,6 +640,7 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
     atomic_store(&c->stats.decode_ns, 0);
     atomic_store(&c->stats.recover_ns, 0);
     atomic_store(&c->stats.fetch_ns, 0);
+    zipmoe_prefetch_reset_stats(c);
 }
 
 const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * c) {

@@ -193,19 +193,21 @@ static int acquire_buffer(struct ggml_zipmoe_cache * c, struct zipmoe_staging * 
     }
 }
 
-// I/O thread: read and check chunks first..last of a task into a staging buffer. A task's E-chunks
-// are stored next to each other (each 4096-aligned: docs/FORMAT.md), so one read of their span
-// replaces K small ones; chunks placed otherwise are read one by one. Alg. 1's model releases each
-// shard as its own E-chunk arrives; K reads that did so measured 5-10% slower per token on the
-// bench model (the latency of each O_DIRECT read outweighed the earlier start of decoding), so a
-// task's shards are released together, when its span is in.
-static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int first, int last,
-                       struct zipmoe_staging * s, size_t region) {
+// I/O thread: read and check chunks first..last (0: the SM-chunk, 1..K: the E-chunks) of an expert
+// tensor into mem (region bytes per chunk). A tensor's E-chunks are stored next to each other (each
+// 4096-aligned: docs/FORMAT.md), so one read of their span replaces K small ones (then *base is the
+// file offset at mem, else UINT64_MAX); chunks placed otherwise are read one by one. Alg. 1's model
+// releases each shard as its own E-chunk arrives; K reads that did so measured 5-10% slower per
+// token on the bench model (the latency of each O_DIRECT read outweighed the earlier start of
+// decoding), so a task's shards are released together, when its span is in. On failure *bad is
+// the chunk at fault.
+int zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last, uint8_t * mem,
+                       size_t region, uint64_t * base, int * bad, int * sys_errno) {
     const struct ggml_zipmoe_file * f = c->file;
     uint64_t lo = UINT64_MAX, hi = 0, stored = 0;
     int packed = 1;
     for (int k = first; k <= last; k++) {
-        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
+        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, tensor, expert, k);
         packed = packed && (k == first || ch->offset == zipmoe_align_up(hi, GGML_ZIPMOE_CHUNK_ALIGNMENT));
         lo = ch->offset < lo ? ch->offset : lo;
         hi = ch->offset + ch->size > hi ? ch->offset + ch->size : hi;
@@ -213,34 +215,45 @@ static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * 
     }
     const size_t capacity = region * (size_t) (last - first + 1);
     const uint64_t t0 = zipmoe_now_ns();
-    int sys_errno = 0, status = GGML_ZIPMOE_OK, bad = first;
-    s->base = UINT64_MAX;
+    int status = GGML_ZIPMOE_OK;
+    *bad = first;
+    *sys_errno = 0;
+    *base = UINT64_MAX;
     if (packed && lo % GGML_ZIPMOE_CHUNK_ALIGNMENT == 0 && zipmoe_align_up(hi - lo, GGML_ZIPMOE_CHUNK_ALIGNMENT) <= capacity) {
         const struct zipmoe_chunk span = { lo, hi - lo, 0, 0 };
-        status = zipmoe_read_chunk_unchecked(f, &span, s->mem, capacity, &sys_errno);
-        s->base = lo;
+        status = zipmoe_read_chunk_unchecked(f, &span, mem, capacity, sys_errno);
+        *base = lo;
     } else {
         for (int k = first; k <= last && status == GGML_ZIPMOE_OK; k++) {
-            bad = k;
-            status = zipmoe_read_chunk_unchecked(f, zipmoe_file_chunk(f, t->tensor, t->expert, k),
-                                                 s->mem + (size_t) (k - first) * region, region, &sys_errno);
+            *bad = k;
+            status = zipmoe_read_chunk_unchecked(f, zipmoe_file_chunk(f, tensor, expert, k),
+                                                 mem + (size_t) (k - first) * region, region, sys_errno);
         }
     }
     atomic_fetch_add(&c->stats.io_ns, zipmoe_now_ns() - t0);
     if (status != GGML_ZIPMOE_OK) {
-        fail_once(c, status, t, bad, sys_errno);
         return status;
     }
     atomic_fetch_add(&c->stats.bytes_read, stored);
     for (int k = first; k <= last; k++) {
-        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, t->tensor, t->expert, k);
-        const uint8_t * p = s->base != UINT64_MAX ? s->mem + (ch->offset - s->base) : s->mem + (size_t) (k - first) * region;
+        const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, tensor, expert, k);
+        const uint8_t * p = *base != UINT64_MAX ? mem + (ch->offset - *base) : mem + (size_t) (k - first) * region;
         if (ggml_zipmoe_checksum(p, ch->size) != ch->checksum) {
-            fail_once(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
+            *bad = k;
             return GGML_ZIPMOE_ERR_CHECKSUM;
         }
     }
     return GGML_ZIPMOE_OK;
+}
+
+static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int first, int last,
+                       struct zipmoe_staging * s, size_t region) {
+    int bad = first, sys_errno = 0;
+    const int status = zipmoe_read_chunks(c, t->tensor, t->expert, first, last, s->mem, region, &s->base, &bad, &sys_errno);
+    if (status != GGML_ZIPMOE_OK) {
+        fail_once(c, status, t, bad, sys_errno);
+    }
+    return status;
 }
 
 // I/O thread: the schedule's reads in order. A task's E-chunks are read together at the first of
@@ -393,20 +406,32 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
     atomic_fetch_add(&c->stats.recover_ns, recover_ns);
 }
 
+// the I/O thread: a fetch's reads first, a prefetch's when no fetch has reads left
 static void * io_thread_main(void * arg) {
     struct ggml_zipmoe_cache * c = (struct ggml_zipmoe_cache *) arg;
     uint64_t done = 0;
     for (;;) {
         pthread_mutex_lock(&c->pipe.io_lock);
-        while (!c->pipe.io_quit && c->pipe.io_job == done) {
+        while (!c->pipe.io_quit && c->pipe.io_job == done && !zipmoe_prefetch_has_work_locked(c)) {
             pthread_cond_wait(&c->pipe.io_wake, &c->pipe.io_lock);
         }
         const int      quit = c->pipe.io_quit;
         const uint64_t job  = c->pipe.io_job;
-        pthread_mutex_unlock(&c->pipe.io_lock);
         if (quit) {
+            pthread_mutex_unlock(&c->pipe.io_lock);
             return NULL;
         }
+        if (job == done) {
+            c->prefetch.active = 1;
+            pthread_mutex_unlock(&c->pipe.io_lock);
+            zipmoe_prefetch_read(c);
+            pthread_mutex_lock(&c->pipe.io_lock);
+            c->prefetch.active = 0;
+            pthread_cond_broadcast(&c->prefetch.idle);
+            pthread_mutex_unlock(&c->pipe.io_lock);
+            continue;
+        }
+        pthread_mutex_unlock(&c->pipe.io_lock);
         // the task list is fixed until end has seen io_done reach this job
         read_all(c);
         done = job;
@@ -414,7 +439,7 @@ static void * io_thread_main(void * arg) {
     }
 }
 
-static int ensure_io_thread(struct ggml_zipmoe_cache * c) {
+int zipmoe_cache_start_io(struct ggml_zipmoe_cache * c) {
     if (c->pipe.io_started) {
         return GGML_ZIPMOE_OK;
     }
@@ -470,6 +495,7 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
         }
     }
     calibrate(c, atomic_load(&c->status) == GGML_ZIPMOE_OK);
+    zipmoe_prefetch_release(c);
     if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
         zipmoe_cache_forget_tasks(c);
         for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
@@ -511,12 +537,15 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
         snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
     } else {
         c->error[0] = '\0';
+        // the I/O thread is this fetch's: a prefetch's reads stop after the one in progress
+        zipmoe_prefetch_pause(c, 0);
+        zipmoe_prefetch_claim(c, layer);
         status = zipmoe_cache_plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
         if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
             status = ensure_staging(c);
         }
         if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
-            status = ensure_io_thread(c);
+            status = zipmoe_cache_start_io(c);
         }
     }
     if (status != GGML_ZIPMOE_OK) {
@@ -529,9 +558,12 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
     atomic_store(&c->pipe.ops_done, 0);
     atomic_store(&c->pipe.first_open, 0);
     atomic_store(&c->status, status);
-    if (c->plan.n_io > 0) {
+    if (c->plan.n_io > 0 || c->prefetch.capacity > 0) {
+        // the fetch's reads, then (or now, if it reads nothing) a prefetch's left
         pthread_mutex_lock(&c->pipe.io_lock);
-        c->pipe.io_job++;
+        c->pipe.io_job += c->plan.n_io > 0;
+        atomic_store(&c->pipe.io_posted, c->pipe.io_job);
+        zipmoe_prefetch_resume_locked(c);
         pthread_cond_signal(&c->pipe.io_wake);
         pthread_mutex_unlock(&c->pipe.io_lock);
     }

@@ -330,6 +330,7 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         c->pools.key_pool[key]  = (int8_t) dst_pool;
         c->pools.key_entry[key] = dst_entry;
     }
+    int prefetched = 0;
     for (int k = 0; k < 3; k++) {
         struct zipmoe_task * t = &c->plan.tasks[c->plan.n_tasks++];
         t->slot      = victim;
@@ -347,6 +348,10 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         atomic_store(&t->e_buf, -1);
         atomic_store(&t->n_decoded, 0);
         atomic_store(&t->n_recovered, 0);
+        prefetched |= zipmoe_prefetch_supply(c, t);
+    }
+    if (prefetched) {
+        atomic_fetch_add(&c->prefetch.hits, 1);
     }
 }
 
@@ -369,6 +374,7 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
             c->policy.freq[base + c->plan.unique[i]]++;
         }
         atomic_fetch_add(&c->stats.layer_ubatches[layer], 1);
+        zipmoe_prefetch_score(c, layer, c->plan.unique, n_unique);
     }
     for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
         c->plan.pass_slot[e] = -1;
