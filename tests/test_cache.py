@@ -443,6 +443,9 @@ def test_prefetches_interleaved_with_fetches_never_change_what_the_slots_hold(se
     make, experts = setup
     kwargs = {"eviction": _lib.EVICT_RANK, "pools": pools} if any(pools) else {}
     cache = make(5 if any(pools) else 3, prefetch=2, **kwargs)
+    status, slots = cache.fetch(1, [[0, 1]])  # before any prefetch: nothing to take
+    assert status == 0
+    assert_resident(cache, experts, 1, [[0, 1]], slots)
     rng = np.random.default_rng(3)
     for step in range(120):
         layer = step % 2

@@ -109,12 +109,12 @@ int zipmoe_prefetch_has_work_locked(const struct ggml_zipmoe_cache * c) {
 void zipmoe_prefetch_claim(struct ggml_zipmoe_cache * c, int layer) {
     struct zipmoe_prefetch * pf = &c->prefetch;
     pf->consuming = -1;
-    if (pf->capacity == 0) {
-        return;
+    if (pf->capacity == 0 || pf->latest < 0) {
+        return; // no prefetch yet
     }
     for (int i = 0; i < 2 && pf->consuming < 0; i++) {
         const int b = i == 0 ? pf->latest : 1 - pf->latest; // the latest first
-        if (b >= 0 && pf->bank[b].layer == layer && pf->bank[b].mem != NULL) {
+        if (pf->bank[b].layer == layer && pf->bank[b].mem != NULL) {
             pf->consuming = b;
         }
     }
