@@ -6,7 +6,7 @@ the ZipMoE GGUF, no ZipMoE options at all, under memory caps of 25 / 50 / 75% of
         [--contexts default,256] [--gen-tokens 32] [--threads 2] [--out docs/benchmarks/cli_bench.json]
 
 Every run is `capped-run --mem CAP --evict FILE -- llama-completion -m FILE -p PROMPT -n N --temp 1
---seed S --ignore-eos -no-cnv -t T -v [CONTEXT]` (-v: the runtime's counters at exit are logged; ../shared/tools/capped-run: a child memory cgroup,
+--seed S --ignore-eos -no-cnv -t T -v [CONTEXT]` (-v: the runtime's counters are logged when the context is freed; ../shared/tools/capped-run: a child memory cgroup,
 page cache included; the model evicted from the page cache first). CONTEXT is llama-completion's
 default (8192 tokens, batch 2048) or `-c 256 -b 64`. TPOT is llama-completion's own "eval time" per
 token; a run that fails or is killed is recorded as such. The O_DIRECT bandwidth of the disk is
@@ -31,7 +31,7 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
 CONTEXTS = {"default": [], "256": ["-c", "256", "-b", "64"]}
 # systems beyond stock and zipmoe (the defaults): one ZipMoE option changed through its environment variable
 SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"}}
-STATS = re.compile(r"ZipMoE cache stats: (.*)")
+STATS = re.compile(r"ZipMoE expert cache so far: (.*)")  # logged when a context is freed
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
@@ -51,7 +51,7 @@ def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) 
     row = {"command": cmd[cmd.index("--") + 1:], "env": env or {}, "wall_s": time.perf_counter() - t}
     stats = STATS.findall(proc.stderr)
     if stats:
-        row["zipmoe_stats"] = stats[-1].strip()  # the runtime's counters at exit: where the time went
+        row["zipmoe_stats"] = stats[-1].strip()  # the runtime's counters when the run ended: where the time went
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     capped = json.loads(lines[-1]) if lines else {}
     row.update({"rc": capped.get("rc", proc.returncode), "peak_bytes": capped.get("peak_bytes")})
@@ -166,7 +166,7 @@ def markdown(result: dict, contexts: list[str]) -> str:
                              f"{r.get('prompt_s', 0):.2f} | {(r.get('peak_bytes') or 0) / 1e9:.2f} |")
     counters = [(r["system"], r["context"], r["cap_pct"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
     if counters:
-        lines += ["", "The runtime's counters at exit (whole run: prompt and generation):", ""]
+        lines += ["", "The runtime's counters when the context was freed (whole run: prompt and generation):", ""]
         lines += [f"- {system}, {context}, {pct}%: {text}" for system, context, pct, text in counters]
     return "\n".join(lines) + "\n"
 

@@ -397,21 +397,6 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
 }
 
 llama_zipmoe::~llama_zipmoe() {
-    if (cache != nullptr) {
-        // where the time went, for programs that print no statistics of their own (llama-completion)
-        ggml_zipmoe_cache_stats s;
-        ggml_zipmoe_cache_get_stats(cache, &s);
-        uint64_t predicted = 0, actual = 0, correct = 0;
-        ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
-        LLAMA_LOG_INFO("%s: ZipMoE cache stats: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB read "
-                       "(prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
-                       "%.1f ms, recover %.1f ms, fetch wall %.1f ms\n", __func__,
-                       (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
-                       (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
-                       s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
-                       (unsigned long long) s.prefetch_hits, actual ? (double) correct / actual : 0.0, s.io_ns / 1e6,
-                       s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6);
-    }
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
         for (ggml_tensor * t : slots) {
@@ -686,12 +671,19 @@ void llama_zipmoe::detach(llama_context * lctx) {
             return;
         }
     }
+    // where the time went, for programs that print no statistics of their own (llama-completion)
     ggml_zipmoe_cache_stats s;
     ggml_zipmoe_cache_get_stats(cache, &s);
-    LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu hits, %llu misses, %llu from pools C/S/E, %.1f MB read, "
-                   "%.1f ms waited in fetches\n", __func__, (unsigned long long) s.expert_hits,
+    uint64_t predicted = 0, actual = 0, correct = 0;
+    ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
+                   "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
+                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms\n", __func__,
+                   (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
-                   s.bytes_read / 1e6, s.fetch_ns / 1e6);
+                   s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
+                   (unsigned long long) s.prefetch_hits, actual ? (double) correct / actual : 0.0, s.io_ns / 1e6,
+                   s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6);
     try {
         resize(nullptr);
     } catch (const std::exception & e) {

@@ -160,8 +160,7 @@ struct zipmoe_pipeline {
     pthread_t             io_thread;
     int                   io_started;
     int                   io_quit;
-    uint64_t              io_job;     // guarded by io_lock
-    atomic_uint_least64_t io_posted;  // io_job, readable without the lock (a prefetch yields to it)
+    atomic_uint_least64_t io_job;     // written under io_lock; read without it by a prefetch yielding to it
     atomic_uint_least64_t io_done;
     pthread_mutex_t       io_lock;
     pthread_cond_t        io_wake;
@@ -256,6 +255,7 @@ static inline size_t zipmoe_cache_n_keys(const struct ggml_zipmoe_cache * c) {
 }
 
 // zipmoe-residency.c
+uint64_t zipmoe_cache_e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert); // its K E-chunks, stored
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
 int      zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,

@@ -412,11 +412,11 @@ static void * io_thread_main(void * arg) {
     uint64_t done = 0;
     for (;;) {
         pthread_mutex_lock(&c->pipe.io_lock);
-        while (!c->pipe.io_quit && c->pipe.io_job == done && !zipmoe_prefetch_has_work_locked(c)) {
+        while (!c->pipe.io_quit && atomic_load(&c->pipe.io_job) == done && !zipmoe_prefetch_has_work_locked(c)) {
             pthread_cond_wait(&c->pipe.io_wake, &c->pipe.io_lock);
         }
         const int      quit = c->pipe.io_quit;
-        const uint64_t job  = c->pipe.io_job;
+        const uint64_t job  = atomic_load(&c->pipe.io_job);
         if (quit) {
             pthread_mutex_unlock(&c->pipe.io_lock);
             return NULL;
@@ -490,7 +490,7 @@ static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
 static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
     if (c->plan.n_io > 0) {
         const struct timespec pause = { 0, 20000 };
-        while (atomic_load(&c->pipe.io_done) != c->pipe.io_job) {
+        while (atomic_load(&c->pipe.io_done) != atomic_load(&c->pipe.io_job)) {
             nanosleep(&pause, NULL);
         }
     }
@@ -561,8 +561,9 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
     if (c->plan.n_io > 0 || c->prefetch.capacity > 0) {
         // the fetch's reads, then (or now, if it reads nothing) a prefetch's left
         pthread_mutex_lock(&c->pipe.io_lock);
-        c->pipe.io_job += c->plan.n_io > 0;
-        atomic_store(&c->pipe.io_posted, c->pipe.io_job);
+        if (c->plan.n_io > 0) {
+            atomic_fetch_add(&c->pipe.io_job, 1);
+        }
         zipmoe_prefetch_resume_locked(c);
         pthread_cond_signal(&c->pipe.io_wake);
         pthread_mutex_unlock(&c->pipe.io_lock);

@@ -114,7 +114,7 @@ void zipmoe_prefetch_claim(struct ggml_zipmoe_cache * c, int layer) {
     }
     for (int i = 0; i < 2 && pf->consuming < 0; i++) {
         const int b = i == 0 ? pf->latest : 1 - pf->latest; // the latest first
-        if (pf->bank[b].layer == layer && pf->bank[b].mem != NULL) {
+        if (pf->bank[b].layer == layer) {
             pf->consuming = b;
         }
     }
@@ -147,14 +147,6 @@ void zipmoe_prefetch_score(struct ggml_zipmoe_cache * c, int layer, const int32_
     __atomic_fetch_add(&r[0], (uint64_t) bank->n_predicted, __ATOMIC_RELAXED);
     __atomic_fetch_add(&r[1], (uint64_t) n_unique, __ATOMIC_RELAXED);
     __atomic_fetch_add(&r[2], correct, __ATOMIC_RELAXED);
-}
-
-static uint64_t e_chunks_bytes(const struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert) {
-    uint64_t total = 0;
-    for (int k = 1; k <= c->file->n_shards; k++) {
-        total += zipmoe_file_chunk(c->file, tensor, expert, k)->size;
-    }
-    return total;
 }
 
 // a task of the planning fetch that reads: what the claimed bank read for it becomes its source,
@@ -197,7 +189,7 @@ int zipmoe_prefetch_supply(struct ggml_zipmoe_cache * c, struct zipmoe_task * t)
         used += zipmoe_file_chunk(c->file, t->tensor, t->expert, 0)->size;
     }
     if (fresh & PART_E) {
-        used += e_chunks_bytes(c, t->tensor, t->expert);
+        used += zipmoe_cache_e_bytes(c, t->tensor, t->expert);
     }
     atomic_fetch_add(&pf->bytes_used, used);
     return 1;
@@ -205,7 +197,7 @@ int zipmoe_prefetch_supply(struct ggml_zipmoe_cache * c, struct zipmoe_task * t)
 
 // I/O thread: a fetch began (interrupt), or posted reads the I/O thread has not done
 static int yield_to_fetch(struct ggml_zipmoe_cache * c) {
-    return atomic_load(&c->prefetch.interrupt) || atomic_load(&c->pipe.io_posted) != atomic_load(&c->pipe.io_done);
+    return atomic_load(&c->prefetch.interrupt) || atomic_load(&c->pipe.io_job) != atomic_load(&c->pipe.io_done);
 }
 
 // I/O thread: the SM-chunk of an entry's kind, piece by piece from where it stopped; 1 when read

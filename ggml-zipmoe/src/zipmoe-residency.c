@@ -21,7 +21,7 @@ void zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c) {
 }
 
 // stored E bytes of one expert tensor (its K E-chunks back to back)
-static uint64_t e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert) {
+uint64_t zipmoe_cache_e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert) {
     uint64_t total = 0;
     for (int k = 1; k <= c->file->n_shards; k++) {
         total += zipmoe_file_chunk(c->file, tensor, expert, k)->size;
@@ -39,7 +39,7 @@ uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
         for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
             uint64_t bytes = 0;
             for (int k = 0; k < 3; k++) {
-                bytes += e_bytes(c, c->layout.layer_tensor[l * 3 + k], e);
+                bytes += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[l * 3 + k], e);
                 n_total += c->layout.kind_n[k];
             }
             max_e = bytes > max_e ? bytes : max_e;
@@ -266,7 +266,7 @@ static uint8_t * entry_e(const struct ggml_zipmoe_cache * c, int p, int32_t entr
     }
     uint64_t off = p == GGML_ZIPMOE_POOL_C ? c->layout.sm_bytes : 0;
     for (int k = 0; k < kind; k++) {
-        off += e_bytes(c, c->layout.layer_tensor[layer * 3 + k], expert);
+        off += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], expert);
     }
     return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
 }
