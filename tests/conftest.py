@@ -29,6 +29,15 @@ def run(cmd, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], **kwargs)
 
 
+def premade(name: str) -> Path | None:
+    """A tiny model made beforehand (the fixtures below, run elsewhere), from the folder
+    ZIPMOE_TEST_MODELS names: for a machine that cannot make them (a GPU machine without the
+    converter's pinned transformers). None: make it here."""
+    folder = os.environ.get("ZIPMOE_TEST_MODELS")
+    path = Path(folder) / name if folder else None
+    return path if path is not None and path.is_file() else None
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
@@ -55,6 +64,8 @@ def tiny_gguf(models_dir, tiny_hf):
     made: dict[str, Path] = {}
 
     def get(arch: str) -> Path:
+        if arch not in made and premade(f"{arch}-bf16.gguf"):
+            made[arch] = premade(f"{arch}-bf16.gguf")
         if arch not in made:
             out = models_dir / f"{arch}-bf16.gguf"
             proc = run([zipmoe_command("zipmoe-convert"), tiny_hf(arch), "-o", out, "--bf16", "--quiet"])
@@ -72,6 +83,9 @@ def zipmoe_gguf(models_dir, tiny_gguf):
     made: dict[str, Path] = {}
 
     def get(arch: str) -> Path:
+        if arch not in made and premade(f"{arch}.zipmoe.gguf"):
+            shutil.copyfile(premade(f"{arch}.zipmoe.gguf"), models_dir / f"{arch}.zipmoe.gguf")  # tests damage copies
+            made[arch] = models_dir / f"{arch}.zipmoe.gguf"
         if arch not in made:
             from zipmoe_py import format as zformat
 

@@ -210,3 +210,33 @@ def test_ggml_zipmoe_version_through_its_header():
     from zipmoe_py import codec
 
     assert codec.recover_impl() in compiled and compiled[-1] == "scalar"
+
+
+def _nvcc() -> str:
+    import os
+    import shutil
+
+    found = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if Path(p).exists()), None)
+    if found is None and os.environ.get("ZIPMOE_SKIP_NVCC") == "1":
+        pytest.skip("ZIPMOE_SKIP_NVCC=1: no CUDA toolkit here")
+    assert found, ("nvcc not found: ZipMoE's CUDA sources are compile-checked with it (install the CUDA toolkit, or "
+                   "set ZIPMOE_SKIP_NVCC=1 on a machine without one)")
+    return found
+
+
+@pytest.mark.parametrize("arch", ["90", "87"])  # Hopper (the default) and Jetson Orin
+def test_cuda_sources_compile_with_nvcc(arch, tmp_path):
+    """The full ggml-cuda build is too slow for CI's 2 cores; ZipMoE's own CUDA source is compiled
+    here, for the default architecture and the Jetson option (docs/CUDA.md: the GPU run)."""
+    src = REPO / "ggml-zipmoe" / "src" / "zipmoe-cuda.cu"
+    proc = subprocess.run([_nvcc(), "-std=c++17", f"-arch=sm_{arch}", "-Xcompiler", "-fPIC,-Wall",
+                           "-I", str(REPO / "ggml-zipmoe" / "include"), "-I", str(REPO / "ggml-zipmoe" / "src"),
+                           "-DGGML_ZIPMOE_BUILD", "-c", str(src), "-o", str(tmp_path / "zipmoe-cuda.o")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "zipmoe-cuda.o").stat().st_size > 0
+
+
+def test_cpu_build_reports_no_cuda_devices():
+    """A build without CUDA (CI's) reports none; llama.cpp then keeps the slots in host memory."""
+    assert _lib.lib().ggml_zipmoe_cuda_devices() == 0

@@ -369,13 +369,13 @@ def test_out_of_range_ids_unserved_layers_and_unknown_policies_are_errors(setup,
 
 
 
-def _cache_new_error(path, layers) -> str:
+def _cache_new_error(path, layers, slot_memory=0) -> str:
     """ggml_zipmoe_cache_new's message for a layer table; asserts that it refused."""
     lib = _lib.lib()
     with zformat.ZipMoEFile(path) as zf:
         params = _lib.CacheParams()
         slots = np.zeros(1 << 16, np.uint16)
-        params.file, params.n_slots = zf._handle, 2
+        params.file, params.n_slots, params.slot_memory = zf._handle, 2, slot_memory
         for k in range(3):
             params.slot_data[k], params.slot_stride[k] = slots.ctypes.data, 0
         params.set_layers(layers)
@@ -504,3 +504,19 @@ def test_a_failed_fill_is_named_and_its_slot_forgotten(tmp_path):
         assert status == 0
     finally:
         cache.close()
+
+
+def test_gpu_slots_are_refused_by_a_build_without_cuda_and_bad_memory_kinds_named(tmp_path):
+    """slot_memory CUDA on host pointers: a build without CUDA says it needs one (a CUDA build says
+    the pointers are not device memory); an unknown kind is named."""
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 6))
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    with zformat.ZipMoEFile(path) as zf:
+        layers = zf.moe_layers()
+    msg = _cache_new_error(path, layers, slot_memory=1)
+    if _lib.lib().ggml_zipmoe_cuda_devices() == 0:
+        assert "need a ZipMoE build with CUDA" in msg or "CUDA error" in msg
+    else:
+        assert "not CUDA device memory" in msg
+    assert "slot_memory is neither host nor CUDA" in _cache_new_error(path, layers, slot_memory=7)

@@ -9,7 +9,8 @@ from zipmoe_py.codec import CodecError, Decoder
 
 def _available_impls():
     names = []
-    for name in ("scalar", "avx2", "avx512bw"):
+    # cuda-grid: the CUDA recovery kernel's index arithmetic, run on the host
+    for name in ("cuda-grid", "scalar", "avx2", "avx512bw"):
         try:
             codec.set_recover_impl(name)
             names.append(name)
@@ -63,7 +64,7 @@ def test_every_bf16_bit_pattern_survives_split_and_recovery(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 63, 65, 1000, 4097])
+@pytest.mark.parametrize("n", [0, 1, 7, 9, 15, 16, 17, 31, 33, 63, 65, 1000, 2047, 2048, 2049, 4097])
 def test_recovery_handles_lengths_that_are_not_a_vector_multiple(impl, n):
     codec.set_recover_impl(impl)
     values = np.random.default_rng(n).integers(0, 1 << 16, n, dtype=np.uint16)

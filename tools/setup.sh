@@ -3,16 +3,21 @@
 #
 #   bash tools/setup.sh          # runtime: the fork, its bindings, converter and server dependencies
 #   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs
+#   bash tools/setup.sh --cuda   # with CUDA: ggml's CUDA backend, expert slots in GPU memory
+#                                # (needs the CUDA toolkit; architectures: the GPU found, else 90;
+#                                # CUDA_ARCHITECTURES=87 bash tools/setup.sh --cuda for Jetson Orin)
 #
 # Reruns are cheap: the pinned sdist is cached (~/.cache/zipmoe/sdist or
 # $ZIPMOE_SDIST_CACHE) and the CMake build directory build/ is reused.
 set -euo pipefail
 
 dev=0
+cuda=0
 for arg in "$@"; do
     case "$arg" in
         --dev) dev=1 ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        --cuda) cuda=1 ;;
+        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option '$arg' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -62,6 +67,14 @@ cmake_args=()
 if [ "$dev" = 1 ]; then
     extras="[server,test]"
     cmake_args=(-C cmake.define.ZIPMOE_BUILD_UPSTREAM_TESTS=ON)
+fi
+if [ "$cuda" = 1 ]; then
+    cmake_args+=(-C cmake.define.ZIPMOE_CUDA=ON)
+    if [ -n "${CUDA_ARCHITECTURES:-}" ]; then
+        cmake_args+=(-C "cmake.define.CMAKE_CUDA_ARCHITECTURES=$CUDA_ARCHITECTURES")
+    fi
+else
+    cmake_args+=(-C cmake.define.ZIPMOE_CUDA=OFF)
 fi
 echo "setup: building and installing zipmoe (first build takes several minutes)"
 start=$(date +%s)

@@ -36,7 +36,7 @@ class CacheStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("fetch_calls", "expert_hits", "expert_misses", "bytes_read",
                                                      "io_ns", "decode_ns", "recover_ns", "fetch_ns",
                                                      "c_hits", "s_hits", "e_hits", "prefetch_hits",
-                                                     "prefetch_bytes_read", "prefetch_bytes_used")]
+                                                     "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes")]
 
 
 class Memory(ctypes.Structure):
@@ -57,7 +57,8 @@ class CacheParams(ctypes.Structure):
                 ("slot_stride", ctypes.c_size_t * 3), ("n_decoders", ctypes.c_int32), ("eviction", ctypes.c_int32),
                 ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
-                ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32)]
+                ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32),
+                ("slot_memory", ctypes.c_int32)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),
@@ -103,6 +104,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_split_bf16": (None, [c_uint16_p, ctypes.c_size_t, c_uint8_p, c_uint8_p]),
     "ggml_zipmoe_recover_bf16": (None, [c_uint8_p, c_uint8_p, ctypes.c_size_t, c_uint16_p]),
     "ggml_zipmoe_recover_impl": (ctypes.c_char_p, []),
+    "ggml_zipmoe_cuda_devices": (ctypes.c_int, []),
     "ggml_zipmoe_set_recover_impl": (ctypes.c_int, [ctypes.c_char_p]),
     "ggml_zipmoe_codec_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_compress_bound": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_size_t]),

@@ -79,7 +79,8 @@ GGML_ZIPMOE_API void ggml_zipmoe_recover_bf16(const uint8_t * exp, const uint8_t
 // the recovery path in use: "avx512bw", "avx2" or "scalar"
 GGML_ZIPMOE_API const char * ggml_zipmoe_recover_impl(void);
 
-// test-only: force a recovery path ("avx512bw", "avx2", "scalar"; NULL = best available) for the
+// test-only: force a recovery path ("avx512bw", "avx2", "scalar", or "cuda-grid": the CUDA
+// kernel's index arithmetic run on the host; NULL = best available) for the
 // whole process (tests and benchmarks compare the paths); returns GGML_ZIPMOE_ERR_ARG if the CPU
 // lacks it. Must not race with recovery on another thread.
 GGML_ZIPMOE_API int          ggml_zipmoe_set_recover_impl(const char * name);
@@ -281,6 +282,17 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_eviction_name(int eviction); // "lru", 
 GGML_ZIPMOE_API const char * ggml_zipmoe_pool_name(int pool);         // "F", "C", "S", "E"; NULL if unknown
 GGML_ZIPMOE_API double       ggml_zipmoe_default_rate(int rate);      // enum ggml_zipmoe_rate: bytes per second; 0 if unknown
 
+// where a cache's slots live. CUDA: slot_data are device pointers (a build with ZIPMOE_CUDA=ON);
+// reads and exponent decoding stay on the CPU, and a decoding thread copies each shard's SM and
+// exponent planes to the GPU, where a kernel interleaves them into BF16 in the slot (docs/CUDA.md)
+enum ggml_zipmoe_slot_memory {
+    GGML_ZIPMOE_SLOTS_HOST = 0,
+    GGML_ZIPMOE_SLOTS_CUDA = 1,
+};
+
+// CUDA devices this build can put slots on (0: built without CUDA, or none present)
+GGML_ZIPMOE_API int ggml_zipmoe_cuda_devices(void);
+
 struct ggml_zipmoe_cache_params {
     const struct ggml_zipmoe_file * file;           // must outlive the cache
     int32_t                         n_slots;        // slots the slot tensors hold (each: gate + up + down);
@@ -302,6 +314,7 @@ struct ggml_zipmoe_cache_params {
                                                     // the cache does not serve (the caller knows the model's names)
     int32_t                         prefetch_experts; // experts a prefetch may read ahead (0: no prefetch; see
                                                       // ggml_zipmoe_cache_prefetch)
+    int32_t                         slot_memory;    // enum ggml_zipmoe_slot_memory: where slot_data points
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -319,6 +332,7 @@ struct ggml_zipmoe_cache_stats {
     uint64_t prefetch_hits;       // selections not in a slot whose missing chunks a prefetch had read (all or some)
     uint64_t prefetch_bytes_read; // stored bytes prefetches read (also counted in bytes_read)
     uint64_t prefetch_bytes_used; // of those, bytes a fetch used (the rest were mispredicted: wasted)
+    uint64_t h2d_bytes;           // bytes copied host to device (slots in CUDA memory: SM + exponent planes)
 };
 
 struct ggml_zipmoe_cache;

@@ -385,6 +385,15 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
         memory_source = "unknown (no /proc/meminfo, no cgroup limit)";
     }
 
+    // the non-expert weights, which a GPU's memory holds beside its slots
+    if (meta != nullptr) {
+        for (int64_t i = 0; i < gguf_get_n_tensors(meta); ++i) {
+            if (!is_chunk_tensor(gguf_get_tensor_name(meta, i))) {
+                file_non_expert += gguf_get_tensor_size(meta, i);
+            }
+        }
+    }
+
     char err[1024];
     // O_DIRECT by default: reads through the page cache would compete, under a memory limit, with the
     // mapped non-expert weights (and cost page-cache reclaim on every read)
@@ -420,7 +429,8 @@ int32_t llama_zipmoe::slots_for(uint64_t budget) const {
     return (int32_t) std::min<uint64_t>(budget / expert_bytes, (uint64_t) INT32_MAX);
 }
 
-ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializer_list<int64_t> & ne) {
+ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializer_list<int64_t> & ne,
+                                  ggml_backend_buffer_type_t buft) {
     const int t = ggml_zipmoe_file_find_tensor(file, name.c_str());
     if (t < 0) {
         return nullptr;
@@ -480,10 +490,61 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
         capacity = std::max(std::min(all_slots, slots_for(available_at_load)), std::min(all_slots, n_expert_used));
     }
 
+    // slots in a CUDA device's memory when the layer's weights go there (a CPU layer's list starts
+    // with the GPU's pinned host buffer type, whose device is the GPU: host memory all the same)
+    ggml_backend_dev_t dev = buft != nullptr ? ggml_backend_buft_get_device(buft) : nullptr;
+    const bool gpu_layer = dev != nullptr && !ggml_backend_buft_is_host(buft) &&
+                           ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU;
+    const bool cuda_layer = gpu_layer && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "CUDA") == 0;
+    on_gpu = cuda_layer && ggml_zipmoe_cuda_devices() > 0;
+    if (gpu_layer && !on_gpu) {
+        LLAMA_LOG_WARN("%s: the MoE layers go to %s, but this ZipMoE build puts expert slots only in CUDA memory "
+                       "(built %s CUDA): the slots stay in host memory\n", __func__, ggml_backend_dev_name(dev),
+                       ggml_zipmoe_cuda_devices() > 0 ? "with" : "without");
+    }
+    if (on_gpu) {
+        size_t free_bytes = 0, total_bytes = 0;
+        ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
+        // zero slots beyond the cache's: the rows a pass does not compute (absent_slot)
+        for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+            int64_t s[3];
+            ggml_zipmoe_file_tensor_shape(file, i, s);
+            gpu_zero_slots = std::max<int32_t>(gpu_zero_slots, (int32_t) s[2]);
+        }
+        // the non-expert weights, KV cache and compute buffers, cuBLAS' workspace, the zero slots
+        const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) gpu_zero_slots * expert_bytes;
+        const int32_t fit = slots_for(free_bytes > reserve ? free_bytes - reserve : 0);
+        const int32_t fewest = std::min(all_slots, n_expert_used);
+        if (!opt.with_pools() && opt.budget == 0) {
+            capacity = std::max(std::min(all_slots, fit), fewest);
+        } else if (!opt.with_pools() && capacity > fit) {
+            const int32_t n = std::max(fit, fewest);
+            LLAMA_LOG_WARN("%s: zipmoe.budget of %s does not fit in %s's %s free beside %s of other weights and "
+                           "buffers: %d slots (%s)\n", __func__, gib(opt.budget).c_str(), ggml_backend_dev_name(dev),
+                           gib(free_bytes).c_str(), gib(reserve).c_str(), n, gib((uint64_t) n * expert_bytes).c_str());
+            capacity = n;
+        }
+        gpu_zero_slot = capacity;
+
+        const size_t align = 256;
+        size_t off = 0;
+        for (int k = 0; k < 3; ++k) {
+            section[k] = off;
+            off += GGML_PAD((size_t) (capacity + gpu_zero_slots) * kind_ne[k][0] * kind_ne[k][1] * sizeof(uint16_t), align);
+        }
+        buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), off);
+        if (buf == nullptr) {
+            throw std::runtime_error(format("cannot allocate %s of %s memory for %d ZipMoE expert slots (%s free): give "
+                                            "a smaller zipmoe.budget or fewer GPU layers", gib(off).c_str(),
+                                            ggml_backend_dev_name(dev), capacity, gib(free_bytes).c_str()));
+        }
+        ggml_backend_buffer_clear(buf, 0);
+    }
+
     // address space for every slot, committed only where a slot is written (MAP_NORESERVE); where
     // the kernel refuses that much, fewer slots
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-    for (;;) {
+    for (; !on_gpu;) {
         size_t off = 0;
         for (int k = 0; k < 3; ++k) {
             section[k] = off;
@@ -504,15 +565,18 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
 
     ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
     ctx = ggml_init(params);
-    buf = ggml_backend_cpu_buffer_from_ptr(mapping, mapping_bytes);
+    if (!on_gpu) {
+        buf = ggml_backend_cpu_buffer_from_ptr(mapping, mapping_bytes);
+    }
     if (ctx == nullptr || buf == nullptr) {
         throw std::runtime_error("cannot make the ZipMoE slot tensors");
     }
     ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * base = on_gpu ? (char *) ggml_backend_buffer_get_base(buf) : (char *) mapping;
     for (int k = 0; k < 3; ++k) {
-        slots[k] = ggml_new_tensor_3d(ctx, GGML_TYPE_BF16, kind_ne[k][0], kind_ne[k][1], capacity);
+        slots[k] = ggml_new_tensor_3d(ctx, GGML_TYPE_BF16, kind_ne[k][0], kind_ne[k][1], capacity + gpu_zero_slots);
         ggml_format_name(slots[k], "zipmoe.slots.%s", k_kinds[k]);
-        if (ggml_backend_tensor_alloc(buf, slots[k], (char *) mapping + section[k]) != GGML_STATUS_SUCCESS) {
+        if (ggml_backend_tensor_alloc(buf, slots[k], base + section[k]) != GGML_STATUS_SUCCESS) {
             throw std::runtime_error("cannot place the ZipMoE slot tensors");
         }
     }
@@ -535,6 +599,7 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
     // taken from the slots
     cp.prefetch_experts = opt.prefetch ? (n_expert_used + 1) / 2 : 0;
+    cp.slot_memory      = on_gpu ? GGML_ZIPMOE_SLOTS_CUDA : GGML_ZIPMOE_SLOTS_HOST;
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
@@ -560,7 +625,7 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     }
     // until a context says how much memory is left, the fewest slots: the graphs a context
     // reserves its buffers with then have the most passes
-    n_slots_used = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
+    n_slots_used = opt.with_pools() || on_gpu ? capacity : std::min(capacity, n_expert_used);
     ggml_zipmoe_cache_set_n_slots(cache, n_slots_used);
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
@@ -568,9 +633,17 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
             g_registry[s] = this;
         }
     }
-    LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a context "
-                   "is made; chunks read %s\n", __func__, capacity, expert_bytes / k_mib, all_experts / k_mib,
-                   ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache");
+    if (on_gpu) {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB in %s memory (all experts %.1f MiB%s); chunks "
+                       "read %s, exponents decoded on the CPU, BF16 recovered on the GPU\n", __func__, capacity,
+                       expert_bytes / k_mib, ggml_backend_dev_name(dev), all_experts / k_mib,
+                       opt.budget != 0 ? ", zipmoe.budget" : "",
+                       ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache");
+    } else {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a "
+                       "context is made; chunks read %s\n", __func__, capacity, expert_bytes / k_mib,
+                       all_experts / k_mib, ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache");
+    }
     return slots[kind];
 }
 
@@ -678,12 +751,12 @@ void llama_zipmoe::detach(llama_context * lctx) {
     ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
     LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
-                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms\n", __func__,
+                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms; %.1f MB to the GPU\n", __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
                    s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
                    (unsigned long long) s.prefetch_hits, actual ? (double) correct / actual : 0.0, s.io_ns / 1e6,
-                   s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6);
+                   s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6, s.h2d_bytes / 1e6);
     try {
         resize(nullptr);
     } catch (const std::exception & e) {
@@ -714,8 +787,11 @@ void llama_zipmoe::resize(const llama_context * making) {
                                     gib(non_expert_bytes).c_str(), n_contexts, gib(contexts_bytes).c_str(),
                                     gib(own).c_str(), gib(margin).c_str(), gib(fits).c_str());
     int32_t n = capacity;
-    const int32_t fewest = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
-    if (opt.with_pools()) {
+    const int32_t fewest = opt.with_pools() || on_gpu ? capacity : std::min(capacity, n_expert_used);
+    if (on_gpu) {
+        // the slots take device memory, allocated when the model loaded; the stores' host memory
+        // is the cache's own buffers above
+    } else if (opt.with_pools()) {
         const uint64_t need = (uint64_t) capacity * expert_bytes;
         if (need > fits && making != nullptr) {
             throw std::runtime_error(format("the ZipMoE pools need %s of slots (%d F experts per layer x %d layers + %d "
@@ -832,6 +908,10 @@ static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * user
     zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->zm->cache, ith, nth));
     if (ith == 0) {
         memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
+        int32_t * ids = (int32_t *) dst->data;
+        for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+            ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->zm->absent_slot(i, dst->ne[0]) : ids[i];
+        }
     }
 }
 

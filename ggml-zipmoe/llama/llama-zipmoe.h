@@ -25,7 +25,10 @@
 #include "llama.h"
 
 #include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-zipmoe.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -85,8 +88,20 @@ struct llama_zipmoe {
     ~llama_zipmoe();
 
     // the slot tensor to use for routed-expert tensor `name` (shape ne), reserving the slots on
-    // first use; nullptr if `name` is not repacked in the file
-    ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne);
+    // first use; nullptr if `name` is not repacked in the file. buft: where the tensor's layer puts
+    // its weights; a CUDA device's own (not host) buffer type puts the slots in its memory (a build
+    // with ZIPMOE_CUDA, docs/CUDA.md)
+    ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne,
+                        ggml_backend_buffer_type_t buft);
+
+    // the slot id given to selection i (of n_used per token) that a pass does not compute:
+    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in GPU memory, one of the
+    // zero slots beyond the cache's, distinct within a token (ggml's CUDA mul_mat_id has no id that
+    // skips a row, and wants a token's ids distinct), whose rows the merge drops
+    int32_t absent_slot(int64_t i, int64_t n_used) const {
+        return on_gpu ? gpu_zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, gpu_zero_slots)))
+                      : GGML_ZIPMOE_NO_SLOT;
+    }
 
     // after the model's tensors are made: refuses layers the slots cannot serve (expert biases,
     // per-expert scales, merged gate_up) and records the non-expert weights held in host memory
@@ -178,6 +193,12 @@ private:
 
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;
+
+    // slots in CUDA memory: all allocated when the model loads, all in use (no host memory sizing)
+    bool     on_gpu        = false;
+    int32_t  gpu_zero_slot = -1;  // the first zero slot
+    int32_t  gpu_zero_slots = 0;  // as many as a layer's experts: a warmup token selects them all
+    uint64_t file_non_expert = 0; // bytes of the file's tensors that are not expert chunks
 
     // slots: one reserved region, committed only where slots are used
     void *                mapping       = nullptr;

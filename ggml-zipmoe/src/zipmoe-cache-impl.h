@@ -12,6 +12,7 @@
 #pragma once
 
 #include "ggml-zipmoe.h"
+#include "zipmoe-gpu.h"
 #include "zipmoe-impl.h"
 
 #include <pthread.h>
@@ -233,6 +234,7 @@ struct ggml_zipmoe_cache {
     struct zipmoe_pipeline          pipe;
     struct zipmoe_prefetch          prefetch;
     struct zipmoe_counters          stats;
+    struct zipmoe_gpu *             gpu;  // slots in CUDA memory (zipmoe-gpu.h), else NULL
 
     pthread_mutex_t lock;        // held from a fetch's begin to its end
     int             fetch_open;  // the open fetch: begin took the lock, end releases it

@@ -82,6 +82,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     pthread_cond_destroy(&c->pipe.io_wake);
     pthread_cond_destroy(&c->prefetch.idle);
     zipmoe_prefetch_free(c);
+    zipmoe_gpu_free(c->gpu);
     free(c->stats.activations);
     free(c->stats.layer_ubatches);
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
@@ -152,6 +153,9 @@ static const char * check_params(const struct ggml_zipmoe_cache_params * p, int 
     }
     if (p->prefetch_experts < 0) {
         return "ggml_zipmoe_cache_new: prefetch_experts is negative";
+    }
+    if (p->slot_memory != GGML_ZIPMOE_SLOTS_HOST && p->slot_memory != GGML_ZIPMOE_SLOTS_CUDA) {
+        return "ggml_zipmoe_cache_new: slot_memory is neither host nor CUDA";
     }
     return NULL;
 }
@@ -337,6 +341,19 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     }
     if (status == GGML_ZIPMOE_OK) {
         status = zipmoe_prefetch_init(c, p->prefetch_experts);
+    }
+    if (status == GGML_ZIPMOE_OK && p->slot_memory == GGML_ZIPMOE_SLOTS_CUDA) {
+        // staging for the largest shard of any served tensor
+        uint64_t max_count = 1;
+        for (int t = 0; t < c->file->n_tensors; t++) {
+            for (int k = 0; k < c->file->n_shards; k++) {
+                uint64_t first, count;
+                zipmoe_shard_range(c->file->tensors[t].n, c->file->n_shards, k, &first, &count);
+                max_count = count > max_count ? count : max_count;
+            }
+        }
+        c->gpu = zipmoe_gpu_new(c->slots.data[0], (size_t) max_count, msg, sizeof(msg));
+        status = c->gpu != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_ARG;
     }
     if (status == GGML_ZIPMOE_OK) {
         const uint64_t max_e = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
@@ -606,6 +623,7 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->prefetch_hits       = atomic_load(&c->prefetch.hits);
     s->prefetch_bytes_read = atomic_load(&c->prefetch.bytes_read);
     s->prefetch_bytes_used = atomic_load(&c->prefetch.bytes_used);
+    s->h2d_bytes           = zipmoe_gpu_h2d_bytes(c->gpu);
 }
 
 int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int layer, uint64_t * counts,

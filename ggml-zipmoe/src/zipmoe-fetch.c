@@ -300,12 +300,10 @@ static uint16_t * slot_tensor(const struct ggml_zipmoe_cache * c, const struct z
     return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
 }
 
-static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
-    const uint64_t t0 = zipmoe_now_ns();
-    zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
-    *recover_ns += zipmoe_now_ns() - t0;
+// a shard of t was recovered: when the tensor is full, keep its SM-chunk if dispatched to C or S
+// and free its staging buffer
+static void shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
     if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
-        // the tensor is full: keep its SM-chunk if dispatched to C or S, free its buffer
         if (t->sm_dst != NULL) {
             memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].n);
         }
@@ -314,6 +312,32 @@ static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, 
         }
     }
     atomic_fetch_add(&c->pipe.ops_done, 1);
+}
+
+// a shard of t was decoded: when every E-chunk is, keep them if dispatched to C or E and free
+// their staging buffer
+static void shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
+    const int K = c->file->n_shards;
+    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
+        if (t->e_dst != NULL) {
+            uint8_t * dst = t->e_dst;
+            for (int j = 1; j <= K; j++) {
+                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+                memcpy(dst, task_e_chunk(c, t, j), size);
+                dst += size;
+            }
+        }
+        if (t->e_src == NULL) {
+            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
+        }
+    }
+}
+
+static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
+    const uint64_t t0 = zipmoe_now_ns();
+    zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
+    *recover_ns += zipmoe_now_ns() - t0;
+    shard_recovered(c, t);
 }
 
 // shard k (1..K) of a task: decode its E-chunk into the slot; 1 if it decoded (0: a failure)
@@ -329,20 +353,80 @@ static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, in
         fail_once(c, status, t, k, 0);
         return 0;
     }
-    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
-        // every E-chunk is decoded: keep them if dispatched to C or E, free their buffer
-        if (t->e_dst != NULL) {
-            uint8_t * dst = t->e_dst;
-            for (int j = 1; j <= K; j++) {
-                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
-                memcpy(dst, task_e_chunk(c, t, j), size);
-                dst += size;
-            }
-        }
-        if (t->e_src == NULL) {
-            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
-        }
+    shard_decoded(c, t);
+    return 1;
+}
+
+static void fail_gpu(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const char * why) {
+    int ok = GGML_ZIPMOE_OK;
+    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+        snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d, shard %d: recovery on the GPU failed: %s",
+                 c->file->path, c->file->tensors[t->tensor].name, t->expert, k, why);
     }
+}
+
+// slots in CUDA memory: shard k (1..K) decoded into the thread's pinned staging, and with its SM
+// plane beside it copied to the GPU and recovered there (zipmoe-gpu.h); if the SM-chunk is not read
+// yet, the exponents are parked in the slot's device bytes instead. 1: recovered, 2: parked, 0: failed.
+static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w, int ith,
+                     uint64_t * decode_ns, uint64_t * recover_ns) {
+    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+    uint64_t first, count;
+    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
+    char why[512];
+    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
+    if (stage == NULL) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    const uint64_t t0 = zipmoe_now_ns();
+    const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size, stage + count,
+                                              count);
+    const uint64_t t1 = zipmoe_now_ns();
+    *decode_ns += t1 - t0;
+    if (status != GGML_ZIPMOE_OK) {
+        fail_once(c, status, t, k, 0);
+        return 0;
+    }
+    shard_decoded(c, t);
+    uint16_t * dst = slot_tensor(c, t) + first;
+    if (!sm_ready(t)) {
+        if (zipmoe_gpu_park(c->gpu, ith, count, (uint8_t *) dst + count, why, sizeof(why)) != 0) {
+            fail_gpu(c, t, k, why);
+            return 0;
+        }
+        *recover_ns += zipmoe_now_ns() - t1;
+        return 2;
+    }
+    memcpy(stage, task_sm(c, t) + first, count);
+    if (zipmoe_gpu_recover(c->gpu, ith, count, dst, why, sizeof(why)) != 0) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    *recover_ns += zipmoe_now_ns() - t1;
+    shard_recovered(c, t);
+    return 1;
+}
+
+// a parked shard (gpu_shard returned 2) whose SM-chunk is now in memory; 1 if it went
+static int gpu_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int ith,
+                              uint64_t * recover_ns) {
+    uint64_t first, count;
+    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
+    char why[512];
+    const uint64_t t0 = zipmoe_now_ns();
+    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
+    uint16_t * dst = slot_tensor(c, t) + first;
+    if (stage != NULL) {
+        memcpy(stage, task_sm(c, t) + first, count);
+    }
+    if (stage == NULL || zipmoe_gpu_recover_parked(c->gpu, ith, count, (const uint8_t *) dst + count, dst, why,
+                                                   sizeof(why)) != 0) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    *recover_ns += zipmoe_now_ns() - t0;
+    shard_recovered(c, t);
     return 1;
 }
 
@@ -377,10 +461,15 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                     }
                     break;
                 }
-                if (!decode_shard(c, t, k, w, &decode_ns)) {
+                if (c->gpu != NULL) {
+                    const int went = gpu_shard(c, t, k, w, ith, &decode_ns, &recover_ns);
+                    if (went == 0) {
+                        break;
+                    }
+                    atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
+                } else if (!decode_shard(c, t, k, w, &decode_ns)) {
                     break;
-                }
-                if (sm_ready(t)) {
+                } else if (sm_ready(t)) {
                     recover_shard(c, t, k, &recover_ns);
                     atomic_store(&c->pipe.op_state[j], OP_DONE);
                 } else {
@@ -392,7 +481,13 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                 if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
                     continue;
                 }
-                recover_shard(c, t, k, &recover_ns);
+                if (c->gpu != NULL) {
+                    if (!gpu_recover_parked(c, t, k, ith, &recover_ns)) {
+                        break;
+                    }
+                } else {
+                    recover_shard(c, t, k, &recover_ns);
+                }
                 atomic_store(&c->pipe.op_state[j], OP_DONE);
                 worked = 1;
             }
@@ -400,6 +495,16 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
         idle = worked ? 0 : idle + 1;
         if (!worked) {
             zipmoe_pause_waiting(idle);
+        }
+    }
+    if (c->gpu != NULL) {
+        // the slots are full only once this thread's copies and kernels are done
+        char why[512];
+        if (zipmoe_gpu_sync(c->gpu, ith, why, sizeof(why)) != 0) {
+            int ok = GGML_ZIPMOE_OK;
+            if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+                snprintf(c->error, sizeof(c->error), "%s: recovery on the GPU failed: %s", c->file->path, why);
+            }
         }
     }
     atomic_fetch_add(&c->stats.decode_ns, decode_ns);

@@ -3,6 +3,7 @@
 // BF16 bits: s eeeeeeee mmmmmmm. E byte = bits 14..7; SM byte = (s << 7) | mmmmmmm.
 
 #include "ggml-zipmoe.h"
+#include "zipmoe-recover-grid.h"
 
 #include <string.h>
 
@@ -64,6 +65,15 @@ static void recover_avx512bw(const uint8_t * exp, const uint8_t * sm, size_t n, 
 }
 #endif
 
+// the CUDA kernel's arithmetic run on the host, thread by thread of its grid: never chosen by
+// default, it lets the tests check the kernel's indexing against every bit pattern without a GPU
+static void recover_cuda_grid(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst) {
+    const uint64_t n_threads = zipmoe_grid_blocks(n) * ZIPMOE_GRID_BLOCK;
+    for (uint64_t i = 0; i < n_threads; i++) {
+        zipmoe_grid_thread(i, exp, sm, n, dst);
+    }
+}
+
 typedef void (*recover_fn)(const uint8_t *, const uint8_t *, size_t, uint16_t *);
 
 struct recover_impl {
@@ -85,6 +95,7 @@ static const struct recover_impl recover_impls[] = {
     { "avx2",     recover_avx2,     has_avx2     },
 #endif
     { "scalar",   recover_scalar,   always       },
+    { "cuda-grid", recover_cuda_grid, always     }, // last: only when asked for
 };
 #define N_RECOVER_IMPLS (sizeof(recover_impls) / sizeof(recover_impls[0]))
 
@@ -97,7 +108,7 @@ static const struct recover_impl * best_recover_impl(void) {
             return &recover_impls[i];
         }
     }
-    return &recover_impls[N_RECOVER_IMPLS - 1];
+    return &recover_impls[N_RECOVER_IMPLS - 2]; // scalar
 }
 
 static const struct recover_impl * current_recover_impl(void) {

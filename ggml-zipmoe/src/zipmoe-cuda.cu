@@ -1,0 +1,242 @@
+// zipmoe-gpu.h with CUDA: per decoding thread, a stream, two pinned staging buffers and two device
+// buffers used in turn, and the recovery kernel (its index arithmetic: zipmoe-recover-grid.h).
+//
+// Why the fetch is not a CUDA op: ggml's CUDA backend refuses GGML_OP_CUSTOM, so the fetch stays a
+// CPU custom op of the graph (scheduled on the CPU backend, its slot ids copied to the GPU as an
+// input of the products). The slot tensors are weights in a CUDA buffer that the op writes beside
+// the graph, on its own streams, and it returns only when the copies and kernels are done. The
+// scheduler has drained the GPU's stream before the op runs (it copied the router's output from
+// it), so no product of an earlier layer still reads a slot being written. docs/CUDA.md.
+
+#include "ggml-zipmoe.h"
+#include "zipmoe-gpu.h"
+#include "zipmoe-recover-grid.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+#define ZIPMOE_GPU_MAX_THREADS 256
+
+struct zipmoe_gpu_worker {
+    bool         ready = false;
+    cudaStream_t stream = nullptr;
+    uint8_t *    host[2] = { nullptr, nullptr }; // pinned: [SM plane | exponent plane]
+    uint8_t *    dev[2]  = { nullptr, nullptr };
+    cudaEvent_t  done[2] = { nullptr, nullptr }; // the copy from host[b] and the kernel reading dev[b]
+    bool         used[2] = { false, false };
+    int          cur = 0;
+    bool         pending = false;                // work queued since the last sync
+};
+
+struct zipmoe_gpu {
+    int                   device = 0;
+    size_t                max_count = 0;
+    std::atomic<uint64_t> h2d_bytes { 0 };
+    zipmoe_gpu_worker     workers[ZIPMOE_GPU_MAX_THREADS];
+};
+
+__global__ void zipmoe_recover_kernel(const uint8_t * exp, const uint8_t * sm, uint64_t n, uint16_t * dst) {
+    const uint64_t i = (uint64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    zipmoe_grid_thread(i, exp, sm, n, dst);
+}
+
+static bool check(cudaError_t e, const char * what, char * err, size_t err_size) {
+    if (e == cudaSuccess) {
+        return true;
+    }
+    snprintf(err, err_size, "CUDA error in %s: %s", what, cudaGetErrorString(e));
+    return false;
+}
+
+static zipmoe_gpu_worker * worker(zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
+    if (ith < 0 || ith >= ZIPMOE_GPU_MAX_THREADS) {
+        snprintf(err, err_size, "decoding thread %d is beyond the %d the GPU path supports", ith, ZIPMOE_GPU_MAX_THREADS);
+        return nullptr;
+    }
+    // a graph thread may start on another device than the slots'
+    if (!check(cudaSetDevice(gpu->device), "cudaSetDevice", err, err_size)) {
+        return nullptr;
+    }
+    zipmoe_gpu_worker * w = &gpu->workers[ith];
+    if (w->ready) {
+        return w;
+    }
+    const size_t bytes = 2 * gpu->max_count;
+    if (!check(cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking), "cudaStreamCreate", err, err_size)) {
+        return nullptr;
+    }
+    for (int b = 0; b < 2; b++) {
+        if (!check(cudaMallocHost((void **) &w->host[b], bytes), "cudaMallocHost (staging)", err, err_size) ||
+            !check(cudaMalloc((void **) &w->dev[b], bytes), "cudaMalloc (staging)", err, err_size) ||
+            !check(cudaEventCreateWithFlags(&w->done[b], cudaEventDisableTiming), "cudaEventCreate", err, err_size)) {
+            return nullptr; // what was made is freed by zipmoe_gpu_free
+        }
+    }
+    w->ready = true;
+    return w;
+}
+
+extern "C" struct zipmoe_gpu * zipmoe_gpu_new(const void * slot_base, size_t max_count, char * err, size_t err_size) {
+    cudaPointerAttributes attr = {};
+    if (!check(cudaPointerGetAttributes(&attr, slot_base), "cudaPointerGetAttributes (slots)", err, err_size)) {
+        return nullptr;
+    }
+    if (attr.type != cudaMemoryTypeDevice) {
+        snprintf(err, err_size, "the slot memory is not CUDA device memory");
+        return nullptr;
+    }
+    zipmoe_gpu * gpu = new (std::nothrow) zipmoe_gpu();
+    if (gpu == nullptr) {
+        snprintf(err, err_size, "out of memory for the GPU state");
+        return nullptr;
+    }
+    gpu->device    = attr.device;
+    gpu->max_count = max_count > 0 ? max_count : 1;
+    return gpu;
+}
+
+extern "C" void zipmoe_gpu_free(struct zipmoe_gpu * gpu) {
+    if (gpu == nullptr) {
+        return;
+    }
+    cudaSetDevice(gpu->device);
+    for (zipmoe_gpu_worker & w : gpu->workers) {
+        if (w.stream != nullptr) {
+            cudaStreamSynchronize(w.stream);
+        }
+        for (int b = 0; b < 2; b++) {
+            if (w.host[b] != nullptr) {
+                cudaFreeHost(w.host[b]);
+            }
+            if (w.dev[b] != nullptr) {
+                cudaFree(w.dev[b]);
+            }
+            if (w.done[b] != nullptr) {
+                cudaEventDestroy(w.done[b]);
+            }
+        }
+        if (w.stream != nullptr) {
+            cudaStreamDestroy(w.stream);
+        }
+    }
+    delete gpu;
+}
+
+extern "C" uint8_t * zipmoe_gpu_staging(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
+    zipmoe_gpu_worker * w = worker(gpu, ith, err, err_size);
+    if (w == nullptr) {
+        return nullptr;
+    }
+    const int b = w->cur;
+    if (w->used[b] && !check(cudaEventSynchronize(w->done[b]), "cudaEventSynchronize (staging)", err, err_size)) {
+        return nullptr;
+    }
+    w->used[b] = false;
+    return w->host[b];
+}
+
+// the staging buffer just filled is used: its copies are queued, the next call takes the other
+static void used(zipmoe_gpu * gpu, zipmoe_gpu_worker * w, size_t h2d) {
+    w->used[w->cur] = true;
+    w->cur ^= 1;
+    w->pending = true;
+    gpu->h2d_bytes.fetch_add(h2d, std::memory_order_relaxed);
+}
+
+// thread ith's worker, if a shard of count values fits its staging; nullptr with err otherwise
+static zipmoe_gpu_worker * worker_for(zipmoe_gpu * gpu, int ith, size_t count, char * err, size_t err_size) {
+    if (count > gpu->max_count) {
+        snprintf(err, err_size, "a shard of %zu values is larger than the GPU staging's %zu", count, gpu->max_count);
+        return nullptr;
+    }
+    return worker(gpu, ith, err, err_size);
+}
+
+// the recovery kernel on the planes in device staging buffer b, into dst; the buffer is then used
+static int launch_recovery(zipmoe_gpu * gpu, zipmoe_gpu_worker * w, size_t count, uint16_t * dst, size_t h2d,
+                           char * err, size_t err_size) {
+    const int b = w->cur;
+    zipmoe_recover_kernel<<<(unsigned) zipmoe_grid_blocks(count), ZIPMOE_GRID_BLOCK, 0, w->stream>>>(
+        w->dev[b] + count, w->dev[b], count, dst);
+    if (!check(cudaGetLastError(), "the recovery kernel's launch", err, err_size) ||
+        !check(cudaEventRecord(w->done[b], w->stream), "cudaEventRecord", err, err_size)) {
+        return -1;
+    }
+    used(gpu, w, h2d);
+    return 0;
+}
+
+extern "C" int zipmoe_gpu_recover(struct zipmoe_gpu * gpu, int ith, size_t count, uint16_t * dst, char * err,
+                                  size_t err_size) {
+    zipmoe_gpu_worker * w = worker_for(gpu, ith, count, err, err_size);
+    if (w == nullptr || count == 0) {
+        return w == nullptr ? -1 : 0;
+    }
+    const int b = w->cur;
+    if (!check(cudaMemcpyAsync(w->dev[b], w->host[b], 2 * count, cudaMemcpyHostToDevice, w->stream),
+               "cudaMemcpyAsync (planes to the GPU)", err, err_size)) {
+        return -1;
+    }
+    return launch_recovery(gpu, w, count, dst, 2 * count, err, err_size);
+}
+
+extern "C" int zipmoe_gpu_park(struct zipmoe_gpu * gpu, int ith, size_t count, uint8_t * park, char * err,
+                               size_t err_size) {
+    zipmoe_gpu_worker * w = worker_for(gpu, ith, count, err, err_size);
+    if (w == nullptr) {
+        return -1;
+    }
+    const int b = w->cur;
+    if (!check(cudaMemcpyAsync(park, w->host[b] + count, count, cudaMemcpyHostToDevice, w->stream),
+               "cudaMemcpyAsync (parked exponents)", err, err_size) ||
+        !check(cudaEventRecord(w->done[b], w->stream), "cudaEventRecord", err, err_size) ||
+        // another thread's stream may recover it: it must be in place before the shard is marked decoded
+        !check(cudaStreamSynchronize(w->stream), "cudaStreamSynchronize (parked exponents)", err, err_size)) {
+        return -1;
+    }
+    used(gpu, w, count);
+    return 0;
+}
+
+extern "C" int zipmoe_gpu_recover_parked(struct zipmoe_gpu * gpu, int ith, size_t count, const uint8_t * park,
+                                         uint16_t * dst, char * err, size_t err_size) {
+    zipmoe_gpu_worker * w = worker_for(gpu, ith, count, err, err_size);
+    if (w == nullptr || count == 0) {
+        return w == nullptr ? -1 : 0;
+    }
+    const int b = w->cur;
+    // the kernel writes over the parked bytes: it reads them from a copy
+    if (!check(cudaMemcpyAsync(w->dev[b] + count, park, count, cudaMemcpyDeviceToDevice, w->stream),
+               "cudaMemcpyAsync (parked exponents to staging)", err, err_size) ||
+        !check(cudaMemcpyAsync(w->dev[b], w->host[b], count, cudaMemcpyHostToDevice, w->stream),
+               "cudaMemcpyAsync (SM plane to the GPU)", err, err_size)) {
+        return -1;
+    }
+    return launch_recovery(gpu, w, count, dst, count, err, err_size);
+}
+
+extern "C" int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
+    if (gpu == nullptr || ith < 0 || ith >= ZIPMOE_GPU_MAX_THREADS || !gpu->workers[ith].pending) {
+        return 0;
+    }
+    zipmoe_gpu_worker & w = gpu->workers[ith];
+    w.pending = false;
+    if (!check(cudaSetDevice(gpu->device), "cudaSetDevice", err, err_size) ||
+        !check(cudaStreamSynchronize(w.stream), "cudaStreamSynchronize (recovery)", err, err_size)) {
+        return -1;
+    }
+    return 0;
+}
+
+extern "C" uint64_t zipmoe_gpu_h2d_bytes(const struct zipmoe_gpu * gpu) {
+    return gpu != nullptr ? gpu->h2d_bytes.load(std::memory_order_relaxed) : 0;
+}
+
+extern "C" int ggml_zipmoe_cuda_devices(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}

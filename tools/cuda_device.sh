@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# ZipMoE's CUDA build, tests and bench on a GPU machine that reaches no package registry and takes a
+# small working tree (docs/CUDA.md). Made here, carried there in .gpucarry/ (git-ignored):
+#   devsrc.tar.xz   the prepared (patched) llama.cpp source without its docs and models, + zstd, lz4
+#   pylibs.tar.gz   llama-cpp-python's Python package and diskcache (pure Python)
+#   *.skel.gguf     model headers (tools/gguf_skeleton.py strip), filled with random weights there
+# Usage: bash tools/cuda_device.sh prepare        (here, after tools/setup.sh: writes .gpucarry/)
+#        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began)
+set -euo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+CARRY=$REPO/.gpucarry
+B=/tmp/zipmoe-cuda-build
+SITE=/tmp/zipmoe-site
+MODELS=/tmp/zipmoe-models
+OUT=${OUT:-/tmp/zipmoe-out}
+PY=${PYTHON:-python3}
+export PYTHONPATH=$SITE:/tmp/zipmoe-pylibs PYTHONUNBUFFERED=1
+
+fill() { # skeleton name -> filled BF16 GGUF and its ZipMoE GGUF in $MODELS
+    mkdir -p $MODELS
+    [ -f $MODELS/$2-bf16.gguf ] || $PY $REPO/tools/gguf_skeleton.py fill $CARRY/$1.skel.gguf $MODELS/$2-bf16.gguf
+    [ -f $MODELS/$2.zipmoe.gguf ] || (cd /tmp && $PY -c "from zipmoe_py import format as z; z.repack('$MODELS/$2-bf16.gguf', '$MODELS/$2.zipmoe.gguf')")
+}
+
+case ${1:-} in
+prepare)
+    VENV=$REPO/.venv/lib/python3.11/site-packages
+    mkdir -p $CARRY /tmp/zipmoe-devsrc
+    rm -rf /tmp/zipmoe-devsrc/*
+    $REPO/.venv/bin/python $REPO/tools/prepare_source.py --dest /tmp/zipmoe-devsrc/llama.cpp-src
+    for dep in zstd lz4; do
+        $REPO/.venv/bin/python $REPO/tools/prepare_source.py --pin $REPO/vendor/$dep/pin.json --no-patches \
+            --dest /tmp/zipmoe-devsrc/$dep-src
+    done
+    (cd /tmp/zipmoe-devsrc/llama.cpp-src && rm -rf docs benches media examples app .github .devops &&
+     find models -mindepth 1 -not -name 'ggml-vocab-qwen2.gguf*' -not -name 'ggml-vocab-deepseek-llm.gguf*' -delete)
+    tar -C /tmp/zipmoe-devsrc -cJf $CARRY/devsrc.tar.xz llama.cpp-src zstd-src lz4-src
+    tar -C $VENV -czf $CARRY/pylibs.tar.gz llama_cpp diskcache
+    # the tests' tiny models (as tests/conftest.py makes them) and the bench model, as headers
+    tiny=$(mktemp -d)
+    for a in deepseek2 qwen2moe; do
+        (cd /tmp && $REPO/.venv/bin/python -c "from zipmoe_py.tiny import make_tiny; make_tiny('$a', '$tiny/hf-$a', seed=1234)")
+        $REPO/.venv/bin/zipmoe-convert $tiny/hf-$a -o $tiny/$a-bf16.gguf --bf16 --quiet
+        (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $tiny/$a-bf16.gguf $CARRY/$a.skel.gguf)
+    done
+    rm -rf $tiny
+    if [ -f $REPO/bench/work/qwen6.gguf ]; then  # bench/make_bench_model.py qwen2moe --layers 6
+        (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $REPO/bench/work/qwen6.gguf $CARRY/qwen6.skel.gguf)
+    fi
+    du -sh $CARRY/*
+    ;;
+build)
+    mkdir -p $B /tmp/zipmoe-pylibs
+    [ -d $B/llama.cpp-src ] || tar -xJf $CARRY/devsrc.tar.xz -C $B
+    [ -d /tmp/zipmoe-pylibs/llama_cpp ] || tar -xzf $CARRY/pylibs.tar.gz -C /tmp/zipmoe-pylibs
+    [ -f $B/build.ninja ] || cmake -S $REPO -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DZIPMOE_CUDA=ON \
+        -DGGML_CUDA_FA=OFF -DPython3_EXECUTABLE=$(command -v $PY)
+    cmake --build $B -j $(nproc)
+    rm -rf $SITE && cmake --install $B --component zipmoe --prefix $SITE >/dev/null
+    cp $REPO/zipmoe_py/*.py $SITE/zipmoe_py/
+    (cd /tmp && $PY -c "from zipmoe_py import _lib; print('CUDA devices:', _lib.lib().ggml_zipmoe_cuda_devices())")
+    ;;
+test)
+    for a in deepseek2 qwen2moe; do fill $a $a; done
+    cd /tmp && ZIPMOE_TEST_MODELS=$MODELS $PY -m pytest -v -p no:cacheprovider --timeout 300 $REPO/tests/test_cuda.py \
+        $REPO/tests/test_codec.py -k "cuda or bit_pattern or lengths" 2>&1 | tee $OUT/cuda_tests.log
+    ;;
+bench)
+    fill qwen6 qwen6
+    cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/qwen6-bf16.gguf --zipmoe $MODELS/qwen6.zipmoe.gguf \
+        --out $OUT/cuda_bench.json "${@:2}" 2>&1 | tee $OUT/cuda_bench.log
+    ;;
+*)
+    echo "usage: bash tools/cuda_device.sh prepare|build|test|bench" >&2
+    exit 2
+    ;;
+esac
