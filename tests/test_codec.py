@@ -114,7 +114,7 @@ def test_levels_round_trip(name, level):
 
 
 @pytest.mark.parametrize("plane", ["gaussian-expert", "heavy-tailed-expert"])
-@pytest.mark.parametrize("name", ["huf", "fhuf"])
+@pytest.mark.parametrize("name", ["huf", "fhuf", "ghuf"])
 def test_entropy_coders_whole_expert_size_is_within_1_percent_of_the_entropy_bound(plane, name):
     # whole expert = raw sign+mantissa plane + compressed exponent plane, against (8 + H) / 16 of BF16
     data = PLANES[plane]
@@ -162,11 +162,13 @@ def test_bad_arguments_are_refused():
         codec.compress(b"abc", "brotli")
 
 
-def test_fhuf_decoder_survives_random_corruption():
-    """Bounded fuzz of the default codec's decoder: any mutation decodes exactly or is an error, never a crash."""
+@pytest.mark.parametrize("name", ["fhuf", "ghuf"])
+def test_huffman_decoders_survive_random_corruption(name):
+    """Bounded fuzz of the default codec's decoder and the GPU layout's: any mutation decodes or is an
+    error, never a crash (checksums, not the codec, catch what still decodes)."""
     rng = np.random.default_rng(7)
     data = PLANES["gaussian-expert"][:50_000]
-    good = codec.compress(data, "fhuf")
+    good = codec.compress(data, name)
     dec = Decoder()
     outcomes = {"error": 0, "decoded": 0}
     for i in range(3000):
@@ -182,7 +184,7 @@ def test_fhuf_decoder_survives_random_corruption():
             blob[at:at + 16] = rng.integers(0, 256, 16, dtype=np.uint8).tobytes()
         size = data.size if rng.random() < 0.9 else int(rng.integers(0, 2 * data.size))
         try:
-            dec.decompress(bytes(blob), "fhuf", size)  # a flip in a stream's padding may still decode
+            dec.decompress(bytes(blob), name, size)  # a flip in a stream's padding may still decode
             outcomes["decoded"] += 1
         except CodecError:
             outcomes["error"] += 1
@@ -206,3 +208,34 @@ def test_decode_expert_recovers_every_value_shard_by_shard(shards):
     names[-1] = "raw" if names[-1] != "raw" else "zstd"  # a chunk decoded with the wrong codec
     with pytest.raises(CodecError):
         ExpertDecode(Decoder(), chunks, names, sm)()
+
+
+@pytest.mark.parametrize("plane", sorted(PLANES))
+def test_ghuf_decodes_the_same_the_gpu_way(plane):
+    """The GPU's decoder, run on the host: its table built entry by entry (one GPU thread each) and
+    its segments decoded last first (independent, as GPU threads run them), equals the host's."""
+    data = PLANES[plane]
+    blob = codec.compress(data, "ghuf")
+    assert np.array_equal(codec.ghuf_decode_as_gpu(blob, data.size), data)
+    if data.size > 4096:  # segments of 1024 values with offsets: no more than 1.5% on the plane's Huffman size
+        assert len(blob) <= len(codec.compress(data, "fhuf")) * 1.015 + 64
+
+
+def test_ghuf_malformed_streams_are_errors_the_gpu_way():
+    """What the layout itself can tell (a flipped code bit may still decode: the chunk's checksum
+    catches that): a segment cut short or with a byte too many, offsets out of order, no code."""
+    data = PLANES["gaussian-expert"][:100_000]
+    blob = codec.compress(data, "ghuf")
+    assert blob[0] == 0xE2  # Huffman mode
+    lo, hi = blob[1 + 3], blob[1 + 4]  # after the tag and the 3-byte varint of 100000
+    lengths = 1 + 3 + 2
+    offsets = lengths + (hi - lo + 2) // 2
+    second = bytearray(blob)
+    second[offsets + 4:offsets + 8] = (1 << 31).to_bytes(4, "little")  # segment 1 starts past the area
+    no_code = bytearray(blob)
+    no_code[lengths:offsets] = bytes(offsets - lengths)
+    for bad in (blob[:-1], blob + b"\0", bytes(second), bytes(no_code)):
+        with pytest.raises(CodecError, match="corrupt"):
+            codec.ghuf_decode_as_gpu(bad, data.size)
+        with pytest.raises(CodecError, match="corrupt"):
+            Decoder().decompress(bad, "ghuf", data.size)

@@ -12,6 +12,8 @@ from __future__ import annotations
 # after gguf-py's dependencies crashed std::regex in the tokenizer, before any ZipMoE code ran
 import zipmoe_py.bindings  # noqa: F401  isort: skip
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -87,3 +89,99 @@ def test_cpu_layers_keep_host_slots_beside_a_gpu(arch, zipmoe_gguf, reference):
     got, got_tokens, stats = trace_and_close(llm, 1)
     assert got_tokens == want_tokens and np.array_equal(got, want)
     assert stats["h2d_bytes"] == 0
+
+
+def test_cuda_phase2_ghuf_is_bit_identical_and_sends_compressed_exponents(arch, tiny_gguf, zipmoe_gguf, cuda_reference,
+                                                                         tmp_path):
+    """Phase 2: E-chunks in the GPU layout cross compressed and are decoded on the GPU: the same
+    logits as stock on CUDA, fewer bytes to the GPU than phase 1 (which sends decoded exponents)."""
+    from zipmoe_py import format as zformat
+
+    ghuf = tmp_path / f"{arch}.ghuf.zipmoe.gguf"
+    zformat.repack(tiny_gguf(arch), ghuf, codec="ghuf")
+    want, want_tokens = cuda_reference(arch, PROMPTS)
+    h2d = {}
+    for name, path in (("phase1", zipmoe_gguf(arch)), ("phase2", ghuf)):
+        llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "top-k"))
+        got, got_tokens, stats = trace_and_close(llm, PROMPTS)
+        assert got_tokens == want_tokens and np.array_equal(got, want), name
+        h2d[name] = (stats["h2d_bytes"], stats["expert_misses"])
+    assert h2d["phase1"][1] == h2d["phase2"][1]  # the same experts fetched
+    assert h2d["phase2"][0] < 0.85 * h2d["phase1"][0]
+
+
+def _cudart():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("cudart") or "/usr/local/cuda/lib64/libcudart.so"
+    rt = ctypes.CDLL(name)
+    rt.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+    rt.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    rt.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    rt.cudaFree.argtypes = [ctypes.c_void_p]
+    return rt
+
+
+@pytest.mark.parametrize("codec", ["fhuf", "ghuf"])  # phase 1: exponents decoded on the CPU; phase 2: on the GPU
+@pytest.mark.parametrize("nth", [1, 4])
+@pytest.mark.parametrize("pools", [(0, 0, 0, 0), (1, 2, 1, 1)])
+def test_cache_with_gpu_slots_fills_them_as_a_host_cache_does(codec, nth, pools, tmp_path):
+    """The cache alone (no ggml): the same fetches on host slots and on slots in GPU memory, every
+    slot compared bit for bit after each fetch; odd shapes, shards, threads and pools."""
+    import ctypes
+
+    from test_cache import Cache
+    from test_format import make_moe_gguf
+    from zipmoe_py import format as zformat
+
+    rt = _cudart()
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(1031, 517, 8), layers=3)
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, codec=codec, shards=5)
+    n_slots = 5 if any(pools) else 3
+    eviction = _lib.EVICT_RANK if any(pools) else _lib.EVICT_LRU
+    host = Cache(path, n_slots, eviction=eviction, pools=pools)
+    # the same cache on device memory: its params with the slot pointers swapped
+    dev_ptrs, lib = [], _lib.lib()
+    params = _lib.CacheParams.from_buffer_copy(host.params)
+    for k, slots in enumerate(host.slots):
+        ptr = ctypes.c_void_p()
+        assert rt.cudaMalloc(ctypes.byref(ptr), slots.nbytes) == 0
+        assert rt.cudaMemset(ptr, 0, slots.nbytes) == 0
+        dev_ptrs.append(ptr)
+        params.slot_data[k] = ptr.value
+    params.slot_memory = 1
+    err = ctypes.create_string_buffer(1024)
+    dev = lib.ggml_zipmoe_cache_new(ctypes.byref(params), err, len(err))
+    assert dev, err.value
+    try:
+        rng = np.random.default_rng(5)
+        layers = sorted(host.zf.moe_layers())
+        for step in range(30):
+            layer = layers[step % len(layers)]
+            ids = np.stack([rng.choice(8, size=2, replace=False) for _ in range(1 + step % 2)]).astype(np.int32)
+            status, want = host.fetch(layer, ids, nth=nth)
+            assert status == _lib.OK
+            got = np.full(ids.shape, -1, np.int32)
+            statuses = [None] * nth
+
+            def work(i):
+                statuses[i] = lib.ggml_zipmoe_cache_fetch(dev, layer, 0, ids.ctypes.data, ids.shape[1], ids.shape[0],
+                                                          ids.shape[1], got.ctypes.data, i, nth)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(nth)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            assert statuses == [_lib.OK] * nth, lib.ggml_zipmoe_cache_error(dev)
+            assert np.array_equal(got, want)
+            for k, slots in enumerate(host.slots):
+                back = np.empty_like(slots)
+                assert rt.cudaMemcpy(back.ctypes.data, dev_ptrs[k], slots.nbytes, 2) == 0  # device to host
+                assert np.array_equal(back, slots), f"slot tensor {k} differs after fetch {step}"
+        stats = _lib.cache_stats(dev)
+        assert stats["h2d_bytes"] > 0
+    finally:
+        lib.ggml_zipmoe_cache_free(dev)
+        for ptr in dev_ptrs:
+            rt.cudaFree(ptr)

@@ -312,3 +312,28 @@ def test_c_chunk_reads_check_buffers_and_checksums(small_src, tmp_path):
         assert lib.ggml_zipmoe_file_read_chunk(handle, t, 1, 2, buf.ctypes.data, cap) == _lib.ERR_IO
     finally:
         lib.ggml_zipmoe_file_close(handle)
+
+
+def test_ghuf_files_are_version_2_and_a_version_1_file_claiming_ghuf_is_refused(tmp_path):
+    """Codec ghuf (the GPU layout) writes format version 2; every other codec still writes 1, which
+    older readers read. A version 1 file whose chunks claim ghuf is malformed, and said so."""
+    from zipmoe_py import gguf_file as gf
+
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(257, 129, 4))
+    ghuf, fhuf = tmp_path / "g.gguf", tmp_path / "f.gguf"
+    zformat.repack(src, ghuf, codec="ghuf", shards=3)
+    zformat.repack(src, fhuf, shards=3)
+    assert gf.read_header(ghuf).value("zipmoe.format_version") == 2
+    assert gf.read_header(fhuf).value("zipmoe.format_version") == 1
+    report = zformat.verify(ghuf, against=src)  # every chunk decoded and compared with the BF16 source
+    assert report
+    # the same bytes, relabelled version 1
+    raw = bytearray(ghuf.read_bytes())
+    key = b"zipmoe.format_version"
+    at = raw.index(key) + len(key)
+    assert raw[at:at + 8] == (4).to_bytes(4, "little") + (2).to_bytes(4, "little")  # u32, 2
+    raw[at + 4:at + 8] = (1).to_bytes(4, "little")
+    bad = tmp_path / "v1-ghuf.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(zformat.ZipMoEError, match="uses codec ghuf, which format version 1 does not have"):
+        zformat.ZipMoEFile(bad)

@@ -98,7 +98,8 @@ def test_zipmoe_chat_help_explains_every_option():
     proc = run([zipmoe_command("zipmoe-chat"), "--help"])
     assert proc.returncode == 0
     for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit", b"--budget", b"--direct-io",
-                 b"--stats", b"--eviction", b"--plan", b"--pools", b"--work-slots", b"--zipmoe-threads"):
+                 b"--stats", b"--eviction", b"--plan", b"--pools", b"--work-slots", b"--zipmoe-threads",
+                 b"--n-gpu-layers"):
         assert flag in proc.stdout
 
 
@@ -119,6 +120,10 @@ def test_zipmoe_chat_on_a_zipmoe_gguf_under_a_budget_answers_like_bf16(tiny_gguf
     assert pooled.stdout == want.stdout and b"from pools C/S/E" in pooled.stderr
     bad = _chat(model, "-p", "Hello", "--pools", "F=1", "--plan", tmp_path / "plan.json")
     assert bad.returncode == 2 and b"not both" in bad.stderr
+    # -ngl on a build without CUDA: nothing to offload to, the same answer from host slots
+    offload = _chat(model, "-p", "Hello", "--budget", "64K", "-ngl", "99", "--stats")
+    assert offload.returncode == 0, offload.stderr.decode()[-2000:]
+    assert offload.stdout == want.stdout and b"to the GPU" not in offload.stderr
 
 
 def test_missing_and_invalid_model_files_are_named(tmp_path):

@@ -15,9 +15,9 @@ c_uint16_p = ctypes.POINTER(ctypes.c_uint16)
 # enum ggml_zipmoe_status
 OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECKSUM = 0, -1, -2, -3, -4, -5, -6, -7
 # enum ggml_zipmoe_codec
-CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_COUNT = range(7)
+CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_GHUF, CODEC_COUNT = range(8)
 
-FORMAT_VERSION, CHUNK_ALIGNMENT = 1, 4096
+FORMAT_VERSION, CHUNK_ALIGNMENT = 2, 4096  # the newest version the library reads
 # enum ggml_zipmoe_eviction (their names: eviction_names())
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
 # enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
@@ -105,6 +105,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_recover_bf16": (None, [c_uint8_p, c_uint8_p, ctypes.c_size_t, c_uint16_p]),
     "ggml_zipmoe_recover_impl": (ctypes.c_char_p, []),
     "ggml_zipmoe_cuda_devices": (ctypes.c_int, []),
+    "ggml_zipmoe_ghuf_decode_as_gpu": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]),
     "ggml_zipmoe_set_recover_impl": (ctypes.c_int, [ctypes.c_char_p]),
     "ggml_zipmoe_codec_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_compress_bound": (ctypes.c_size_t, [ctypes.c_int, ctypes.c_size_t]),

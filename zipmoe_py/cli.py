@@ -60,6 +60,8 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
              f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
              f"{stats['fetch_ns'] / 1e6:.1f} ms")
+    if stats.get("h2d_bytes"):
+        text += f"; to the GPU {stats['h2d_bytes'] / 1e6:.2f} MB"
     if stats.get("prefetch_bytes_read"):
         read, used = stats["prefetch_bytes_read"], stats["prefetch_bytes_used"]
         text += (f"; prefetch: {stats['prefetch_hits']} experts served, read {read / 1e6:.2f} MB, used "
@@ -78,7 +80,7 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
                                                              "expert_misses", "bytes_read", "io_ns",
                                                              "decode_ns", "recover_ns", "fetch_ns",
                                                              "prefetch_hits", "prefetch_bytes_read",
-                                                             "prefetch_bytes_used")}
+                                                             "prefetch_bytes_used", "h2d_bytes")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
     recall = now.get("prefetch_recall") or {}
@@ -133,7 +135,7 @@ def chat(args) -> int:
             print(f"zipmoe-chat: expert-cache budget {budget / 1024:.0f} KiB (a quarter of the demo's experts)",
                   file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
+                n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
                 zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
                 zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch)
@@ -199,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads for generation (default: llama.cpp's choice, the physical cores)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: %(default)s)")
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, metavar="N",
+                    help="layers to offload to the GPU in a build with CUDA (bash tools/setup.sh --cuda); with the "
+                         "MoE layers offloaded, ZipMoE's expert slots are in GPU memory and --budget is VRAM for "
+                         "them (docs/CUDA.md). Default: %(default)s, everything on the CPU")
     ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
     ap.add_argument("-b", "--budget", default=None, metavar="SIZE",
                     help="ZipMoE GGUFs: memory for the expert slots, in bytes or like 4G, 512M (default: "

@@ -9,8 +9,9 @@ from . import _lib
 from .errors import ZipMoEError
 
 CODECS = {"raw": _lib.CODEC_RAW, "zstd": _lib.CODEC_ZSTD, "lz4": _lib.CODEC_LZ4,
-          "lz4hc": _lib.CODEC_LZ4HC, "huf": _lib.CODEC_HUF, "fhuf": _lib.CODEC_FHUF}
-DEFAULT_LEVELS = {"raw": 0, "zstd": 1, "lz4": 1, "lz4hc": 9, "huf": 0, "fhuf": 0}
+          "lz4hc": _lib.CODEC_LZ4HC, "huf": _lib.CODEC_HUF, "fhuf": _lib.CODEC_FHUF,
+          "ghuf": _lib.CODEC_GHUF}
+DEFAULT_LEVELS = {"raw": 0, "zstd": 1, "lz4": 1, "lz4hc": 9, "huf": 0, "fhuf": 0, "ghuf": 0}
 
 
 class CodecError(ZipMoEError):
@@ -93,6 +94,16 @@ def compress(data: bytes | np.ndarray, codec: str, level: int | None = None) -> 
     if size < 0:
         raise CodecError(f"{codec} (level {level}) compression of {src.size} bytes", size)
     return dst[:size].tobytes()
+
+
+def ghuf_decode_as_gpu(data: bytes, size: int) -> np.ndarray:
+    """Test-only: a ghuf stream decoded the GPU's way on the host (ggml_zipmoe_ghuf_decode_as_gpu)."""
+    src = np.frombuffer(data, np.uint8)
+    out = np.empty(size, np.uint8)
+    status = _lib.lib().ggml_zipmoe_ghuf_decode_as_gpu(src.ctypes.data, src.size, out.ctypes.data, size)
+    if status != _lib.OK:
+        raise CodecError(f"ghuf decoding (the GPU's way) of {src.size} bytes into {size}", status)
+    return out
 
 
 class Decoder:

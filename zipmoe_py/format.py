@@ -22,7 +22,8 @@ from . import codec as _codec
 from . import gguf_file as gf
 from .errors import ZipMoEError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what files without codec ghuf are written as, so that older readers keep reading them
+GHUF_FORMAT_VERSION = 2  # version 2 adds codec ghuf (docs/FORMAT.md)
 CHUNK_ALIGNMENT = 4096
 # a routed expert's tensors, in ggml-zipmoe's kind order (slot_data[k], layer_tensors[3 * layer + k])
 EXPERT_KINDS = ("gate", "up", "down")
@@ -136,7 +137,8 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     def kv_bytes(index: dict) -> bytes:
         out = [kv.raw for key, kv in header.kv.items() if key != "general.alignment"]
         out.append(gf.pack_kv("general.alignment", gf.T_U32, CHUNK_ALIGNMENT))
-        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32, FORMAT_VERSION))
+        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32,
+                              GHUF_FORMAT_VERSION if codec == "ghuf" else FORMAT_VERSION))
         out.append(gf.pack_kv("zipmoe.shards", gf.T_U32, shards))
         out.append(gf.pack_kv("zipmoe.codec", gf.T_STRING, codec))
         out.append(gf.pack_kv("zipmoe.codec_level", gf.T_I32,

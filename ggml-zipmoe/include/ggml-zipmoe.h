@@ -96,6 +96,8 @@ enum ggml_zipmoe_codec {
     GGML_ZIPMOE_CODEC_LZ4HC = 3, // lz4hc block, level 1..12
     GGML_ZIPMOE_CODEC_HUF   = 4, // order-0 Huffman (zstd's huff0, 4 streams) in 128 KiB blocks; level ignored
     GGML_ZIPMOE_CODEC_FHUF  = 5, // order-0 Huffman, 12-bit codes, multi-symbol table decoding (default); level ignored
+    GGML_ZIPMOE_CODEC_GHUF  = 6, // order-0 Huffman in independent 1024-value segments with offsets: decoded on
+                                 // the GPU when slots are in CUDA memory (format version 2); level ignored
     GGML_ZIPMOE_CODEC_COUNT,
 };
 
@@ -134,11 +136,16 @@ GGML_ZIPMOE_API int ggml_zipmoe_decode_expert(struct ggml_zipmoe_decoder * dec, 
 // checksum of a stored chunk, as recorded in a ZipMoE GGUF: XXH64 with seed 0
 GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
 
+// test-only: decodes a ghuf stream as the GPU does (zipmoe-cuda.cu), on the host: its decoding table
+// built entry by entry and its segments decoded one by one, last first. OK or ERR_CORRUPT.
+GGML_ZIPMOE_API int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size, void * dst, size_t dst_size);
+
 //
 // ZipMoE GGUF files (docs/FORMAT.md): the chunk index and chunk reads
 //
 
-#define GGML_ZIPMOE_FORMAT_VERSION  1    // the zipmoe.format_version this library reads
+#define GGML_ZIPMOE_FORMAT_VERSION  2    // the newest zipmoe.format_version this library reads (1 and 2;
+                                         // 2 adds codec ghuf)
 #define GGML_ZIPMOE_CHUNK_ALIGNMENT 4096 // every chunk starts at a multiple of this file offset
 
 enum ggml_zipmoe_open_flags {

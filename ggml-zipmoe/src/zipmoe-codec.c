@@ -2,6 +2,7 @@
 
 #include "ggml-zipmoe.h"
 #include "zipmoe-fhuf.h"
+#include "zipmoe-ghuf.h"
 #include "zipmoe-impl.h"
 
 #include "lz4.h"
@@ -33,7 +34,7 @@ const char * ggml_zipmoe_status_string(int status) {
 }
 
 const char * ggml_zipmoe_codec_name(int codec) {
-    static const char * names[GGML_ZIPMOE_CODEC_COUNT] = { "raw", "zstd", "lz4", "lz4hc", "huf", "fhuf" };
+    static const char * names[GGML_ZIPMOE_CODEC_COUNT] = { "raw", "zstd", "lz4", "lz4hc", "huf", "fhuf", "ghuf" };
     return codec >= 0 && codec < GGML_ZIPMOE_CODEC_COUNT ? names[codec] : NULL;
 }
 
@@ -45,6 +46,7 @@ size_t ggml_zipmoe_compress_bound(int codec, size_t n) {
         case GGML_ZIPMOE_CODEC_LZ4HC: return n > LZ4_MAX_INPUT_SIZE ? 0 : (size_t) LZ4_compressBound((int) n);
         case GGML_ZIPMOE_CODEC_HUF:   return zipmoe_huf_compress_bound(n);
         case GGML_ZIPMOE_CODEC_FHUF:  return zipmoe_fhuf_compress_bound(n);
+        case GGML_ZIPMOE_CODEC_GHUF:  return zipmoe_ghuf_compress_bound(n);
         default:                      return 0;
     }
 }
@@ -99,6 +101,10 @@ int64_t ggml_zipmoe_compress(int codec, int level, const void * src, size_t n, v
         case GGML_ZIPMOE_CODEC_FHUF: {
             const int64_t r = zipmoe_fhuf_compress((const uint8_t *) src, n, (uint8_t *) dst, dst_capacity);
             return r == ZIPMOE_FHUF_ERR_CAPACITY ? GGML_ZIPMOE_ERR_CAPACITY : r < 0 ? GGML_ZIPMOE_ERR_ARG : r;
+        }
+        case GGML_ZIPMOE_CODEC_GHUF: {
+            const int64_t r = zipmoe_ghuf_compress((const uint8_t *) src, n, (uint8_t *) dst, dst_capacity);
+            return r == -3 ? GGML_ZIPMOE_ERR_CAPACITY : r < 0 ? GGML_ZIPMOE_ERR_ARG : r;
         }
         default:
             return GGML_ZIPMOE_ERR_ARG;
@@ -157,6 +163,9 @@ int ggml_zipmoe_decompress(struct ggml_zipmoe_decoder * dec, int codec, const vo
             return zipmoe_huf_decompress(dec->huf, (const uint8_t *) src, n, (uint8_t *) dst, dst_size);
         case GGML_ZIPMOE_CODEC_FHUF:
             return zipmoe_fhuf_decompress(dec->fhuf, (const uint8_t *) src, n, (uint8_t *) dst, dst_size) == 0
+                       ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
+        case GGML_ZIPMOE_CODEC_GHUF:
+            return zipmoe_ghuf_decompress((const uint8_t *) src, n, (uint8_t *) dst, dst_size) == 0
                        ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
         default:
             return GGML_ZIPMOE_ERR_ARG;

@@ -9,6 +9,7 @@
 // it), so no product of an earlier layer still reads a slot being written. docs/CUDA.md.
 
 #include "ggml-zipmoe.h"
+#include "zipmoe-ghuf.h"
 #include "zipmoe-gpu.h"
 #include "zipmoe-recover-grid.h"
 
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #define ZIPMOE_GPU_MAX_THREADS 256
@@ -30,6 +32,8 @@ struct zipmoe_gpu_worker {
     bool         used[2] = { false, false };
     int          cur = 0;
     bool         pending = false;                // work queued since the last sync
+    int *        corrupt = nullptr;              // mapped pinned [2]: a ghuf decode from buffer b failed
+    int32_t      tag[2][3] = {};                 // the caller's (tensor, expert, shard) of that decode
 };
 
 struct zipmoe_gpu {
@@ -38,6 +42,26 @@ struct zipmoe_gpu {
     std::atomic<uint64_t> h2d_bytes { 0 };
     zipmoe_gpu_worker     workers[ZIPMOE_GPU_MAX_THREADS];
 };
+
+// one thread per segment of a ghuf stream; each block builds the decoding table in shared memory
+__global__ void zipmoe_ghuf_kernel(const zipmoe_ghuf_code code, const uint8_t * offsets, uint32_t n_seg,
+                                   const uint8_t * area, uint64_t area_size, uint64_t n, uint8_t * dst, int * corrupt) {
+    __shared__ uint16_t table[ZIPMOE_GHUF_TABLE];
+    for (uint32_t j = threadIdx.x; j < ZIPMOE_GHUF_TABLE; j += blockDim.x) {
+        table[j] = zipmoe_ghuf_entry(&code, j);
+    }
+    __syncthreads();
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_seg) {
+        return;
+    }
+    const uint64_t first = (uint64_t) i * ZIPMOE_GHUF_SEGMENT;
+    const uint32_t count = (uint32_t) (n - first < ZIPMOE_GHUF_SEGMENT ? n - first : ZIPMOE_GHUF_SEGMENT);
+    const uint32_t bytes = zipmoe_ghuf_segment_bytes(offsets, i, n_seg, area_size);
+    if (zipmoe_ghuf_decode_segment(table, area + zipmoe_ghuf_offset(offsets, i), bytes, dst + first, count) != 0) {
+        *corrupt = 1;
+    }
+}
 
 __global__ void zipmoe_recover_kernel(const uint8_t * exp, const uint8_t * sm, uint64_t n, uint16_t * dst) {
     const uint64_t i = (uint64_t) blockIdx.x * blockDim.x + threadIdx.x;
@@ -65,7 +89,8 @@ static zipmoe_gpu_worker * worker(zipmoe_gpu * gpu, int ith, char * err, size_t 
     if (w->ready) {
         return w;
     }
-    const size_t bytes = 2 * gpu->max_count;
+    // [SM plane | exponent plane | compressed E-chunk (phase 2)]
+    const size_t bytes = 3 * gpu->max_count + 64;
     if (!check(cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking), "cudaStreamCreate", err, err_size)) {
         return nullptr;
     }
@@ -76,6 +101,11 @@ static zipmoe_gpu_worker * worker(zipmoe_gpu * gpu, int ith, char * err, size_t 
             return nullptr; // what was made is freed by zipmoe_gpu_free
         }
     }
+    if (!check(cudaHostAlloc((void **) &w->corrupt, 2 * sizeof(int), cudaHostAllocMapped), "cudaHostAlloc (flags)",
+               err, err_size)) {
+        return nullptr;
+    }
+    w->corrupt[0] = w->corrupt[1] = 0;
     w->ready = true;
     return w;
 }
@@ -122,8 +152,22 @@ extern "C" void zipmoe_gpu_free(struct zipmoe_gpu * gpu) {
         if (w.stream != nullptr) {
             cudaStreamDestroy(w.stream);
         }
+        if (w.corrupt != nullptr) {
+            cudaFreeHost(w.corrupt);
+        }
     }
     delete gpu;
+}
+
+// a ghuf decode from buffer b (finished) found its stream corrupt: says which, and clears the flag
+static bool corrupt_decode(zipmoe_gpu_worker * w, int b, char * err, size_t err_size) {
+    if (w->corrupt == nullptr || !w->corrupt[b]) {
+        return false;
+    }
+    w->corrupt[b] = 0;
+    snprintf(err, err_size, "tensor %d, expert %d, shard %d: its E-chunk (ghuf) is corrupt: decoding it on the GPU "
+             "failed", w->tag[b][0], w->tag[b][1], w->tag[b][2]);
+    return true;
 }
 
 extern "C" uint8_t * zipmoe_gpu_staging(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
@@ -136,7 +180,7 @@ extern "C" uint8_t * zipmoe_gpu_staging(struct zipmoe_gpu * gpu, int ith, char *
         return nullptr;
     }
     w->used[b] = false;
-    return w->host[b];
+    return corrupt_decode(w, b, err, err_size) ? nullptr : w->host[b];
 }
 
 // the staging buffer just filled is used: its copies are queued, the next call takes the other
@@ -219,6 +263,51 @@ extern "C" int zipmoe_gpu_recover_parked(struct zipmoe_gpu * gpu, int ith, size_
     return launch_recovery(gpu, w, count, dst, count, err, err_size);
 }
 
+extern "C" int zipmoe_gpu_decode(struct zipmoe_gpu * gpu, int ith, const struct zipmoe_ghuf_stream * s,
+                                 const uint8_t * chunk, size_t size, size_t count, uint16_t * dst, uint8_t * park,
+                                 const int32_t tag[3], char * err, size_t err_size) {
+    zipmoe_gpu_worker * w = worker_for(gpu, ith, count, err, err_size);
+    if (w == nullptr) {
+        return -1;
+    }
+    if (s->mode != ZIPMOE_GHUF_HUF || s->n != count || size > gpu->max_count + 64) {
+        snprintf(err, err_size, "a ghuf E-chunk of %zu bytes for %zu values cannot be decoded on the GPU", size, count);
+        return -1;
+    }
+    const int b = w->cur;
+    uint8_t * host_chunk = w->host[b] + 2 * count;
+    uint8_t * dev_chunk  = w->dev[b] + 2 * count;
+    memcpy(host_chunk, chunk, size);
+    if (!check(cudaMemcpyAsync(dev_chunk, host_chunk, size, cudaMemcpyHostToDevice, w->stream),
+               "cudaMemcpyAsync (E-chunk to the GPU)", err, err_size) ||
+        (park == nullptr && !check(cudaMemcpyAsync(w->dev[b], w->host[b], count, cudaMemcpyHostToDevice, w->stream),
+                                   "cudaMemcpyAsync (SM plane to the GPU)", err, err_size))) {
+        return -1;
+    }
+    int * flag = nullptr;
+    if (!check(cudaHostGetDevicePointer((void **) &flag, w->corrupt + b, 0), "cudaHostGetDevicePointer", err, err_size)) {
+        return -1;
+    }
+    memcpy(w->tag[b], tag, sizeof(w->tag[b]));
+    const unsigned blocks = (s->n_seg + ZIPMOE_GRID_BLOCK - 1) / ZIPMOE_GRID_BLOCK;
+    zipmoe_ghuf_kernel<<<blocks, ZIPMOE_GRID_BLOCK, 0, w->stream>>>(
+        s->code, dev_chunk + (s->offsets - chunk), s->n_seg, dev_chunk + (s->area - chunk), s->area_size, s->n,
+        park != nullptr ? park : w->dev[b] + count, flag);
+    if (!check(cudaGetLastError(), "the ghuf decoding kernel's launch", err, err_size)) {
+        return -1;
+    }
+    if (park == nullptr) {
+        return launch_recovery(gpu, w, count, dst, count + size, err, err_size);
+    }
+    if (!check(cudaEventRecord(w->done[b], w->stream), "cudaEventRecord", err, err_size) ||
+        !check(cudaStreamSynchronize(w->stream), "cudaStreamSynchronize (parked exponents)", err, err_size) ||
+        corrupt_decode(w, b, err, err_size)) {
+        return -1;
+    }
+    used(gpu, w, size);
+    return 0;
+}
+
 extern "C" int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
     if (gpu == nullptr || ith < 0 || ith >= ZIPMOE_GPU_MAX_THREADS || !gpu->workers[ith].pending) {
         return 0;
@@ -226,7 +315,8 @@ extern "C" int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, siz
     zipmoe_gpu_worker & w = gpu->workers[ith];
     w.pending = false;
     if (!check(cudaSetDevice(gpu->device), "cudaSetDevice", err, err_size) ||
-        !check(cudaStreamSynchronize(w.stream), "cudaStreamSynchronize (recovery)", err, err_size)) {
+        !check(cudaStreamSynchronize(w.stream), "cudaStreamSynchronize (recovery)", err, err_size) ||
+        corrupt_decode(&w, 0, err, err_size) || corrupt_decode(&w, 1, err, err_size)) {
         return -1;
     }
     return 0;

@@ -12,6 +12,7 @@
 #define _GNU_SOURCE // sched_yield on older libcs
 
 #include "zipmoe-cache-impl.h"
+#include "zipmoe-ghuf.h"
 
 #include <sched.h>
 #include <stdio.h>
@@ -379,6 +380,31 @@ static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k
         fail_gpu(c, t, k, why);
         return 0;
     }
+    uint16_t * dst = slot_tensor(c, t) + first;
+    struct zipmoe_ghuf_stream gs;
+    if (ch->codec == GGML_ZIPMOE_CODEC_GHUF && zipmoe_ghuf_parse(task_e_chunk(c, t, k), ch->size, &gs) == 0 &&
+        gs.mode == ZIPMOE_GHUF_HUF && gs.n == count) {
+        // phase 2: the compressed E-chunk crosses to the GPU and is decoded there (a chunk that does not
+        // parse is left to the CPU's decoder below, which names it as corrupt)
+        const int parked = !sm_ready(t);
+        const int32_t tag[3] = { t->tensor, t->expert, k };
+        const uint64_t t0 = zipmoe_now_ns();
+        if (!parked) {
+            memcpy(stage, task_sm(c, t) + first, count);
+        }
+        if (zipmoe_gpu_decode(c->gpu, ith, &gs, task_e_chunk(c, t, k), ch->size, count, dst,
+                              parked ? (uint8_t *) dst + count : NULL, tag, why, sizeof(why)) != 0) {
+            fail_gpu(c, t, k, why);
+            return 0;
+        }
+        *recover_ns += zipmoe_now_ns() - t0;
+        shard_decoded(c, t); // its bytes are in the pinned staging now
+        if (parked) {
+            return 2;
+        }
+        shard_recovered(c, t);
+        return 1;
+    }
     const uint64_t t0 = zipmoe_now_ns();
     const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size, stage + count,
                                               count);
@@ -389,7 +415,6 @@ static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k
         return 0;
     }
     shard_decoded(c, t);
-    uint16_t * dst = slot_tensor(c, t) + first;
     if (!sm_ready(t)) {
         if (zipmoe_gpu_park(c->gpu, ith, count, (uint8_t *) dst + count, why, sizeof(why)) != 0) {
             fail_gpu(c, t, k, why);

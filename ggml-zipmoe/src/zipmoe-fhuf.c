@@ -740,3 +740,28 @@ int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src
     }
     return 0;
 }
+
+//
+// shared with zipmoe-ghuf.c (one Huffman construction for both layouts)
+//
+
+void zipmoe_fhuf_code_lengths(const uint64_t cnt[256], unsigned maxlen, uint8_t len[256]) {
+    build_lengths(cnt, maxlen, len);
+}
+
+unsigned zipmoe_fhuf_canonical_codes(const uint8_t len[256], unsigned lo, unsigned hi, unsigned rcode[256],
+                                     uint8_t sorted[256]) {
+    return canonical_codes(len, lo, hi, rcode, sorted);
+}
+
+void zipmoe_fhuf_histogram(const uint8_t * src, size_t n, uint64_t out[256]) {
+    histogram(src, n, out);
+}
+
+size_t zipmoe_fhuf_put_varint(uint8_t * p, uint64_t v) {
+    return put_varint(p, v);
+}
+
+int zipmoe_fhuf_get_varint(const uint8_t * src, size_t n, size_t * pos, uint64_t * out) {
+    return get_varint(src, n, pos, out);
+}

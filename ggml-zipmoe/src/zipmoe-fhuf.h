@@ -33,6 +33,16 @@ void                         zipmoe_fhuf_decoder_free(struct zipmoe_fhuf_decoder
 int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src, size_t n,
                            uint8_t * dst, size_t dst_size);
 
+// internal, shared with zipmoe-ghuf.c: the histogram of n bytes; varints; code lengths limited to maxlen
+// (<= 12) for a histogram using >= 2 symbols; the canonical codes of symbols lo..hi, bit-reversed,
+// with the used symbols listed by (length, symbol) in sorted (returns how many)
+void     zipmoe_fhuf_histogram(const uint8_t * src, size_t n, uint64_t out[256]);
+size_t   zipmoe_fhuf_put_varint(uint8_t * p, uint64_t v);                                  // LEB128; bytes written
+int      zipmoe_fhuf_get_varint(const uint8_t * src, size_t n, size_t * pos, uint64_t * out); // 0, or -1 if malformed
+void     zipmoe_fhuf_code_lengths(const uint64_t cnt[256], unsigned maxlen, uint8_t len[256]);
+unsigned zipmoe_fhuf_canonical_codes(const uint8_t len[256], unsigned lo, unsigned hi, unsigned rcode[256],
+                                     uint8_t sorted[256]);
+
 #ifdef __cplusplus
 }
 #endif

@@ -185,6 +185,8 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
             problem = "is not aligned to 4096 bytes";
         } else if (codecs[j] >= GGML_ZIPMOE_CODEC_COUNT) {
             problem = "has an unknown codec";
+        } else if (codecs[j] == GGML_ZIPMOE_CODEC_GHUF && file->version < 2) {
+            problem = "uses codec ghuf, which format version 1 does not have";
         } else if (c == 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != t->n)) {
             problem = "is not a raw chunk of one byte per value";
         } else if (codecs[j] == GGML_ZIPMOE_CODEC_RAW && sizes[j] != count) {
@@ -230,11 +232,12 @@ static bool load_index(struct ggml_zipmoe_file * file, const struct gguf_context
         set_error(err, err_size, "%s: zipmoe.format_version is not a u32", path);
         return false;
     }
-    if (version != GGML_ZIPMOE_FORMAT_VERSION) {
-        set_error(err, err_size, "%s: ZipMoE format version %u is not supported (this build reads version %d)", path,
-                  version, GGML_ZIPMOE_FORMAT_VERSION);
+    if (version < 1 || version > GGML_ZIPMOE_FORMAT_VERSION) {
+        set_error(err, err_size, "%s: ZipMoE format version %u is not supported (this build reads versions 1 to %d)",
+                  path, version, GGML_ZIPMOE_FORMAT_VERSION);
         return false;
     }
+    file->version = (int) version;
     if (!typed_u32(ctx, "zipmoe.shards", &shards) || shards < 1 || shards > ZIPMOE_MAX_SHARDS) {
         set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.shards is missing or not in 1..%d", path,
                   ZIPMOE_MAX_SHARDS);

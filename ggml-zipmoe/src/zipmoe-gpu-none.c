@@ -52,6 +52,22 @@ int zipmoe_gpu_recover_parked(struct zipmoe_gpu * gpu, int ith, size_t count, co
     return -1;
 }
 
+int zipmoe_gpu_decode(struct zipmoe_gpu * gpu, int ith, const struct zipmoe_ghuf_stream * s, const uint8_t * chunk,
+                      size_t size, size_t count, uint16_t * dst, uint8_t * park, const int32_t tag[3], char * err,
+                      size_t err_size) {
+    (void) gpu;
+    (void) ith;
+    (void) s;
+    (void) chunk;
+    (void) size;
+    (void) count;
+    (void) dst;
+    (void) park;
+    (void) tag;
+    snprintf(err, err_size, "built without CUDA");
+    return -1;
+}
+
 int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size) {
     (void) gpu;
     (void) ith;

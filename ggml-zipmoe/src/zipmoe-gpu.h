@@ -39,6 +39,16 @@ int zipmoe_gpu_park(struct zipmoe_gpu * gpu, int ith, size_t count, uint8_t * pa
 int zipmoe_gpu_recover_parked(struct zipmoe_gpu * gpu, int ith, size_t count, const uint8_t * park, uint16_t * dst,
                               char * err, size_t err_size);
 
+// phase 2: an E-chunk in the GPU layout (codec ghuf, huffman mode; parsed into s from its size
+// bytes at chunk) is copied to the GPU compressed and decoded there, one thread per segment; its
+// exponents are then recovered into dst with the SM plane in staging bytes [0, count), or, with
+// park != NULL, left at park and waited for (as zipmoe_gpu_park). A corrupt stream is reported by
+// zipmoe_gpu_staging or zipmoe_gpu_sync, naming tag (the caller's tensor, expert, shard).
+struct zipmoe_ghuf_stream;
+int zipmoe_gpu_decode(struct zipmoe_gpu * gpu, int ith, const struct zipmoe_ghuf_stream * s, const uint8_t * chunk,
+                      size_t size, size_t count, uint16_t * dst, uint8_t * park, const int32_t tag[3], char * err,
+                      size_t err_size);
+
 // waits until every recovery ith started is in the slots. Returns 0, or -1 with a message in err.
 int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size);
 

@@ -62,6 +62,7 @@ struct ggml_zipmoe_file {
     int                    fd;
     unsigned               flags;
     int                    n_shards;
+    int                    version;     // zipmoe.format_version (2: codec ghuf may appear)
     int                    n_tensors;
     struct zipmoe_tensor * tensors;
     uint64_t               max_chunk_size;  // largest stored chunk
