@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ZipMoE with expert slots in GPU memory against stock llama.cpp on CUDA, one model, one run:
 
-    python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--budgets 25,50,100]
+    python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--ghuf M.ghuf.gguf] [--budgets 25,50,100]
         [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 2] [--out cuda_bench.json]
 
 Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T
@@ -11,6 +11,8 @@ Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignor
   zipmoe-P       the ZipMoE GGUF with ZIPMOE_BUDGET = P% of the routed experts' BF16 bytes: slots in
                  VRAM, misses read from disk (O_DIRECT), exponents decoded on the CPU, BF16
                  recovered on the GPU
+  zipmoe-ghuf-P  with --ghuf: the same with the model repacked --codec ghuf, exponents decoded on the
+                 GPU (phase 2); its counters give the MB sent to the GPU against zipmoe-P's
 TTFT is llama-completion's "prompt eval time", TPOT its "eval time" per token. The ZipMoE runtime's
 counters (hits, misses, MB read, MB to the GPU) come from its log line when the context is freed.
 Prints a table and saves --out (JSON) and a Markdown table beside it.
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bf16", type=Path, required=True, help="the BF16 GGUF (stock)")
     ap.add_argument("--zipmoe", type=Path, required=True, help="the ZipMoE GGUF made from it")
+    ap.add_argument("--ghuf", type=Path, default=None,
+                    help="the same model repacked with --codec ghuf (phase 2: exponents decoded on the GPU); "
+                         "adds systems zipmoe-ghuf-P beside zipmoe-P")
     ap.add_argument("--budgets", default="25,50,100", help="VRAM budgets, %% of the routed experts (default: %(default)s)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--prompt-repeat", type=int, default=8, help="the prompt sentence repeated (default: %(default)s)")
@@ -81,7 +86,10 @@ def main(argv=None) -> int:
         all_experts = zf.expert_bytes().all_experts
     systems = {"stock-gpu": (args.bf16, [], {}), "stock-cpu-moe": (args.bf16, ["--cpu-moe"], {})}
     for pct in (int(p) for p in args.budgets.split(",")):
-        systems[f"zipmoe-{pct}"] = (args.zipmoe, [], {"ZIPMOE_BUDGET": str(all_experts * pct // 100)})
+        budget = {"ZIPMOE_BUDGET": str(all_experts * pct // 100)}
+        systems[f"zipmoe-{pct}"] = (args.zipmoe, [], budget)
+        if args.ghuf is not None:
+            systems[f"zipmoe-ghuf-{pct}"] = (args.ghuf, [], budget)
     rows = []
     for rep in range(args.repeats):
         for name, (model, extra, env) in systems.items():

@@ -5,7 +5,8 @@
 #   pylibs.tar.gz   llama-cpp-python's Python package and diskcache (pure Python)
 #   *.skel.gguf     model headers (tools/gguf_skeleton.py strip), filled with random weights there
 # Usage: bash tools/cuda_device.sh prepare        (here, after tools/setup.sh: writes .gpucarry/)
-#        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began)
+#        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
+#                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CARRY=$REPO/.gpucarry
@@ -67,8 +68,9 @@ test)
     ;;
 bench)
     fill qwen6 qwen6
+    [ -f $MODELS/qwen6.ghuf.gguf ] || (cd /tmp && $PY -c "from zipmoe_py import format as z; z.repack('$MODELS/qwen6-bf16.gguf', '$MODELS/qwen6.ghuf.gguf', codec='ghuf')")
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/qwen6-bf16.gguf --zipmoe $MODELS/qwen6.zipmoe.gguf \
-        --out $OUT/cuda_bench.json "${@:2}" 2>&1 | tee $OUT/cuda_bench.log
+        --ghuf $MODELS/qwen6.ghuf.gguf --out $OUT/cuda_bench.json "${@:2}" 2>&1 | tee $OUT/cuda_bench.log
     ;;
 *)
     echo "usage: bash tools/cuda_device.sh prepare|build|test|bench" >&2

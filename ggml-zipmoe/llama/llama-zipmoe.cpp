@@ -635,7 +635,7 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     }
     if (on_gpu) {
         LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB in %s memory (all experts %.1f MiB%s); chunks "
-                       "read %s, exponents decoded on the CPU, BF16 recovered on the GPU\n", __func__, capacity,
+                       "read %s, exponents decoded on the CPU (codec ghuf: on the GPU), BF16 recovered on the GPU\n", __func__, capacity,
                        expert_bytes / k_mib, ggml_backend_dev_name(dev), all_experts / k_mib,
                        opt.budget != 0 ? ", zipmoe.budget" : "",
                        ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache");
