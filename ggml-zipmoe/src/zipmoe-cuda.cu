@@ -39,6 +39,7 @@ struct zipmoe_gpu_worker {
 struct zipmoe_gpu {
     int                   device = 0;
     size_t                max_count = 0;
+    bool                  zero_copy = false; // an integrated GPU (Jetson): kernels read the pinned staging in place
     std::atomic<uint64_t> h2d_bytes { 0 };
     zipmoe_gpu_worker     workers[ZIPMOE_GPU_MAX_THREADS];
 };
@@ -95,8 +96,12 @@ static zipmoe_gpu_worker * worker(zipmoe_gpu * gpu, int ith, char * err, size_t 
         return nullptr;
     }
     for (int b = 0; b < 2; b++) {
-        if (!check(cudaMallocHost((void **) &w->host[b], bytes), "cudaMallocHost (staging)", err, err_size) ||
-            !check(cudaMalloc((void **) &w->dev[b], bytes), "cudaMalloc (staging)", err, err_size) ||
+        // zero-copy: the device buffer is the pinned staging itself, mapped into the GPU's address space
+        if (!check(cudaHostAlloc((void **) &w->host[b], bytes, gpu->zero_copy ? cudaHostAllocMapped : 0),
+                   "cudaHostAlloc (staging)", err, err_size) ||
+            !(gpu->zero_copy ? check(cudaHostGetDevicePointer((void **) &w->dev[b], w->host[b], 0),
+                                     "cudaHostGetDevicePointer (staging)", err, err_size)
+                             : check(cudaMalloc((void **) &w->dev[b], bytes), "cudaMalloc (staging)", err, err_size)) ||
             !check(cudaEventCreateWithFlags(&w->done[b], cudaEventDisableTiming), "cudaEventCreate", err, err_size)) {
             return nullptr; // what was made is freed by zipmoe_gpu_free
         }
@@ -126,6 +131,10 @@ extern "C" struct zipmoe_gpu * zipmoe_gpu_new(const void * slot_base, size_t max
     }
     gpu->device    = attr.device;
     gpu->max_count = max_count > 0 ? max_count : 1;
+    int integrated = 0, can_map = 0;
+    cudaDeviceGetAttribute(&integrated, cudaDevAttrIntegrated, gpu->device);
+    cudaDeviceGetAttribute(&can_map, cudaDevAttrCanMapHostMemory, gpu->device);
+    gpu->zero_copy = integrated && can_map;
     return gpu;
 }
 
@@ -142,7 +151,7 @@ extern "C" void zipmoe_gpu_free(struct zipmoe_gpu * gpu) {
             if (w.host[b] != nullptr) {
                 cudaFreeHost(w.host[b]);
             }
-            if (w.dev[b] != nullptr) {
+            if (w.dev[b] != nullptr && !gpu->zero_copy) {
                 cudaFree(w.dev[b]);
             }
             if (w.done[b] != nullptr) {
@@ -183,6 +192,15 @@ extern "C" uint8_t * zipmoe_gpu_staging(struct zipmoe_gpu * gpu, int ith, char *
     return corrupt_decode(w, b, err, err_size) ? nullptr : w->host[b];
 }
 
+// staging bytes [off, off + size) of buffer b to its device buffer: a copy, or nothing when the
+// device buffer is the staging itself (zero-copy); counted as bytes to the GPU either way
+static bool stage_to_device(zipmoe_gpu * gpu, zipmoe_gpu_worker * w, int b, size_t off, size_t size, const char * what,
+                            char * err, size_t err_size) {
+    return gpu->zero_copy ||
+           check(cudaMemcpyAsync(w->dev[b] + off, w->host[b] + off, size, cudaMemcpyHostToDevice, w->stream), what, err,
+                 err_size);
+}
+
 // the staging buffer just filled is used: its copies are queued, the next call takes the other
 static void used(zipmoe_gpu * gpu, zipmoe_gpu_worker * w, size_t h2d) {
     w->used[w->cur] = true;
@@ -221,8 +239,7 @@ extern "C" int zipmoe_gpu_recover(struct zipmoe_gpu * gpu, int ith, size_t count
         return w == nullptr ? -1 : 0;
     }
     const int b = w->cur;
-    if (!check(cudaMemcpyAsync(w->dev[b], w->host[b], 2 * count, cudaMemcpyHostToDevice, w->stream),
-               "cudaMemcpyAsync (planes to the GPU)", err, err_size)) {
+    if (!stage_to_device(gpu, w, b, 0, 2 * count, "cudaMemcpyAsync (planes to the GPU)", err, err_size)) {
         return -1;
     }
     return launch_recovery(gpu, w, count, dst, 2 * count, err, err_size);
@@ -254,10 +271,9 @@ extern "C" int zipmoe_gpu_recover_parked(struct zipmoe_gpu * gpu, int ith, size_
     }
     const int b = w->cur;
     // the kernel writes over the parked bytes: it reads them from a copy
-    if (!check(cudaMemcpyAsync(w->dev[b] + count, park, count, cudaMemcpyDeviceToDevice, w->stream),
+    if (!check(cudaMemcpyAsync(w->dev[b] + count, park, count, cudaMemcpyDefault, w->stream),
                "cudaMemcpyAsync (parked exponents to staging)", err, err_size) ||
-        !check(cudaMemcpyAsync(w->dev[b], w->host[b], count, cudaMemcpyHostToDevice, w->stream),
-               "cudaMemcpyAsync (SM plane to the GPU)", err, err_size)) {
+        !stage_to_device(gpu, w, b, 0, count, "cudaMemcpyAsync (SM plane to the GPU)", err, err_size)) {
         return -1;
     }
     return launch_recovery(gpu, w, count, dst, count, err, err_size);
@@ -278,10 +294,8 @@ extern "C" int zipmoe_gpu_decode(struct zipmoe_gpu * gpu, int ith, const struct 
     uint8_t * host_chunk = w->host[b] + 2 * count;
     uint8_t * dev_chunk  = w->dev[b] + 2 * count;
     memcpy(host_chunk, chunk, size);
-    if (!check(cudaMemcpyAsync(dev_chunk, host_chunk, size, cudaMemcpyHostToDevice, w->stream),
-               "cudaMemcpyAsync (E-chunk to the GPU)", err, err_size) ||
-        (park == nullptr && !check(cudaMemcpyAsync(w->dev[b], w->host[b], count, cudaMemcpyHostToDevice, w->stream),
-                                   "cudaMemcpyAsync (SM plane to the GPU)", err, err_size))) {
+    if (!stage_to_device(gpu, w, b, 2 * count, size, "cudaMemcpyAsync (E-chunk to the GPU)", err, err_size) ||
+        (park == nullptr && !stage_to_device(gpu, w, b, 0, count, "cudaMemcpyAsync (SM plane to the GPU)", err, err_size))) {
         return -1;
     }
     int * flag = nullptr;
