@@ -374,6 +374,12 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_pool_entries(const struct ggml_zipmoe_
 // 1 if the layer's routed experts are served by this cache
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_has_layer(const struct ggml_zipmoe_cache * cache, int layer);
 
+// the slot s such that every expert e of the layer is full in slot s + e (the order a preload of a
+// budget that holds them all leaves), or -1 (another order, one missing, or a fetch open). With no
+// eviction possible (every expert resident), a graph may then use slots s .. s + n_expert - 1 in
+// place of the layer's experts, with no fetch (llama.cpp's zipmoe.resident_views).
+GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_resident_base(struct ggml_zipmoe_cache * cache, int layer);
+
 // routed experts of the layer (n_expert)
 GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cache * cache, int layer);
 

@@ -85,6 +85,7 @@ const option_desc k_options[] = {
     { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
+    { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
 };
 
 std::string trim_lower(const std::string & s) {
@@ -299,6 +300,8 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             o.work_slots = (int32_t) as_int(v, d, 1, 1 << 20);
         } else if (key == "zipmoe.prefetch") {
             o.prefetch = as_bool(v, d);
+        } else if (key == "zipmoe.resident_views") {
+            o.resident_views = as_bool(v, d) ? 1 : 0;
         }
     }
     if (o.with_pools() && o.eviction_set && o.eviction != GGML_ZIPMOE_EVICT_RANK) {
@@ -728,6 +731,18 @@ void llama_zipmoe::attach(llama_context * lctx) {
             LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
                            (double) n_loaded * expert_bytes / k_mib, seconds);
         }
+        // every expert resident: the graphs may use the slots in place (rebuilt for it)
+        const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && on_gpu);
+        if (status == GGML_ZIPMOE_OK && views && !opt.with_pools()) {
+            std::vector<int32_t> base;
+            if (resident_bases(base)) {
+                std::lock_guard<std::mutex> lock(state_mutex);
+                views_wanted = true;
+                layout++;
+                LLAMA_LOG_INFO("%s: ZipMoE: every expert is resident: products use the slots in place, no fetch\n",
+                               __func__);
+            }
+        }
     }
 }
 
@@ -980,14 +995,52 @@ void llama_zipmoe::build_prefetch(ggml_context * ctx0, ggml_cgraph * gf, int il,
     ggml_build_forward_expand(gf, op);
 }
 
+bool llama_zipmoe::resident_bases(std::vector<int32_t> & base) {
+    base.assign(gate_inp.size(), -1);
+    bool any = false;
+    for (int il = 0; il < (int) base.size(); ++il) {
+        if (!ggml_zipmoe_cache_has_layer(cache, il)) {
+            continue;
+        }
+        base[il] = ggml_zipmoe_cache_resident_base(cache, il);
+        if (base[il] < 0) {
+            return false; // one layer fetching could evict another's experts from under its views
+        }
+        any = true;
+    }
+    return any;
+}
+
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
-                                          ggml_tensor * selected_experts,
-                                          const std::function<ggml_tensor * (ggml_tensor * ids)> & build) {
+                                          ggml_tensor * selected_experts, const experts_fn & build) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
+    int32_t view_base = -1;
     {
         std::lock_guard<std::mutex> lock(state_mutex);
         built[gf] = layout;
+        if (views_wanted && views_layout != layout) {
+            // once per slot layout: every layer in place, or none used in place
+            if (!resident_bases(views_base)) {
+                views_base.assign(gate_inp.size(), -1);
+            }
+            views_layout = layout;
+        }
+        if (views_wanted && il < (int) views_base.size()) {
+            view_base = views_base[il];
+        }
+    }
+    if (view_base >= 0) {
+        // every expert resident, in order: stock's products on views of the slots, no fetch op (nothing
+        // is read or evicted while every layer is in place; a resize changes the layout and rebuilds)
+        const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
+        ggml_tensor * v[3];
+        for (int k = 0; k < 3; ++k) {
+            v[k] = ggml_view_3d(ctx0, slots[k], slots[k]->ne[0], slots[k]->ne[1], n_expert, slots[k]->nb[1],
+                                slots[k]->nb[2], (size_t) view_base * slots[k]->nb[2]);
+            ggml_format_name(v[k], "zipmoe.resident.%s-%d", k_kinds[k], il);
+        }
+        return build(selected_experts, v[0], v[1], v[2]);
     }
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
 
@@ -1005,7 +1058,7 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
                                                 zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
         ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
-        ggml_tensor * out = build(slot_ids);
+        ggml_tensor * out = build(slot_ids, slots[0], slots[1], slots[2]);
         if (n_passes == 1) {
             return out;
         }

@@ -65,6 +65,10 @@ struct llama_zipmoe_options {
                                     // predicted experts (ggml_zipmoe_cache_prefetch); off: it did not win
                                     // on the bench models (docs/benchmarks/BENCHMARKS.md)
 
+    int         resident_views = -1; // zipmoe.resident_views / ZIPMOE_RESIDENT_VIEWS: once a preload left every
+                                     // expert resident, in order, the products use the slots in place with
+                                     // no fetch op (1, 0; -1: with slots in GPU memory only)
+
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 
     // parses the overrides and the environment; throws naming the option and where it came from
@@ -112,15 +116,19 @@ struct llama_zipmoe {
     void attach(llama_context * lctx);
     void detach(llama_context * lctx);
 
-    // builds the experts' output for layer il: build(ids) makes the three mul_mat_id calls with
-    // the ids it is given; here they are slot ids, one pass per group of slots (see ggml-zipmoe.h).
+    // the experts' tensors a build_experts callback is given: gate, up, down
+    using experts_fn = std::function<ggml_tensor * (ggml_tensor * ids, ggml_tensor * gate, ggml_tensor * up,
+                                                    ggml_tensor * down)>;
+
+    // builds the experts' output for layer il: build(ids, gate, up, down) makes the three mul_mat_id
+    // calls; here on the slot tensors with slot ids, one pass per group of slots (see ggml-zipmoe.h),
+    // or, with resident views (zipmoe.resident_views), on views of the slots with the router's ids.
     // The first fetch's begin is expanded into gf at once, so that the caller's later work (the
     // shared expert) is computed while the experts are read; the products are left unexpanded.
     // With zipmoe.prefetch, the next MoE layer's experts are predicted from ffn_inp (this layer's
     // normalized FFN input, [n_embd, 1, n_tokens]) and read ahead after this layer's own reads.
     ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
-                                ggml_tensor * selected_experts,
-                                const std::function<ggml_tensor * (ggml_tensor * ids)> & build);
+                                ggml_tensor * selected_experts, const experts_fn & build);
 
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
     uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;
@@ -190,6 +198,13 @@ private:
     uint64_t non_expert_bytes = 0;  // non-expert weights in host memory a decode step reads
     int32_t  n_threads_max = 1;     // decoding threads of the largest context (for the cache's buffers)
     bool     preloaded     = false; // the slots were filled once (zipmoe.preload)
+
+    // resident views: every served layer's first slot, valid for slot layout views_layout (guarded by
+    // state_mutex); a layer at -1 (or views off) and every layer uses the fetch
+    bool                 views_wanted = false; // a preload left every expert resident (zipmoe.resident_views)
+    uint64_t             views_layout = UINT64_MAX;
+    std::vector<int32_t> views_base;
+    bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
 
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;

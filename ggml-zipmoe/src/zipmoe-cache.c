@@ -429,6 +429,25 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
     return status;
 }
 
+int32_t ggml_zipmoe_cache_resident_base(struct ggml_zipmoe_cache * c, int layer) {
+    if (!ggml_zipmoe_cache_has_layer(c, layer) || pthread_mutex_trylock(&c->lock) != 0) {
+        return -1; // a fetch is open: nothing can be promised about the slots
+    }
+    const int64_t k0   = (int64_t) layer * c->layout.max_expert;
+    const int32_t n    = c->layout.layer_n_expert[layer];
+    int32_t       base = c->slots.of_key[k0];
+    if (c->fetch_open || base < 0 || base + n > c->slots.n_used) {
+        base = -1;
+    }
+    for (int32_t e = 1; base >= 0 && e < n; e++) {
+        if (c->slots.of_key[k0 + e] != base + e) {
+            base = -1;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return base;
+}
+
 int ggml_zipmoe_cache_has_layer(const struct ggml_zipmoe_cache * c, int layer) {
     return c != NULL && layer >= 0 && layer < c->layout.n_layer && c->layout.layer_tensor[layer * 3] >= 0;
 }
