@@ -517,6 +517,7 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         saved[i] = atomic_load(counters[i]);
     }
+    const uint64_t saved_h2d = zipmoe_gpu_h2d_bytes(c->gpu);
     // each served layer's share of the slots in use (F's capacity with pools), experts in id order
     const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;
     const int32_t share = c->pools.f_capacity / n_served;
@@ -572,6 +573,7 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         atomic_store(counters[i], saved[i]);
     }
+    zipmoe_gpu_set_h2d_bytes(c->gpu, saved_h2d);
     if (n_loaded != NULL) {
         *n_loaded = loaded;
     }
@@ -673,6 +675,7 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
         atomic_store(&c->stats.store_hits[p], 0);
     }
     atomic_store(&c->stats.bytes_read, 0);
+    zipmoe_gpu_set_h2d_bytes(c->gpu, 0);
     atomic_store(&c->stats.io_ns, 0);
     atomic_store(&c->stats.decode_ns, 0);
     atomic_store(&c->stats.recover_ns, 0);

@@ -340,6 +340,12 @@ extern "C" uint64_t zipmoe_gpu_h2d_bytes(const struct zipmoe_gpu * gpu) {
     return gpu != nullptr ? gpu->h2d_bytes.load(std::memory_order_relaxed) : 0;
 }
 
+extern "C" void zipmoe_gpu_set_h2d_bytes(struct zipmoe_gpu * gpu, uint64_t bytes) {
+    if (gpu != nullptr) {
+        gpu->h2d_bytes.store(bytes, std::memory_order_relaxed);
+    }
+}
+
 extern "C" int ggml_zipmoe_cuda_devices(void) {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;

@@ -81,6 +81,11 @@ uint64_t zipmoe_gpu_h2d_bytes(const struct zipmoe_gpu * gpu) {
     return 0;
 }
 
+void zipmoe_gpu_set_h2d_bytes(struct zipmoe_gpu * gpu, uint64_t bytes) {
+    (void) gpu;
+    (void) bytes;
+}
+
 int ggml_zipmoe_cuda_devices(void) {
     return 0;
 }

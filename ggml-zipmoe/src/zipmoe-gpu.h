@@ -52,8 +52,9 @@ int zipmoe_gpu_decode(struct zipmoe_gpu * gpu, int ith, const struct zipmoe_ghuf
 // waits until every recovery ith started is in the slots. Returns 0, or -1 with a message in err.
 int zipmoe_gpu_sync(struct zipmoe_gpu * gpu, int ith, char * err, size_t err_size);
 
-// bytes copied host to device so far
+// bytes copied host to device so far, and setting it (statistics reset, or kept across a preload)
 uint64_t zipmoe_gpu_h2d_bytes(const struct zipmoe_gpu * gpu);
+void     zipmoe_gpu_set_h2d_bytes(struct zipmoe_gpu * gpu, uint64_t bytes);
 
 #ifdef __cplusplus
 }
