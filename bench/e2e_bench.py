@@ -144,7 +144,7 @@ def ensure_zipmoe(bf16: Path, out: Path, codec: str) -> Path:
 
 SEED = 1234          # the decode steps' random tokens
 PROFILE_SEED = 4321  # the plan variant's profiling run: another token stream than the one measured
-VARIANTS = ("lru", "fifo", "marking", "lfu", "rank", "pools", "plan")
+VARIANTS = ("lru", "fifo", "marking", "lfu", "rank", "score", "pools", "plan")
 
 
 def top_k(zipmoe_path: Path) -> int:

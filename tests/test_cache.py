@@ -520,3 +520,47 @@ def test_gpu_slots_are_refused_by_a_build_without_cuda_and_bad_memory_kinds_name
     else:
         assert "not CUDA device memory" in msg
     assert "slot_memory is neither host nor CUDA" in _cache_new_error(path, layers, slot_memory=7)
+
+
+def test_score_eviction_keeps_the_experts_the_router_scores_highest(tmp_path):
+    """SMoE's score-based eviction (ggml_zipmoe_cache_observe_scores): the victim is the resident expert
+    with the lowest mean gate score over its layer's recent iterations, not the least recently used;
+    the window forgets; scores for other policies, or of the wrong shape, change nothing or are refused."""
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(67, 45, 4))
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=3)
+
+    def observe(cache, layer, scores):
+        scores = np.ascontiguousarray(np.atleast_2d(scores), np.float32)
+        return cache.lib.ggml_zipmoe_cache_observe_scores(cache.handle, layer, scores.ctypes.data, scores.shape[1],
+                                                          scores.shape[0], scores.shape[1])
+
+    def misses(cache):
+        return _lib.cache_stats(cache.handle)["expert_misses"]
+
+    for policy, kept in ((_lib.EVICT_SCORE, 1), (_lib.EVICT_LRU, 0)):
+        cache = Cache(path, 2, eviction=policy)
+        assert observe(cache, 0, [[0.1, 0.7, 0.1, 0.1]]) == _lib.OK  # expert 1 scores high, 0 low
+        assert cache.fetch(0, [[1]])[0] == _lib.OK
+        assert cache.fetch(0, [[0]])[0] == _lib.OK                   # LRU would now evict 1
+        assert cache.fetch(0, [[2]])[0] == _lib.OK                   # a miss needs a victim
+        before = misses(cache)
+        assert cache.fetch(0, [[kept]])[0] == _lib.OK
+        assert misses(cache) == before, f"policy {policy} evicted expert {kept}"
+    # the window forgets: after 16 iterations of expert 1 far ahead, 16 with expert 0 a little ahead (a
+    # sum over all 32 would still keep 1)
+    cache = Cache(path, 2, eviction=_lib.EVICT_SCORE)
+    for _ in range(16):
+        observe(cache, 0, [[0.0, 1.0, 0.0, 0.0]])
+    for _ in range(16):
+        observe(cache, 0, [[0.4, 0.1, 0.25, 0.25], [0.2, 0.3, 0.25, 0.25]])  # two tokens: means 0.3 and 0.2
+    cache.fetch(0, [[0]])
+    cache.fetch(0, [[1]])
+    cache.fetch(0, [[2]])
+    before = misses(cache)
+    cache.fetch(0, [[0]])
+    assert misses(cache) == before
+    assert observe(cache, 0, [[0.5, 0.5]]) == _lib.ERR_ARG              # not the layer's expert count
+    assert observe(cache, 9, [[0.1, 0.7, 0.1, 0.1]]) == _lib.ERR_ARG    # not a served layer
+    lru = Cache(path, 2, eviction=_lib.EVICT_LRU)
+    assert observe(lru, 0, [[0.1, 0.7, 0.1, 0.1]]) == _lib.OK          # another policy: nothing to do

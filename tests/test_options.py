@@ -64,7 +64,7 @@ def test_environment_reaches_llama_bench(model):
     # llama-bench shows no load log, errors included, unless -v
     bad = run([VENV_BIN / "llama-bench", "-m", path, "-p", 8, "-n", 4, "-r", 1, "-v"], env=env(ZIPMOE_EVICTION="random"))
     assert bad.returncode != 0
-    assert b"ZIPMOE_EVICTION (environment) must be one of lru, fifo, marking, lfu, rank; got 'random'" in (
+    assert b"ZIPMOE_EVICTION (environment) must be one of lru, fifo, marking, lfu, rank, score; got 'random'" in (
         bad.stderr + bad.stdout)
 
 
@@ -138,13 +138,13 @@ def test_option_names_are_the_c_librarys():
     """ggml-zipmoe names the eviction policies and the pools; the Python options take them from it."""
     from zipmoe_py import _lib, cli, options
 
-    assert _lib.eviction_names() == ("lru", "fifo", "marking", "lfu", "rank")
+    assert _lib.eviction_names() == ("lru", "fifo", "marking", "lfu", "rank", "score")
     assert _lib.eviction_names()[_lib.EVICT_RANK] == "rank"
     assert _lib.pool_names() == ("F", "C", "S", "E")
     eviction = next(action for action in cli.build_parser()._actions if action.dest == "eviction")
     assert tuple(eviction.choices) == _lib.eviction_names()
     assert options.pool_overrides("e=2,F=1") == {"zipmoe.pool_f": 1, "zipmoe.pool_e": 2}
-    with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank; got 'x'"):
+    with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank, score; got 'x'"):
         options.zipmoe_overrides(eviction="x")
     with pytest.raises(ZipMoEError, match="zipmoe_pools: 'F=1,X=2' must name each of the pools F, C, S, E"):
         options.pool_overrides("F=1,X=2")

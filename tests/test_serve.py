@@ -200,7 +200,7 @@ def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):
     assert got_tokens == want_tokens and np.array_equal(got, want)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "fifo", "marking", "lfu"])
+@pytest.mark.parametrize("eviction", ["lru", "fifo", "marking", "lfu", "score"])
 def test_every_eviction_policy_is_bit_identical(eviction, zipmoe_gguf, reference):
     """The policy only decides which slot a miss takes: output must not change (rank, the default: the
     test above)."""
@@ -321,7 +321,7 @@ def test_bad_budgets_thread_counts_and_policies_are_clear_errors(zipmoe_gguf):
     for bad in [-1, 1.5, "2", True]:
         with pytest.raises(ZipMoEError, match="zipmoe_threads"):
             load(path, zipmoe_threads=bad)
-    with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank"):
+    with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank, score"):
         load(path, zipmoe_eviction="random")
 
 

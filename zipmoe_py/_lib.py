@@ -19,7 +19,7 @@ CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_GHUF
 
 FORMAT_VERSION, CHUNK_ALIGNMENT = 2, 4096  # the newest version the library reads
 # enum ggml_zipmoe_eviction (their names: eviction_names())
-EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK = range(5)
+EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK, EVICT_SCORE = range(6)
 # enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
 RATE_READ, RATE_DECODE, RATE_COMPUTE = range(3)
 # enum ggml_zipmoe_open_flags
@@ -151,6 +151,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_has_layer": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_cache_n_expert": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_cache_n_passes": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]),
+    "ggml_zipmoe_cache_observe_scores": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                                         ctypes.c_int64, ctypes.c_int64]),
     "ggml_zipmoe_cache_fetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                                ctypes.c_int, ctypes.c_int]),
@@ -221,7 +223,7 @@ def _enum_names(name_of) -> tuple[str, ...]:
 
 @functools.cache
 def eviction_names() -> tuple[str, ...]:
-    """The eviction policies by enum value (ggml_zipmoe_eviction_name): lru, fifo, marking, lfu, rank."""
+    """The eviction policies by enum value (ggml_zipmoe_eviction_name): lru, fifo, marking, lfu, rank, score."""
     return _enum_names(lib().ggml_zipmoe_eviction_name)
 
 

@@ -255,7 +255,7 @@ enum ggml_zipmoe_expert_kind {
 };
 
 // which resident expert a miss replaces (among slots the pass does not need)
-#define GGML_ZIPMOE_EVICT_COUNT 5
+#define GGML_ZIPMOE_EVICT_COUNT 6
 enum ggml_zipmoe_eviction {
     GGML_ZIPMOE_EVICT_LRU     = 0, // least recently used
     GGML_ZIPMOE_EVICT_FIFO    = 1, // first filled
@@ -266,7 +266,13 @@ enum ggml_zipmoe_eviction {
                                    // whose activation rank in its layer is not below the layer's
                                    // share of slots (n_slots / served layers) + rank_delta is evicted
                                    // first, after its use; LFU among the others. Pools need it.
+    GGML_ZIPMOE_EVICT_SCORE   = 5, // SMoE's score-based eviction (its 5.3): the expert with the lowest mean
+                                   // gate score over its layer's last GGML_ZIPMOE_SCORE_WINDOW iterations
+                                   // (every expert's score, chosen or not: ggml_zipmoe_cache_observe_scores),
+                                   // ties LRU; the experts a pass uses are shielded (never its victims)
 };
+
+#define GGML_ZIPMOE_SCORE_WINDOW 16 // iterations (a layer's ubatches) EVICT_SCORE averages over
 
 // the cache hierarchy, in order (index of ggml_zipmoe_cache_params.pool_capacity)
 #define GGML_ZIPMOE_POOL_COUNT 4
@@ -419,6 +425,12 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * cache);
 // ggml_zipmoe_cache_error names the chunk; the experts before it stay loaded); *n_loaded (may be
 // NULL) gets the experts loaded.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * cache, int n_threads, int32_t * n_loaded);
+
+// EVICT_SCORE's input: the router's scores of one iteration of the layer, [n_tokens][n_expert] (row
+// stride in elements; every expert's, after the gating function), averaged over the tokens; call
+// before the iteration's fetch. A no-op for the other policies. OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_observe_scores(struct ggml_zipmoe_cache * cache, int layer, const float * scores,
+                                                     int64_t n_expert, int64_t n_tokens, int64_t stride);
 
 // test-only: begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,

@@ -77,7 +77,7 @@ const option_desc k_options[] = {
     { "zipmoe.direct_io",  "ZIPMOE_DIRECT_IO",  option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.preload",    "ZIPMOE_PRELOAD",    option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.threads",    "ZIPMOE_THREADS",    option_type::integer, "0 (all of the graph's threads) or a number of threads up to 4096" },
-    { "zipmoe.eviction",   "ZIPMOE_EVICTION",   option_type::string,  "one of lru, fifo, marking, lfu, rank" },
+    { "zipmoe.eviction",   "ZIPMOE_EVICTION",   option_type::string,  "one of lru, fifo, marking, lfu, rank, score" },
     { "zipmoe.rank_delta", "ZIPMOE_RANK_DELTA", option_type::integer, "a whole number >= 0" },
     { "zipmoe.pool_f",     "ZIPMOE_POOL_F",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.pool_c",     "ZIPMOE_POOL_C",     option_type::integer, "a number of experts per MoE layer >= 0" },
@@ -913,6 +913,11 @@ static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * us
     for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
         out[i] = GGML_ZIPMOE_NO_SLOT;
     }
+    const ggml_tensor * scores = a->pass == 0 ? dst->src[1] : nullptr; // zipmoe.eviction=score
+    if (scores != nullptr) {
+        ggml_zipmoe_cache_observe_scores(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0], scores->ne[1],
+                                         scores->nb[1] / sizeof(float));
+    }
     zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
                                                   ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
 }
@@ -1012,7 +1017,8 @@ bool llama_zipmoe::resident_bases(std::vector<int32_t> & base) {
 }
 
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
-                                          ggml_tensor * selected_experts, const experts_fn & build) {
+                                          ggml_tensor * selected_experts, ggml_tensor * probs,
+                                          const experts_fn & build) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
     int32_t view_base = -1;
@@ -1043,12 +1049,16 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         return build(selected_experts, v[0], v[1], v[2]);
     }
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
+    ggml_tensor * scores = opt.eviction == GGML_ZIPMOE_EVICT_SCORE && probs != nullptr && probs->type == GGML_TYPE_F32 &&
+                           probs->ne[1] == n_tokens && probs->ne[0] == ggml_zipmoe_cache_n_expert(cache, il) ? probs : nullptr;
 
     ggml_tensor * merged = nullptr;
     for (int pass = 0; pass < n_passes; ++pass) {
-        // a pass's fetch must wait for the previous pass's products: they share the slots
-        ggml_tensor * srcs[2] = { selected_experts, merged };
-        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, merged ? 2 : 1,
+        // a pass's fetch must wait for the previous pass's products: they share the slots; the first
+        // takes the router's scores when the eviction policy is score's
+        ggml_tensor * second = pass > 0 ? merged : scores;
+        ggml_tensor * srcs[2] = { selected_experts, second };
+        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, second ? 2 : 1,
                                              zipmoe_fetch_begin_op, 1, args_for(il, pass));
         ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
         if (pass == 0) {

@@ -127,8 +127,9 @@ struct llama_zipmoe {
     // shared expert) is computed while the experts are read; the products are left unexpanded.
     // With zipmoe.prefetch, the next MoE layer's experts are predicted from ffn_inp (this layer's
     // normalized FFN input, [n_embd, 1, n_tokens]) and read ahead after this layer's own reads.
+    // probs: the router's scores of every expert [n_expert, n_tokens] (zipmoe.eviction=score reads them)
     ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
-                                ggml_tensor * selected_experts, const experts_fn & build);
+                                ggml_tensor * selected_experts, ggml_tensor * probs, const experts_fn & build);
 
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
     uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;

@@ -112,6 +112,13 @@ struct zipmoe_policy {
     uint64_t * freq;        // [n_keys] ubatches that chose each expert (never reset)
     uint64_t   rng;         // MARKING: xorshift64 state
     uint64_t   call_serial;
+    // SCORE: per key the last GGML_ZIPMOE_SCORE_WINDOW iterations' mean gate scores and their sum,
+    // per layer the iterations seen (observe_scores writes them, choose_victim reads them; both
+    // under score_lock)
+    float *         score_ring;  // [n_keys][GGML_ZIPMOE_SCORE_WINDOW]
+    double *        score_sum;   // [n_keys]
+    uint64_t *      layer_iter;  // [n_layer]
+    pthread_mutex_t score_lock;
 };
 
 // the pools: the active set in hierarchy order, thresholds tau_p, F's capacity in slots, the stores

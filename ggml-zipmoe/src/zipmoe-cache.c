@@ -27,7 +27,7 @@
 #define ZIPMOE_COMPUTE_BYTES_PER_S 1.0e10 // expert products, BF16 weight bytes per token
 
 const char * ggml_zipmoe_eviction_name(int eviction) {
-    static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank" };
+    static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank", "score" };
     return eviction >= 0 && eviction < GGML_ZIPMOE_EVICT_COUNT ? names[eviction] : NULL;
 }
 
@@ -109,6 +109,10 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->slots.marked);
     free(c->slots.transient);
     free(c->policy.freq);
+    free(c->policy.score_ring);
+    free(c->policy.score_sum);
+    free(c->policy.layer_iter);
+    pthread_mutex_destroy(&c->policy.score_lock);
     free(c->slots.pinned);
     free(c->plan.unique);
     free(c->plan.seen);
@@ -240,6 +244,15 @@ static int alloc_bookkeeping(struct ggml_zipmoe_cache * c) {
     c->pools.key_pool  = (int8_t *) malloc(n_keys);
     c->pools.key_entry = (int32_t *) malloc(n_keys * sizeof(int32_t));
     c->policy.freq     = (uint64_t *) calloc(n_keys, sizeof(uint64_t));
+    if (c->policy.eviction == GGML_ZIPMOE_EVICT_SCORE) {
+        c->policy.score_ring = (float *) calloc(n_keys * GGML_ZIPMOE_SCORE_WINDOW, sizeof(float));
+        c->policy.score_sum  = (double *) calloc(n_keys, sizeof(double));
+        c->policy.layer_iter = (uint64_t *) calloc((size_t) (c->layout.n_layer > 0 ? c->layout.n_layer : 1),
+                                                   sizeof(uint64_t));
+        if (!c->policy.score_ring || !c->policy.score_sum || !c->policy.layer_iter) {
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+    }
     pl->unique      = (int32_t *) malloc(n_exp * sizeof(int32_t));
     pl->seen        = (uint8_t *) calloc(n_exp, 1);
     pl->pass_slot   = (int32_t *) malloc(n_exp * sizeof(int32_t));
@@ -314,6 +327,7 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         return NULL;
     }
     pthread_mutex_init(&c->lock, NULL);
+    pthread_mutex_init(&c->policy.score_lock, NULL);
     pthread_mutex_init(&c->pipe.io_lock, NULL);
     pthread_cond_init(&c->pipe.io_wake, NULL);
     pthread_cond_init(&c->prefetch.idle, NULL);

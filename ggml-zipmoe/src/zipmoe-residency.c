@@ -128,6 +128,43 @@ static uint64_t slot_freq(const struct ggml_zipmoe_cache * c, int32_t s) {
     return c->policy.freq[c->slots.key[s]];
 }
 
+// SCORE: the mean gate score of the expert in slot s over its layer's window (0 before any)
+static double slot_score(const struct ggml_zipmoe_cache * c, int32_t s) {
+    const int64_t  key   = c->slots.key[s];
+    const uint64_t iters = c->policy.layer_iter[key / c->layout.max_expert];
+    const uint64_t n     = iters < GGML_ZIPMOE_SCORE_WINDOW ? iters : GGML_ZIPMOE_SCORE_WINDOW;
+    return n ? c->policy.score_sum[key] / (double) n : 0.0;
+}
+
+int ggml_zipmoe_cache_observe_scores(struct ggml_zipmoe_cache * c, int layer, const float * scores, int64_t n_expert,
+                                     int64_t n_tokens, int64_t stride) {
+    if (c == NULL || !ggml_zipmoe_cache_has_layer(c, layer) || scores == NULL || n_tokens < 1 ||
+        n_expert != c->layout.layer_n_expert[layer] || stride < n_expert) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (c->policy.eviction != GGML_ZIPMOE_EVICT_SCORE) {
+        return GGML_ZIPMOE_OK;
+    }
+    pthread_mutex_lock(&c->policy.score_lock);
+    const uint64_t it   = c->policy.layer_iter[layer]++;
+    const size_t   slot = (size_t) (it % GGML_ZIPMOE_SCORE_WINDOW);
+    for (int64_t e = 0; e < n_expert; e++) {
+        double mean = 0;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            mean += scores[t * stride + e];
+        }
+        mean /= (double) n_tokens;
+        const int64_t key  = (int64_t) layer * c->layout.max_expert + e;
+        float *       ring = c->policy.score_ring + (size_t) key * GGML_ZIPMOE_SCORE_WINDOW;
+        // the window's sum: the iteration leaving it out, this one in (a NaN score counts as 0)
+        const float v = mean == mean ? (float) mean : 0.0f;
+        c->policy.score_sum[key] += (double) v - (it >= GGML_ZIPMOE_SCORE_WINDOW ? ring[slot] : 0.0f);
+        ring[slot] = v;
+    }
+    pthread_mutex_unlock(&c->policy.score_lock);
+    return GGML_ZIPMOE_OK;
+}
+
 // a slot the current call (serial) does not need, by the eviction policy; one exists, since a pass
 // never holds more experts than slots
 static int32_t choose_victim(struct ggml_zipmoe_cache * c, uint64_t serial) {
@@ -186,6 +223,13 @@ static int32_t choose_victim(struct ggml_zipmoe_cache * c, uint64_t serial) {
             case GGML_ZIPMOE_EVICT_LFU: {
                 const uint64_t fs = slot_freq(c, s), fv = slot_freq(c, victim);
                 better = fs < fv || (fs == fv && c->slots.last_use[s] < c->slots.last_use[victim]);
+                break;
+            }
+            case GGML_ZIPMOE_EVICT_SCORE: {
+                pthread_mutex_lock(&c->policy.score_lock);
+                const double ss = slot_score(c, s), sv = slot_score(c, victim);
+                pthread_mutex_unlock(&c->policy.score_lock);
+                better = ss < sv || (ss == sv && c->slots.last_use[s] < c->slots.last_use[victim]);
                 break;
             }
             default: // LRU
