@@ -2,7 +2,7 @@
 # Install ZipMoE and everything it needs into ./.venv, from scratch or incrementally.
 #
 #   bash tools/setup.sh          # runtime: the fork, its bindings, converter and server dependencies
-#   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs
+#   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs, nvcc if absent
 #   bash tools/setup.sh --cuda   # with CUDA: ggml's CUDA backend, expert slots in GPU memory
 #                                # (needs the CUDA toolkit; architectures: the GPU found, else 90;
 #                                # CUDA_ARCHITECTURES=87 bash tools/setup.sh --cuda for Jetson Orin)
@@ -60,6 +60,15 @@ sdist=$("$venv/bin/python" tools/prepare_source.py --fetch-only)
 if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("llama_cpp_python") != "0.3.36")' 2>/dev/null; then
     echo "setup: installing the llama-cpp-python 0.3.36 bindings (no native build)"
     CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "${pip[@]}" install -q "$sdist"
+fi
+
+# with --dev, nvcc for the compile check of ZipMoE's CUDA source (tests/test_build.py): the CUDA
+# toolkit's if installed, else NVIDIA's PyPI packages in the venv (nvidia/cu13/bin/nvcc)
+if [ "$dev" = 1 ] && ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ] &&
+   ! "$venv/bin/python" -c 'import importlib.metadata as m; m.version("nvidia-cuda-nvcc")' 2>/dev/null; then
+    echo "setup: installing nvcc (NVIDIA's PyPI packages) for the CUDA compile check"
+    "${pip[@]}" install -q "nvidia-cuda-nvcc==13.5.37" "nvidia-cuda-crt==13.5.37" "nvidia-nvvm==13.5.37" \
+        "nvidia-cuda-runtime==13.5.37"
 fi
 
 extras="[server]"   # zipmoe-server (llama-cpp-python's server dependencies)

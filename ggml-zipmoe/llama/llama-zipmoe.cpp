@@ -928,9 +928,11 @@ static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * user
     zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->zm->cache, ith, nth));
     if (ith == 0) {
         memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
-        int32_t * ids = (int32_t *) dst->data;
-        for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
-            ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->zm->absent_slot(i, dst->ne[0]) : ids[i];
+        if (a->zm->absent_slot(0, 1) != GGML_ZIPMOE_NO_SLOT) { // slots in GPU memory only
+            int32_t * ids = (int32_t *) dst->data;
+            for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->zm->absent_slot(i, dst->ne[0]) : ids[i];
+            }
         }
     }
 }

@@ -196,6 +196,22 @@ void zipmoe_ghuf_table(const struct zipmoe_ghuf_code * c, uint16_t * table) {
     }
 }
 
+// every segment of a parsed Huffman stream with a decoding table, first to last or (reverse) last to
+// first; 0, or -1 at the first corrupt segment
+static int decode_segments(const struct zipmoe_ghuf_stream * s, const uint16_t * table, uint8_t * dst, int reverse) {
+    for (uint32_t j = 0; j < s->n_seg; j++) {
+        const uint32_t i     = reverse ? s->n_seg - 1 - j : j;
+        const uint64_t first = (uint64_t) i * ZIPMOE_GHUF_SEGMENT;
+        const uint32_t count = (uint32_t) (s->n - first < ZIPMOE_GHUF_SEGMENT ? s->n - first : ZIPMOE_GHUF_SEGMENT);
+        const uint32_t bytes = zipmoe_ghuf_segment_bytes(s->offsets, i, s->n_seg, s->area_size);
+        if (zipmoe_ghuf_decode_segment(table, s->area + zipmoe_ghuf_offset(s->offsets, i), bytes, dst + first,
+                                       count) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int zipmoe_ghuf_decompress(const uint8_t * src, size_t size, uint8_t * dst, size_t dst_size) {
     struct zipmoe_ghuf_stream s;
     if ((dst == NULL && dst_size > 0) || zipmoe_ghuf_parse(src, size, &s) != 0 || s.n != dst_size) {
@@ -213,15 +229,7 @@ int zipmoe_ghuf_decompress(const uint8_t * src, size_t size, uint8_t * dst, size
     }
     uint16_t table[ZIPMOE_GHUF_TABLE];
     zipmoe_ghuf_table(&s.code, table);
-    for (uint32_t i = 0; i < s.n_seg; i++) {
-        const uint64_t first = (uint64_t) i * ZIPMOE_GHUF_SEGMENT;
-        const uint32_t count = (uint32_t) (s.n - first < ZIPMOE_GHUF_SEGMENT ? s.n - first : ZIPMOE_GHUF_SEGMENT);
-        const uint32_t bytes = zipmoe_ghuf_segment_bytes(s.offsets, i, s.n_seg, s.area_size);
-        if (zipmoe_ghuf_decode_segment(table, s.area + zipmoe_ghuf_offset(s.offsets, i), bytes, dst + first, count) != 0) {
-            return -1;
-        }
-    }
-    return 0;
+    return decode_segments(&s, table, dst, 0);
 }
 
 int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size, void * dst, size_t dst_size) {
@@ -240,14 +248,6 @@ int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size, void * dst, si
     for (uint32_t j = 0; j < ZIPMOE_GHUF_TABLE; j++) { // one GPU thread's entry each
         table[j] = zipmoe_ghuf_entry(&s.code, j);
     }
-    for (uint32_t i = s.n_seg; i-- > 0;) {             // one GPU thread's segment each, in any order
-        const uint64_t first = (uint64_t) i * ZIPMOE_GHUF_SEGMENT;
-        const uint32_t count = (uint32_t) (s.n - first < ZIPMOE_GHUF_SEGMENT ? s.n - first : ZIPMOE_GHUF_SEGMENT);
-        const uint32_t bytes = zipmoe_ghuf_segment_bytes(s.offsets, i, s.n_seg, s.area_size);
-        if (zipmoe_ghuf_decode_segment(table, s.area + zipmoe_ghuf_offset(s.offsets, i), bytes,
-                                       (uint8_t *) dst + first, count) != 0) {
-            return GGML_ZIPMOE_ERR_CORRUPT;
-        }
-    }
-    return GGML_ZIPMOE_OK;
+    // one GPU thread's segment each, in any order: last first
+    return decode_segments(&s, table, (uint8_t *) dst, 1) == 0 ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_CORRUPT;
 }
