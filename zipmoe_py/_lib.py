@@ -36,7 +36,8 @@ class CacheStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("fetch_calls", "expert_hits", "expert_misses", "bytes_read",
                                                      "io_ns", "decode_ns", "recover_ns", "fetch_ns",
                                                      "c_hits", "s_hits", "e_hits", "prefetch_hits",
-                                                     "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes")]
+                                                     "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes",
+                                                     "substitutions", "substitution_tokens")]
 
 
 class Memory(ctypes.Structure):
@@ -121,6 +122,17 @@ _PROTOTYPES = {
                                                  ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "ggml_zipmoe_eviction_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_pool_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_zipmoe_substitution_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_zipmoe_smoe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                              ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                              ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
+                                              ctypes.POINTER(ctypes.c_int64)]),
+    "ggml_zipmoe_cache_set_substitution": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_float]),
+    "ggml_zipmoe_cache_get_substitution": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+                                                          ctypes.POINTER(ctypes.c_float)]),
+    "ggml_zipmoe_cache_substitute": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                    ctypes.c_int64, ctypes.c_void_p]),
     "ggml_zipmoe_default_rate": (ctypes.c_double, [ctypes.c_int]),
     "ggml_zipmoe_cache_rate": (ctypes.c_double, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
@@ -222,6 +234,27 @@ def _enum_names(name_of) -> tuple[str, ...]:
 
 
 @functools.cache
+def substitution_names() -> tuple[str, ...]:
+    """The expert substitution policies by enum value (ggml_zipmoe_substitution_name): none, smoe."""
+    return _enum_names(lib().ggml_zipmoe_substitution_name)
+
+
+def substitution(cache) -> dict:
+    """The cache's substitution policy: {"policy": "none"} (lossless), or the lossy policy's name,
+    parameter and counts, labelled lossy."""
+    policy, alpha = ctypes.c_int(), ctypes.c_float()
+    lib().ggml_zipmoe_cache_get_substitution(cache, ctypes.byref(policy), ctypes.byref(alpha))
+    name = substitution_names()[policy.value]
+    if name == "none":
+        return {"policy": name, "lossy": False}
+    stats = CacheStats()
+    lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
+    tokens = stats.substitution_tokens
+    return {"policy": name, "lossy": True, "alpha": round(alpha.value, 6), "substitutions": stats.substitutions,
+            "tokens": tokens, "per_token": stats.substitutions / tokens if tokens else 0.0}
+
+
+@functools.cache
 def eviction_names() -> tuple[str, ...]:
     """The eviction policies by enum value (ggml_zipmoe_eviction_name): lru, fifo, marking, lfu, rank, score."""
     return _enum_names(lib().ggml_zipmoe_eviction_name)
@@ -306,6 +339,7 @@ def cache_stats(cache) -> dict:
     # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
     out["prefetch_recall"] = prefetch_recall(cache)
+    out["substitution"] = substitution(cache)  # "lossy": True whenever a policy replaces experts
     # the scheduler's cost model now (bytes/s): measured on this machine unless given
     out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
                     for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE))}

@@ -107,6 +107,14 @@ class Llama(llama_cpp.Llama):
                         router is predicted to choose (its gate applied to this layer's FFN input);
                         lossless: routing and arithmetic are unchanged (default False: on the
                         random-weight bench models it did not pay for itself)
+      zipmoe_substitution: "none" (default, lossless) or "smoe": LOSSY, opt-in. SMoE's expert-cache
+                        router replaces some low-score experts the router chose, when they are not
+                        resident, with resident experts of nearly the same score, so that fewer are
+                        read; outputs then differ from the model's (zipmoe_stats()["substitution"]
+                        counts the replacements, labelled lossy)
+      zipmoe_smoe_alpha: SMoE's alpha in [0, 1] (default 0.1): a chosen expert scoring below (1 + alpha)
+                        beta may be replaced by one scoring in [(1 - alpha) beta, beta), beta being the
+                        (k+1)-th score; 0 replaces nothing
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
@@ -117,7 +125,8 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
                                    kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"),
-                                   kwargs.get("zipmoe_prefetch"))
+                                   kwargs.get("zipmoe_prefetch"), kwargs.get("zipmoe_substitution"),
+                                   kwargs.get("zipmoe_smoe_alpha"))
         if "zipmoe.budget" in options:
             check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
@@ -126,11 +135,13 @@ class Llama(llama_cpp.Llama):
                  zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
                  zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None,
-                 zipmoe_prefetch: bool | None = None, **kwargs):
+                 zipmoe_prefetch: bool | None = None, zipmoe_substitution: str | None = None,
+                 zipmoe_smoe_alpha: float | None = None, **kwargs):
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
                                           zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
-                                          zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch))
+                                          zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch, zipmoe_substitution,
+                                          zipmoe_smoe_alpha))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

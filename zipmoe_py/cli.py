@@ -80,9 +80,16 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
                                                              "expert_misses", "bytes_read", "io_ns",
                                                              "decode_ns", "recover_ns", "fetch_ns",
                                                              "prefetch_hits", "prefetch_bytes_read",
-                                                             "prefetch_bytes_used", "h2d_bytes")}
+                                                             "prefetch_bytes_used", "h2d_bytes",
+                                                             "substitutions", "substitution_tokens")}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
+    subst = now.get("substitution") or {}
+    if subst.get("lossy"):
+        this = delta["substitutions"] / delta["substitution_tokens"] if delta["substitution_tokens"] else 0.0
+        print(f"[stats] LOSSY expert substitution {subst['policy']} (alpha {subst['alpha']:g}): {delta['substitutions']} "
+              f"experts replaced in this reply ({this:.2f} per token per MoE layer), {subst['substitutions']} in total "
+              f"({subst['per_token']:.2f}); replies differ from the model's", file=sys.stderr)
     recall = now.get("prefetch_recall") or {}
     if recall.get("actual"):
         per_layer = ", ".join(f"{layer}: {r['recall']:.2f}" for layer, r in recall["layers"].items())
@@ -138,7 +145,8 @@ def chat(args) -> int:
                 n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
                 zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
-                zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch)
+                zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch,
+                zipmoe_substitution=args.substitution, zipmoe_smoe_alpha=args.smoe_alpha)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -245,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
                     help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
                          "(default: all; reads run on the cache's own I/O thread)")
+    ap.add_argument("--substitution", choices=_lib.substitution_names(), default=None,
+                    help="ZipMoE GGUFs: expert substitution, LOSSY and off by default (none). smoe: SMoE's "
+                         "expert-cache router replaces some low-score experts the router chose, when they are not "
+                         "cached, with cached experts of nearly the same score, so fewer are read; replies then "
+                         "differ from the model's ($ZIPMOE_SUBSTITUTION does the same)")
+    ap.add_argument("--smoe-alpha", type=float, default=None, metavar="A",
+                    help="with --substitution smoe: SMoE's alpha in [0, 1] (default 0.1); a chosen expert scoring "
+                         "below (1+A) beta may be replaced by one scoring in [(1-A) beta, beta), beta being the "
+                         "(k+1)-th score; 0 replaces nothing")
     ap.add_argument("--stats", action="store_true",
                     help="after each reply, print expert-cache statistics (hits, misses, bytes read, I/O, "
                          "decode and recover time), for the reply, per token and in total")
@@ -265,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.smoe_alpha is not None and not 0 <= args.smoe_alpha <= 1:
+        ap.error(f"--smoe-alpha must be from 0 to 1, got {args.smoe_alpha}")
+    if args.smoe_alpha is not None and args.substitution != "smoe":
+        ap.error("--smoe-alpha needs --substitution smoe")
     if args.temp < 0:
         ap.error(f"--temp must be >= 0, got {args.temp}")
     try:

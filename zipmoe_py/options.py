@@ -83,7 +83,8 @@ def plan_overrides(plan_path) -> dict:
 
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
                      rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
-                     preload: bool | None = None, prefetch: bool | None = None) -> dict:
+                     preload: bool | None = None, prefetch: bool | None = None, substitution=None,
+                     smoe_alpha=None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
     not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
@@ -122,6 +123,25 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         out["zipmoe.prefetch"] = prefetch
     if threads is not None:
         out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads")
+    out.update(substitution_overrides(substitution, smoe_alpha))
+    return out
+
+
+def substitution_overrides(substitution=None, smoe_alpha=None) -> dict:
+    """zipmoe.substitution and zipmoe.smoe_alpha: the opt-in LOSSY expert substitution."""
+    out = {}
+    if substitution is not None:
+        names = _lib.substitution_names()
+        if substitution not in names:
+            raise ZipMoEError(f"zipmoe_substitution must be one of {', '.join(names)} (all but none are lossy); "
+                              f"got {substitution!r}")
+        out["zipmoe.substitution"] = substitution
+    if smoe_alpha is not None:
+        if isinstance(smoe_alpha, bool) or not isinstance(smoe_alpha, (int, float)) or not 0 <= smoe_alpha <= 1:
+            raise ZipMoEError(f"zipmoe_smoe_alpha must be a number from 0 to 1; got {smoe_alpha!r}")
+        if substitution not in (None, "smoe"):  # None: ZIPMOE_SUBSTITUTION may set it; the loader checks
+            raise ZipMoEError("zipmoe_smoe_alpha is SMoE's parameter: give it with zipmoe_substitution='smoe'")
+        out["zipmoe.smoe_alpha"] = float(smoe_alpha)
     return out
 
 

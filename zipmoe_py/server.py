@@ -50,7 +50,7 @@ from .errors import ZipMoEError
 # the zipmoe_py.Llama keyword arguments that are also server settings (see its docstring)
 ZIPMOE_OPTIONS = ("zipmoe_budget", "zipmoe_mem_limit", "zipmoe_direct_io", "zipmoe_preload", "zipmoe_threads",
                   "zipmoe_eviction", "zipmoe_rank_delta", "zipmoe_pools", "zipmoe_plan", "zipmoe_work_slots",
-                  "zipmoe_prefetch")
+                  "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha")
 
 
 class ZipMoEModelSettings(ModelSettings):
@@ -87,6 +87,11 @@ class ZipMoEModelSettings(ModelSettings):
     zipmoe_prefetch: Optional[bool] = Field(
         default=None, description="Read ahead the chunks of the experts the next layer is predicted to choose "
         "(lossless; default false).")
+    zipmoe_substitution: Optional[str] = Field(
+        default=None, description="Expert substitution: none (default, lossless) or smoe (LOSSY: SMoE's "
+        "expert-cache router replaces some low-score experts with cached ones; outputs differ from the model's).")
+    zipmoe_smoe_alpha: Optional[float] = Field(
+        default=None, description="With zipmoe_substitution=smoe: SMoE's alpha in [0, 1] (default 0.1).")
 
     def zipmoe_kwargs(self) -> dict:
         """The zipmoe_* keyword arguments given, for zipmoe_py.Llama."""

@@ -346,6 +346,8 @@ struct ggml_zipmoe_cache_stats {
     uint64_t prefetch_bytes_read; // stored bytes prefetches read (also counted in bytes_read)
     uint64_t prefetch_bytes_used; // of those, bytes a fetch used (the rest were mispredicted: wasted)
     uint64_t h2d_bytes;           // bytes copied host to device (slots in CUDA memory: SM + exponent planes)
+    uint64_t substitutions;       // LOSSY: selections a substitution policy replaced with another expert
+    uint64_t substitution_tokens; // tokens (per MoE layer) the substitution policy routed
 };
 
 struct ggml_zipmoe_cache;
@@ -431,6 +433,50 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * cache, 
 // before the iteration's fetch. A no-op for the other policies. OK or ERR_ARG.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_observe_scores(struct ggml_zipmoe_cache * cache, int layer, const float * scores,
                                                      int64_t n_expert, int64_t n_tokens, int64_t stride);
+
+// Expert substitution: opt-in and LOSSY, never on by default. Before a layer's fetch, a policy may
+// replace experts the router chose with experts already resident, so that fewer are read; the
+// model's output then differs from the model's own. Everything after it (weights, pools, the
+// scheduler, prefetch) sees the final ids: llama.cpp takes the weights of the experts used from
+// the router's scores, so a substitute is weighted by its own score.
+#define GGML_ZIPMOE_SUBST_COUNT 2
+enum ggml_zipmoe_substitution {
+    GGML_ZIPMOE_SUBST_NONE = 0, // lossless: the router's choice (the default)
+    GGML_ZIPMOE_SUBST_SMOE = 1, // SMoE's expert-cache router (its Alg. 1) with its batch-aware choice (5.4)
+};
+
+GGML_ZIPMOE_API const char * ggml_zipmoe_substitution_name(int policy); // "none", "smoe"; NULL if unknown
+
+// SMoE's expert-cache router (SMoE Alg. 1 and 5.4) for one layer, a pure function. Per token t,
+// with beta the (k+1)-th largest of its scores (k = n_used): its chosen experts scoring above
+// (1 + alpha) beta are top-score, the rest low-score; every token's top-score experts form the set
+// C. A low-score expert that is resident (resident[e] != 0) or in C is kept. The others may be
+// replaced with alternatives: experts the token did not choose, scoring in [(1 - alpha) beta, beta),
+// that are resident, in C, or (batch_aware) chosen by another token of the batch. With m
+// replaceable and A alternatives, the best min(m, |A|) alternatives (batch_aware: chosen by the
+// most tokens first; then by score) replace the lowest-scoring replaceable experts, in place.
+// alpha = 0 (or n_used >= n_expert) changes nothing. scores: [n_tokens][n_expert] (row stride
+// scores_stride), ids: [n_tokens][n_used] (row stride ids_stride), out: [n_tokens][n_used]
+// contiguous (may be ids when ids_stride == n_used). *n_replaced (may be NULL) gets the selections
+// replaced. OK, ERR_ARG (an id out of range, alpha outside [0, 1]) or ERR_NOMEM.
+GGML_ZIPMOE_API int ggml_zipmoe_smoe_route(const float * scores, int64_t n_expert, int64_t scores_stride,
+                                           const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
+                                           const uint8_t * resident, float alpha, int batch_aware, int32_t * out,
+                                           int64_t * n_replaced);
+
+// the cache's substitution policy (enum ggml_zipmoe_substitution) and its parameter (SMOE: alpha in
+// [0, 1]); NONE when the cache is made. OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_set_substitution(struct ggml_zipmoe_cache * cache, int policy, float alpha);
+GGML_ZIPMOE_API int ggml_zipmoe_cache_get_substitution(const struct ggml_zipmoe_cache * cache, int * policy,
+                                                       float * alpha);
+
+// the substitution hook, called after the router's top-k and before the layer's fetch: out
+// ([n_tokens][n_used], contiguous) gets ids with the cache's policy applied, "resident" meaning
+// full in a slot now; with NONE, ids unchanged. Counts substitutions in the statistics. OK or
+// ERR_ARG (a layer not served, a shape that is not the layer's, an id out of range) or ERR_NOMEM.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_substitute(struct ggml_zipmoe_cache * cache, int layer, const float * scores,
+                                                 int64_t n_expert, int64_t scores_stride, const int32_t * ids,
+                                                 int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * out);
 
 // test-only: begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,

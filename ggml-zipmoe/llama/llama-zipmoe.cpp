@@ -62,7 +62,7 @@ static constexpr double k_gib = 1024.0 * 1024.0 * 1024.0;
 
 namespace {
 
-enum class option_type { size, boolean, integer, string };
+enum class option_type { size, boolean, integer, string, real };
 
 struct option_desc {
     const char * key;   // KV override
@@ -86,6 +86,8 @@ const option_desc k_options[] = {
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
+    { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe (smoe is lossy)" },
+    { "zipmoe.smoe_alpha", "ZIPMOE_SMOE_ALPHA", option_type::real, "a number from 0 to 1" },
 };
 
 std::string trim_lower(const std::string & s) {
@@ -162,6 +164,7 @@ struct raw_value {
     std::string source;        // "--override-kv zipmoe.budget" or "ZIPMOE_BUDGET (environment)"
     int         tag = -1;      // LLAMA_KV_OVERRIDE_TYPE_* of an override, -1 for the environment
     int64_t     i   = 0;
+    double      f   = 0;
     bool        b   = false;
     std::string s;             // a string override, or the environment's text
 };
@@ -174,7 +177,7 @@ std::string shown(const raw_value & v) {
     switch (v.tag) {
         case LLAMA_KV_OVERRIDE_TYPE_INT:   return std::to_string(v.i);
         case LLAMA_KV_OVERRIDE_TYPE_BOOL:  return v.b ? "true" : "false";
-        case LLAMA_KV_OVERRIDE_TYPE_FLOAT: return "a float";
+        case LLAMA_KV_OVERRIDE_TYPE_FLOAT: return format("%g", v.f);
         default:                           return "'" + v.s + "'";
     }
 }
@@ -217,6 +220,42 @@ int64_t as_int(const raw_value & v, const option_desc & d, int64_t lo, int64_t h
     return out;
 }
 
+double as_real(const raw_value & v, const option_desc & d, double lo, double hi) {
+    double out = 0;
+    if (v.tag == LLAMA_KV_OVERRIDE_TYPE_FLOAT) {
+        out = v.f;
+    } else if (v.tag == LLAMA_KV_OVERRIDE_TYPE_INT) {
+        out = (double) v.i;
+    } else if (v.tag == LLAMA_KV_OVERRIDE_TYPE_STR || v.tag < 0) {
+        const std::string text = trim_lower(v.s);
+        char * end = nullptr;
+        out = text.empty() ? NAN : strtod(text.c_str(), &end);
+        if (end == nullptr || *end != '\0') {
+            bad_option(v, d, shown(v));
+        }
+    } else {
+        bad_option(v, d, shown(v));
+    }
+    if (!(out >= lo && out <= hi)) {
+        bad_option(v, d, shown(v));
+    }
+    return out;
+}
+
+// an enum option by its library name (name_of(0..count-1)); -1 if unknown
+int as_name(const raw_value & v, const option_desc & d, const char * (*name_of)(int), int count) {
+    if (v.tag >= 0 && v.tag != LLAMA_KV_OVERRIDE_TYPE_STR) {
+        bad_option(v, d, shown(v));
+    }
+    const std::string name = trim_lower(v.s);
+    for (int e = 0; e < count; ++e) {
+        if (name == name_of(e)) {
+            return e;
+        }
+    }
+    bad_option(v, d, shown(v));
+}
+
 } // namespace
 
 llama_zipmoe_options llama_zipmoe_options::parse(
@@ -253,6 +292,7 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         v.source = format("--override-kv %s", key.c_str());
         v.tag    = kv.tag;
         v.i      = kv.val_i64;
+        v.f      = kv.val_f64;
         v.b      = kv.val_bool;
         if (kv.tag == LLAMA_KV_OVERRIDE_TYPE_STR) {
             v.s = kv.val_str;
@@ -278,19 +318,7 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         } else if (key == "zipmoe.threads") {
             o.threads = (int32_t) as_int(v, d, 0, 4096);
         } else if (key == "zipmoe.eviction") {
-            if (v.tag >= 0 && v.tag != LLAMA_KV_OVERRIDE_TYPE_STR) {
-                bad_option(v, d, shown(v));
-            }
-            const std::string name = trim_lower(v.s);
-            o.eviction = -1;
-            for (int e = 0; e < GGML_ZIPMOE_EVICT_COUNT; ++e) {
-                if (name == ggml_zipmoe_eviction_name(e)) {
-                    o.eviction = e;
-                }
-            }
-            if (o.eviction < 0) {
-                bad_option(v, d, shown(v));
-            }
+            o.eviction     = as_name(v, d, ggml_zipmoe_eviction_name, GGML_ZIPMOE_EVICT_COUNT);
             o.eviction_set = true;
         } else if (key == "zipmoe.rank_delta") {
             o.rank_delta = (int32_t) as_int(v, d, 0, 1 << 20);
@@ -302,7 +330,15 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             o.prefetch = as_bool(v, d);
         } else if (key == "zipmoe.resident_views") {
             o.resident_views = as_bool(v, d) ? 1 : 0;
+        } else if (key == "zipmoe.substitution") {
+            o.substitution = as_name(v, d, ggml_zipmoe_substitution_name, GGML_ZIPMOE_SUBST_COUNT);
+        } else if (key == "zipmoe.smoe_alpha") {
+            o.smoe_alpha     = (float) as_real(v, d, 0.0, 1.0);
+            o.smoe_alpha_set = true;
         }
+    }
+    if (o.smoe_alpha_set && o.substitution != GGML_ZIPMOE_SUBST_SMOE) {
+        throw std::runtime_error("zipmoe.smoe_alpha is SMoE's: it needs zipmoe.substitution=smoe");
     }
     if (o.with_pools() && o.eviction_set && o.eviction != GGML_ZIPMOE_EVICT_RANK) {
         throw std::runtime_error("zipmoe.pool_* dispatch experts by rank: zipmoe.eviction must be rank (or not given)");
@@ -607,6 +643,12 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
         throw std::runtime_error(err);
+    }
+    if (opt.substitution != GGML_ZIPMOE_SUBST_NONE) {
+        ggml_zipmoe_cache_set_substitution(cache, opt.substitution, opt.smoe_alpha);
+        LLAMA_LOG_WARN("%s: ZipMoE expert substitution '%s' (alpha %.3g) is LOSSY: it replaces some of the experts the "
+                       "router chose with resident ones, so outputs differ from the model's\n", __func__,
+                       ggml_zipmoe_substitution_name(opt.substitution), opt.smoe_alpha);
     }
     if (opt.with_pools()) {
         uint64_t total = 0;
@@ -973,6 +1015,41 @@ static void zipmoe_prefetch_op(ggml_tensor * dst, int ith, int nth, void * userd
     }
 }
 
+// the substitution hook (lossy, opt-in): the router's ids with the cache's policy applied
+static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a      = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids    = dst->src[0];
+    const ggml_tensor * scores = dst->src[1];
+    const int status = ggml_zipmoe_cache_substitute(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0],
+                                                    scores->nb[1] / sizeof(float), (const int32_t *) ids->data,
+                                                    ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
+                                                    (int32_t *) dst->data);
+    if (status != GGML_ZIPMOE_OK) {
+        for (int64_t i = 0; i < ggml_nelements(dst); ++i) { // in range: the graph stops (fail) before the products
+            ((int32_t *) dst->data)[i] = 0;
+        }
+        a->zm->fail(format("layer %d: expert substitution failed: %s", a->il, ggml_zipmoe_status_string(status)).c_str());
+    }
+}
+
+ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected) {
+    if (opt.substitution == GGML_ZIPMOE_SUBST_NONE || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
+        probs == nullptr || probs->type != GGML_TYPE_F32 || selected->type != GGML_TYPE_I32 ||
+        ggml_n_dims(probs) > 2 || probs->ne[0] != ggml_zipmoe_cache_n_expert(cache, il) ||
+        probs->ne[1] != selected->ne[1] || probs->nb[0] != sizeof(float) || selected->nb[0] != sizeof(int32_t)) {
+        return selected;
+    }
+    ggml_tensor * srcs[2] = { selected, probs };
+    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, srcs, 2,
+                                       zipmoe_substitute_op, 1, args_for(il, 0));
+    ggml_format_name(out, "zipmoe_substitute-%d", il);
+    return out;
+}
+
 // SMoE's top-score prediction: the next MoE layer's router applied to this layer's FFN input, taken
 // to the next layer's FFN norm (RMS norm is per-token scale-invariant and top-k ignores a positive
 // scale, so the ratio of the two norms' weights is all that differs). The residual stream changes
@@ -1051,6 +1128,9 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         return build(selected_experts, v[0], v[1], v[2]);
     }
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
+    if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {
+        probs = ggml_reshape_2d(ctx0, probs, probs->ne[1], probs->ne[2]); // build_moe_ffn's [1, n_expert, n_tokens]
+    }
     ggml_tensor * scores = opt.eviction == GGML_ZIPMOE_EVICT_SCORE && probs != nullptr && probs->type == GGML_TYPE_F32 &&
                            probs->ne[1] == n_tokens && probs->ne[0] == ggml_zipmoe_cache_n_expert(cache, il) ? probs : nullptr;
 
@@ -1100,7 +1180,8 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
         const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
         // fetch begin and end + merge + the ~16 nodes of one experts block, per pass; the prefetch's
         // reshape, norm ratio (div, mul), scores, argsort, top-k view and op
-        total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u);
+        total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u) +
+                 (opt.substitution != GGML_ZIPMOE_SUBST_NONE ? 1u : 0u);
     }
     return total;
 }

@@ -69,6 +69,11 @@ struct llama_zipmoe_options {
                                      // expert resident, in order, the products use the slots in place with
                                      // no fetch op (1, 0; -1: with slots in GPU memory only)
 
+    int32_t     substitution = 0;   // zipmoe.substitution / ZIPMOE_SUBSTITUTION (enum ggml_zipmoe_substitution):
+                                    // none (lossless, the default) or smoe (LOSSY, opt-in)
+    float       smoe_alpha   = 0.1f; // zipmoe.smoe_alpha / ZIPMOE_SMOE_ALPHA: SMoE's alpha, in [0, 1]
+    bool        smoe_alpha_set = false;
+
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 
     // parses the overrides and the environment; throws naming the option and where it came from
@@ -130,6 +135,11 @@ struct llama_zipmoe {
     // probs: the router's scores of every expert [n_expert, n_tokens] (zipmoe.eviction=score reads them)
     ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
                                 ggml_tensor * selected_experts, ggml_tensor * probs, const experts_fn & build);
+
+    // the substitution hook, after the router's top-k (selected, [n_used, n_tokens]) of layer il and
+    // before the weights are taken from probs ([n_expert, n_tokens], the router's scores): the ids
+    // with zipmoe.substitution's policy applied (LOSSY), or selected itself when it is none
+    ggml_tensor * substitute(ggml_context * ctx, int il, ggml_tensor * probs, ggml_tensor * selected);
 
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
     uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;

@@ -231,6 +231,13 @@ struct zipmoe_counters {
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
 };
 
+// the substitution policy (zipmoe-substitute.c): set before serving, read by each layer's hook
+struct zipmoe_substitution {
+    atomic_int            policy; // enum ggml_zipmoe_substitution
+    _Atomic float         alpha;  // SMOE's alpha
+    atomic_uint_least64_t replaced, tokens;
+};
+
 struct ggml_zipmoe_cache {
     const struct ggml_zipmoe_file * file;
     struct zipmoe_layout            layout;
@@ -241,6 +248,7 @@ struct ggml_zipmoe_cache {
     struct zipmoe_pipeline          pipe;
     struct zipmoe_prefetch          prefetch;
     struct zipmoe_counters          stats;
+    struct zipmoe_substitution      subst;
     struct zipmoe_gpu *             gpu;  // slots in CUDA memory (zipmoe-gpu.h), else NULL
 
     pthread_mutex_t lock;        // held from a fetch's begin to its end

@@ -659,6 +659,8 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->prefetch_bytes_read = atomic_load(&c->prefetch.bytes_read);
     s->prefetch_bytes_used = atomic_load(&c->prefetch.bytes_used);
     s->h2d_bytes           = zipmoe_gpu_h2d_bytes(c->gpu);
+    s->substitutions       = atomic_load(&c->subst.replaced);
+    s->substitution_tokens = atomic_load(&c->subst.tokens);
 }
 
 int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int layer, uint64_t * counts,
@@ -695,6 +697,8 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
     atomic_store(&c->stats.recover_ns, 0);
     atomic_store(&c->stats.fetch_ns, 0);
     zipmoe_prefetch_reset_stats(c);
+    atomic_store(&c->subst.replaced, 0);
+    atomic_store(&c->subst.tokens, 0);
 }
 
 const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * c) {
