@@ -181,6 +181,8 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
     from zipmoe_py import _lib, plan_files, planner, profile as zprofile
 
     opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
+    if variant.startswith("smoe:"):  # LOSSY: SMoE's expert-cache router at this alpha, default eviction
+        return {**opts, "zipmoe_substitution": "smoe", "zipmoe_smoe_alpha": float(variant[5:])}
     if variant not in ("pools", "plan"):
         return {**opts, "zipmoe_eviction": variant}
     pool_budget = budget - work_slots * one_expert
@@ -205,6 +207,13 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
           f"expected makespan {result.expected_makespan_s * 1e3:.2f} ms", flush=True)
     return {**opts, "zipmoe_pools": dict(result.capacities), "zipmoe_rank_delta": result.delta,
             "zipmoe_work_slots": work_slots}
+
+
+def _is_smoe_variant(name: str) -> bool:
+    try:
+        return name.startswith("smoe:") and 0 <= float(name[5:]) <= 1
+    except ValueError:
+        return False
 
 
 def n_moe_layers(zipmoe_path: Path) -> int:
@@ -236,7 +245,8 @@ def main() -> int:
                     help="ZipMoE configurations to run, comma-separated: the eviction policies lru, fifo, marking, "
                          "lfu, rank (one F pool of the whole budget); pools (the four pools F, C, S, E with equal "
                          "shares of the budget); plan (the pools and shares zipmoe-plan chooses from a profile of "
-                         "this workload, taken in an uncapped run with another seed). Default: %(default)s; the "
+                         "this workload, taken in an uncapped run with another seed); smoe:ALPHA (LOSSY: SMoE's "
+                         "expert-cache router at that alpha, rank eviction). Default: %(default)s; the "
                          "ratios printed use the first")
     ap.add_argument("--work-slots", type=int, default=None,
                     help="working slots of the pools and plan variants (default: top-k x batch, at most 64: one "
@@ -276,9 +286,9 @@ def main() -> int:
     rows = []
     systems = args.systems.split(",")
     evictions = args.variants.split(",")
-    unknown = [e for e in evictions if e not in VARIANTS]
+    unknown = [e for e in evictions if e not in VARIANTS and not _is_smoe_variant(e)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)}")
+        ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)} and smoe:ALPHA (lossy)")
     k = top_k(zipmoe)
     work_slots = args.work_slots or min(64, k * args.batch)
     profile = None
@@ -315,6 +325,8 @@ def main() -> int:
                 row["floor_parts_s"] = {"compute": compute_s, "io": io_s, "decode": decode_s}
                 row["io_gbps"] = z["bytes_read"] / z["io_ns"] if z["io_ns"] else None
                 pooled = "".join(f" {p}{z[p.lower() + '_hits'] / n_tok:.1f}" for p in "CSE" if z[p.lower() + "_hits"])
+                if z.get("substitution_tokens"):
+                    pooled += f" LOSSY subst {z['substitutions'] / n_tok:.1f}/tok"
                 extra = (f"  hit {z['hit_rate'] or 0:.2f}{pooled} slots {z['n_slots']}  floor {row['floor_s'] * 1e3:6.1f} ms "
                          f"(x{probe['tpot_s'] / row['floor_s']:.2f})  read {(row['io_gbps'] or 0):.2f} GB/s")
             print(f"{pct:>3}% {label:7s} TTFT {probe['ttft_s']:7.2f} s  TPOT {probe['tpot_s'] * 1e3:8.1f} ms  "
