@@ -109,9 +109,9 @@ def test_bad_overrides_are_named(model):
     assert b"--override-kv zipmoe.budget must be a size in bytes, or like 4G, 512M, 1.5GiB; got 1.5" in proc.stderr
     proc = completion(path, "--override-kv", "zipmoe.substitution=str:smoe", "--override-kv", "zipmoe.smoe_alpha=float:2")
     assert proc.returncode != 0 and b"--override-kv zipmoe.smoe_alpha must be a number from 0 to 1; got 2" in proc.stderr
-    proc = completion(path, "--override-kv", "zipmoe.substitution=str:buddy")
+    proc = completion(path, "--override-kv", "zipmoe.substitution=str:buddy-ish")
     assert proc.returncode != 0
-    assert b"--override-kv zipmoe.substitution must be one of none, smoe (smoe is lossy); got 'buddy'" in proc.stderr
+    assert b"--override-kv zipmoe.substitution must be one of none, smoe, buddy (smoe and buddy are lossy); got 'buddy-ish'" in proc.stderr
     proc = completion(path, "--override-kv", "zipmoe.pool_f=int:2", environment=env(ZIPMOE_EVICTION="lru"))
     assert proc.returncode != 0 and b"zipmoe.eviction must be rank" in proc.stderr
 

@@ -40,6 +40,14 @@ class CacheStats(ctypes.Structure):
                                                      "substitutions", "substitution_tokens")]
 
 
+class BuddyParams(ctypes.Structure):
+    _fields_ = [("tau", ctypes.c_float), ("temperature", ctypes.c_float), ("gamma", ctypes.c_float),
+                ("beta", ctypes.c_float), ("rho", ctypes.c_int32), ("search", ctypes.c_int32), ("eta", ctypes.c_float)]
+
+
+TAE_BINS = 1000  # GGML_ZIPMOE_TAE_BINS
+
+
 class Memory(ctypes.Structure):
     _fields_ = [("available", ctypes.c_uint64), ("mem_available", ctypes.c_uint64), ("cgroup_limit", ctypes.c_uint64),
                 ("cgroup_used", ctypes.c_uint64), ("cgroup_version", ctypes.c_int32), ("cgroup_path", ctypes.c_char * 512)]
@@ -128,6 +136,20 @@ _PROTOTYPES = {
                                               ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
                                               ctypes.POINTER(ctypes.c_int64)]),
     "ggml_zipmoe_cache_set_substitution": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_float]),
+    "ggml_zipmoe_buddy_default_params": (BuddyParams, []),
+    "ggml_zipmoe_buddy_tae": (ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]),
+    "ggml_zipmoe_buddy_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_float,
+                                               ctypes.POINTER(BuddyParams), ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_int64)]),
+    "ggml_zipmoe_cache_set_buddies": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.c_int32, ctypes.c_float]),
+    "ggml_zipmoe_cache_set_buddy_params": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(BuddyParams)]),
+    "ggml_zipmoe_cache_trace_routing": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64]),
+    "ggml_zipmoe_cache_get_routing_trace": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                           ctypes.POINTER(ctypes.c_uint64)]),
     "ggml_zipmoe_cache_get_substitution": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
                                                           ctypes.POINTER(ctypes.c_float)]),
     "ggml_zipmoe_cache_substitute": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
@@ -250,8 +272,27 @@ def substitution(cache) -> dict:
     stats = CacheStats()
     lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
     tokens = stats.substitution_tokens
-    return {"policy": name, "lossy": True, "alpha": round(alpha.value, 6), "substitutions": stats.substitutions,
-            "tokens": tokens, "per_token": stats.substitutions / tokens if tokens else 0.0}
+    out = {"policy": name, "lossy": True}
+    if name == "smoe":
+        out["alpha"] = round(alpha.value, 6)
+    return {**out, "substitutions": stats.substitutions, "tokens": tokens,
+            "per_token": stats.substitutions / tokens if tokens else 0.0}
+
+
+def routing_trace(cache, layer: int, n_expert: int) -> dict:
+    """What ggml_zipmoe_cache_trace_routing recorded for a layer, as numpy arrays."""
+    import numpy as np
+
+    act = np.zeros(n_expert)
+    coact = np.zeros((n_expert, n_expert))
+    weighted = np.zeros((n_expert, n_expert))
+    hist = np.zeros(TAE_BINS, dtype=np.uint64)
+    n = ctypes.c_uint64()
+    status = lib().ggml_zipmoe_cache_get_routing_trace(cache, layer, act.ctypes.data, coact.ctypes.data,
+                                                        weighted.ctypes.data, hist.ctypes.data, ctypes.byref(n))
+    if status != OK:
+        raise ZipMoEError(f"layer {layer}: no routing trace ({status_string(status)})")
+    return {"activations": act, "coact": coact, "coact_weighted": weighted, "tae_hist": hist, "tokens": n.value}
 
 
 @functools.cache

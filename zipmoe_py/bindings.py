@@ -52,6 +52,14 @@ def _import_llama_cpp():
 llama_cpp = _import_llama_cpp()
 
 
+def _buddy_kwargs(kwargs: dict, pop: bool = False) -> dict:
+    """The zipmoe_buddy_NAME keyword arguments (BuddyMoE's parameters) as {NAME: value}."""
+    from .options import BUDDY_PARAMETERS
+
+    get = kwargs.pop if pop else kwargs.get
+    return {name: get(f"zipmoe_buddy_{name}", None) for name in BUDDY_PARAMETERS}
+
+
 def check_model_file(model_path: str | os.PathLike) -> Path:
     """Fail early, naming the file, instead of deep inside llama.cpp's loader."""
     path = Path(model_path)
@@ -115,6 +123,19 @@ class Llama(llama_cpp.Llama):
       zipmoe_smoe_alpha: SMoE's alpha in [0, 1] (default 0.1): a chosen expert scoring below (1 + alpha)
                         beta may be replaced by one scoring in [(1 - alpha) beta, beta), beta being the
                         (k+1)-th score; 0 replaces nothing
+      zipmoe_substitution="buddy": LOSSY, opt-in. BuddyMoE: a chosen expert that is not resident is
+                        replaced with a resident "buddy" (an expert that often co-activates with it, from
+                        zipmoe_buddy_profile, a zipmoe-buddies file made for this model), when the token's
+                        routing entropy passes the gate, the batch's share of missing experts is below
+                        beta, and the token's budget rho is not spent. Parameters (KV zipmoe.buddy_NAME):
+        zipmoe_buddy_tau:  TAE gate, in [0, 1]; default -1: each layer's tau from the profile
+        zipmoe_buddy_rho:  replacements per token at most (default 3; 0 replaces nothing)
+        zipmoe_buddy_beta: no replacement in a batch whose share of missing experts is >= beta (default 1)
+        zipmoe_buddy_search: H, buddies searched per missing expert (default 16)
+        zipmoe_buddy_gamma: margin gate: none when the top-1 minus top-2 renormalized score >= gamma
+                           (default 1: off)
+        zipmoe_buddy_temperature: T of the TAE (default 1; use the profile's)
+        zipmoe_buddy_eta:  priority q (1 + eta z) by the token's own scores (default 0: the list's order)
     """
 
     def __new__(cls, model_path: str, *args, **kwargs):
@@ -126,7 +147,16 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
                                    kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"),
                                    kwargs.get("zipmoe_prefetch"), kwargs.get("zipmoe_substitution"),
-                                   kwargs.get("zipmoe_smoe_alpha"))
+                                   kwargs.get("zipmoe_smoe_alpha"), _buddy_kwargs(kwargs))
+        if kwargs.get("zipmoe_buddy_profile") is not None and kwargs.get("zipmoe_substitution") != "buddy":
+            raise ZipMoEError("zipmoe_buddy_profile is BuddyMoE's: give it with zipmoe_substitution='buddy'")
+        if kwargs.get("zipmoe_substitution") == "buddy" and kwargs.get("zipmoe_buddy_profile") is None:
+            raise ZipMoEError("zipmoe_substitution='buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
+                              "(make one with zipmoe-buddies)")
+        if kwargs.get("zipmoe_buddy_profile") is not None:
+            from .buddies import load_profile
+
+            load_profile(Path(kwargs["zipmoe_buddy_profile"]), Path(model_path))
         if "zipmoe.budget" in options:
             check_budget(Path(model_path), options["zipmoe.budget"])
         return super().__new__(cls)
@@ -136,15 +166,25 @@ class Llama(llama_cpp.Llama):
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
                  zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None,
                  zipmoe_prefetch: bool | None = None, zipmoe_substitution: str | None = None,
-                 zipmoe_smoe_alpha: float | None = None, **kwargs):
+                 zipmoe_smoe_alpha: float | None = None, zipmoe_buddy_profile=None, **kwargs):
+        buddy = _buddy_kwargs(kwargs, pop=True)
+        profile = None
+        if zipmoe_buddy_profile is not None:
+            from .buddies import load_profile
+
+            profile = load_profile(Path(zipmoe_buddy_profile), Path(model_path))
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
                                           zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
                                           zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch, zipmoe_substitution,
-                                          zipmoe_smoe_alpha))
+                                          zipmoe_smoe_alpha, buddy))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)
+        if profile is not None:
+            from .buddies import apply_profile
+
+            apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
 
     def eval(self, tokens):
         """llama-cpp-python's eval; an expert that cannot be fetched (I/O error, checksum mismatch,

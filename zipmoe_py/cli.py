@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import _lib
 from .errors import ZipMoEError
+from .options import BUDDY_PARAMETERS
 
 HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this"
 
@@ -87,7 +88,8 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
     subst = now.get("substitution") or {}
     if subst.get("lossy"):
         this = delta["substitutions"] / delta["substitution_tokens"] if delta["substitution_tokens"] else 0.0
-        print(f"[stats] LOSSY expert substitution {subst['policy']} (alpha {subst['alpha']:g}): {delta['substitutions']} "
+        params = f" (alpha {subst['alpha']:g})" if "alpha" in subst else ""
+        print(f"[stats] LOSSY expert substitution {subst['policy']}{params}: {delta['substitutions']} "
               f"experts replaced in this reply ({this:.2f} per token per MoE layer), {subst['substitutions']} in total "
               f"({subst['per_token']:.2f}); replies differ from the model's", file=sys.stderr)
     recall = now.get("prefetch_recall") or {}
@@ -146,7 +148,9 @@ def chat(args) -> int:
                 zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
                 zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
                 zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch,
-                zipmoe_substitution=args.substitution, zipmoe_smoe_alpha=args.smoe_alpha)
+                zipmoe_substitution=args.substitution, zipmoe_smoe_alpha=args.smoe_alpha,
+                zipmoe_buddy_profile=args.buddy_profile,
+                **{f"zipmoe_buddy_{name}": getattr(args, f"buddy_{name}") for name in BUDDY_PARAMETERS})
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -256,12 +260,29 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--substitution", choices=_lib.substitution_names(), default=None,
                     help="ZipMoE GGUFs: expert substitution, LOSSY and off by default (none). smoe: SMoE's "
                          "expert-cache router replaces some low-score experts the router chose, when they are not "
-                         "cached, with cached experts of nearly the same score, so fewer are read; replies then "
-                         "differ from the model's ($ZIPMOE_SUBSTITUTION does the same)")
+                         "cached, with cached experts of nearly the same score; buddy: BuddyMoE replaces a chosen "
+                         "expert that is not cached with a cached expert that often co-activates with it "
+                         "(--buddy-profile); fewer are read, and replies differ from the model's "
+                         "($ZIPMOE_SUBSTITUTION does the same)")
     ap.add_argument("--smoe-alpha", type=float, default=None, metavar="A",
                     help="with --substitution smoe: SMoE's alpha in [0, 1] (default 0.1); a chosen expert scoring "
                          "below (1+A) beta may be replaced by one scoring in [(1-A) beta, beta), beta being the "
                          "(k+1)-th score; 0 replaces nothing")
+    ap.add_argument("--buddy-profile", type=Path, default=None, metavar="BUDDIES.json",
+                    help="with --substitution buddy: the buddy profile zipmoe-buddies made for this model")
+    buddy_help = {
+        "tau": "TAE gate: replace only for tokens whose routing entropy exceeds it, in [0, 1] "
+               "(default: each layer's calibrated tau from the profile)",
+        "rho": "replacements per token at most (default 3; 0 replaces nothing)",
+        "beta": "no replacement in a batch whose share of missing experts is >= it, in [0, 1] (default 1)",
+        "search": "H: buddies searched per missing expert (default 16)",
+        "gamma": "margin gate: no replacement when the top-1 minus top-2 renormalized score >= it (default 1: off)",
+        "temperature": "temperature T of the entropy (default 1; the profile's)",
+        "eta": "buddy priority q (1 + eta z) by the token's own router scores (default 0: the list's order)",
+    }
+    for name, (_, kind, _, _) in BUDDY_PARAMETERS.items():
+        ap.add_argument(f"--buddy-{name}", type=kind, default=None, metavar="N" if kind is int else "X",
+                        help=f"with --substitution buddy: {buddy_help[name]}")
     ap.add_argument("--stats", action="store_true",
                     help="after each reply, print expert-cache statistics (hits, misses, bytes read, I/O, "
                          "decode and recover time), for the reply, per token and in total")
@@ -286,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--smoe-alpha must be from 0 to 1, got {args.smoe_alpha}")
     if args.smoe_alpha is not None and args.substitution != "smoe":
         ap.error("--smoe-alpha needs --substitution smoe")
+    buddy_given = [name for name in BUDDY_PARAMETERS if getattr(args, f"buddy_{name}") is not None]
+    if (buddy_given or args.buddy_profile is not None) and args.substitution != "buddy":
+        ap.error(f"--buddy-{(buddy_given or ['profile'])[0]} needs --substitution buddy")
+    if args.substitution == "buddy" and args.buddy_profile is None:
+        ap.error("--substitution buddy needs --buddy-profile (make one with zipmoe-buddies)")
     if args.temp < 0:
         ap.error(f"--temp must be >= 0, got {args.temp}")
     try:

@@ -84,7 +84,7 @@ def plan_overrides(plan_path) -> dict:
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
                      rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
                      preload: bool | None = None, prefetch: bool | None = None, substitution=None,
-                     smoe_alpha=None) -> dict:
+                     smoe_alpha=None, buddy: dict | None = None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
     not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
@@ -123,12 +123,25 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         out["zipmoe.prefetch"] = prefetch
     if threads is not None:
         out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads")
-    out.update(substitution_overrides(substitution, smoe_alpha))
+    out.update(substitution_overrides(substitution, smoe_alpha, buddy))
     return out
 
 
-def substitution_overrides(substitution=None, smoe_alpha=None) -> dict:
-    """zipmoe.substitution and zipmoe.smoe_alpha: the opt-in LOSSY expert substitution."""
+# BuddyMoE's parameters: keyword (zipmoe_buddy_NAME), KV override, kind and range
+BUDDY_PARAMETERS = {
+    "tau": ("zipmoe.buddy_tau", float, -1.0, 1.0),
+    "temperature": ("zipmoe.buddy_temperature", float, 0.05, 20.0),
+    "gamma": ("zipmoe.buddy_gamma", float, 0.0, 1.0),
+    "beta": ("zipmoe.buddy_beta", float, 0.0, 1.0),
+    "rho": ("zipmoe.buddy_rho", int, 0, 64),
+    "search": ("zipmoe.buddy_search", int, 0, 1024),
+    "eta": ("zipmoe.buddy_eta", float, 0.0, 10.0),
+}
+
+
+def substitution_overrides(substitution=None, smoe_alpha=None, buddy: dict | None = None) -> dict:
+    """zipmoe.substitution, zipmoe.smoe_alpha and zipmoe.buddy_*: the opt-in LOSSY expert substitution.
+    buddy: {NAME: value} of BUDDY_PARAMETERS (None values left out)."""
     out = {}
     if substitution is not None:
         names = _lib.substitution_names()
@@ -142,6 +155,19 @@ def substitution_overrides(substitution=None, smoe_alpha=None) -> dict:
         if substitution not in (None, "smoe"):  # None: ZIPMOE_SUBSTITUTION may set it; the loader checks
             raise ZipMoEError("zipmoe_smoe_alpha is SMoE's parameter: give it with zipmoe_substitution='smoe'")
         out["zipmoe.smoe_alpha"] = float(smoe_alpha)
+    for name, value in (buddy or {}).items():
+        if value is None:
+            continue
+        key, kind, lo, hi = BUDDY_PARAMETERS[name]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or
+                                                                                      isinstance(value, int))
+        if not number or not lo <= value <= hi or (name == "tau" and -1 < value < 0):
+            what = "a whole number" if kind is int else "a number"
+            extra = ", or -1 (the profile's calibrated tau)" if name == "tau" else ""
+            raise ZipMoEError(f"zipmoe_buddy_{name} must be {what} from {lo:g} to {hi:g}{extra}; got {value!r}")
+        if substitution not in (None, "buddy") and name != "temperature":
+            raise ZipMoEError(f"zipmoe_buddy_{name} is BuddyMoE's parameter: give it with zipmoe_substitution='buddy'")
+        out[key] = kind(value)
     return out
 
 

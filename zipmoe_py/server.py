@@ -50,7 +50,9 @@ from .errors import ZipMoEError
 # the zipmoe_py.Llama keyword arguments that are also server settings (see its docstring)
 ZIPMOE_OPTIONS = ("zipmoe_budget", "zipmoe_mem_limit", "zipmoe_direct_io", "zipmoe_preload", "zipmoe_threads",
                   "zipmoe_eviction", "zipmoe_rank_delta", "zipmoe_pools", "zipmoe_plan", "zipmoe_work_slots",
-                  "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha")
+                  "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha", "zipmoe_buddy_profile",
+                  "zipmoe_buddy_tau", "zipmoe_buddy_rho", "zipmoe_buddy_beta", "zipmoe_buddy_search", "zipmoe_buddy_gamma",
+                  "zipmoe_buddy_temperature", "zipmoe_buddy_eta")
 
 
 class ZipMoEModelSettings(ModelSettings):
@@ -88,10 +90,19 @@ class ZipMoEModelSettings(ModelSettings):
         default=None, description="Read ahead the chunks of the experts the next layer is predicted to choose "
         "(lossless; default false).")
     zipmoe_substitution: Optional[str] = Field(
-        default=None, description="Expert substitution: none (default, lossless) or smoe (LOSSY: SMoE's "
-        "expert-cache router replaces some low-score experts with cached ones; outputs differ from the model's).")
+        default=None, description="Expert substitution: none (default, lossless), smoe or buddy (LOSSY: SMoE's "
+        "expert-cache router or BuddyMoE replace some experts with cached ones; outputs differ from the model's).")
     zipmoe_smoe_alpha: Optional[float] = Field(
         default=None, description="With zipmoe_substitution=smoe: SMoE's alpha in [0, 1] (default 0.1).")
+    zipmoe_buddy_profile: Optional[str] = Field(
+        default=None, description="With zipmoe_substitution=buddy (LOSSY): the zipmoe-buddies profile of this model.")
+    zipmoe_buddy_tau: Optional[float] = Field(default=None, description="BuddyMoE's TAE gate (default: calibrated).")
+    zipmoe_buddy_rho: Optional[int] = Field(default=None, description="BuddyMoE's replacements per token (default 3).")
+    zipmoe_buddy_beta: Optional[float] = Field(default=None, description="BuddyMoE's distribution gate (default 1).")
+    zipmoe_buddy_search: Optional[int] = Field(default=None, description="BuddyMoE's search limit H (default 16).")
+    zipmoe_buddy_gamma: Optional[float] = Field(default=None, description="BuddyMoE's margin gate (default 1: off).")
+    zipmoe_buddy_temperature: Optional[float] = Field(default=None, description="BuddyMoE's TAE temperature (default 1).")
+    zipmoe_buddy_eta: Optional[float] = Field(default=None, description="BuddyMoE's priority weight eta (default 0).")
 
     def zipmoe_kwargs(self) -> dict:
         """The zipmoe_* keyword arguments given, for zipmoe_py.Llama."""

@@ -439,13 +439,15 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_observe_scores(struct ggml_zipmoe_cache * 
 // model's output then differs from the model's own. Everything after it (weights, pools, the
 // scheduler, prefetch) sees the final ids: llama.cpp takes the weights of the experts used from
 // the router's scores, so a substitute is weighted by its own score.
-#define GGML_ZIPMOE_SUBST_COUNT 2
+#define GGML_ZIPMOE_SUBST_COUNT 3
 enum ggml_zipmoe_substitution {
-    GGML_ZIPMOE_SUBST_NONE = 0, // lossless: the router's choice (the default)
-    GGML_ZIPMOE_SUBST_SMOE = 1, // SMoE's expert-cache router (its Alg. 1) with its batch-aware choice (5.4)
+    GGML_ZIPMOE_SUBST_NONE  = 0, // lossless: the router's choice (the default)
+    GGML_ZIPMOE_SUBST_SMOE  = 1, // SMoE's expert-cache router (its Alg. 1) with its batch-aware choice (5.4)
+    GGML_ZIPMOE_SUBST_BUDDY = 2, // BuddyMoE (its Alg. 1): a missing expert's resident co-activation buddy,
+                                 // behind its entropy, residency and budget gates (ggml_zipmoe_buddy_route)
 };
 
-GGML_ZIPMOE_API const char * ggml_zipmoe_substitution_name(int policy); // "none", "smoe"; NULL if unknown
+GGML_ZIPMOE_API const char * ggml_zipmoe_substitution_name(int policy); // "none", "smoe", "buddy"; NULL if unknown
 
 // SMoE's expert-cache router (SMoE Alg. 1 and 5.4) for one layer, a pure function. Per token t,
 // with beta the (k+1)-th largest of its scores (k = n_used): its chosen experts scoring above
@@ -464,6 +466,66 @@ GGML_ZIPMOE_API int ggml_zipmoe_smoe_route(const float * scores, int64_t n_exper
                                            const uint8_t * resident, float alpha, int batch_aware, int32_t * out,
                                            int64_t * n_replaced);
 
+// BuddyMoE's gates and search (its 3.1, 3.3 and Alg. 1)
+struct ggml_zipmoe_buddy_params {
+    float   tau;         // TAE gate: a token's experts may be replaced only if its TAE (eq. 1) > tau; < 0: the
+                         // layer's calibrated tau (ggml_zipmoe_cache_set_buddies)
+    float   temperature; // T of the TAE: the chosen experts' scores p^(1/T), renormalized (softmax(z/T) over S)
+    float   gamma;       // margin gate: no replacement when the top-1 minus top-2 renormalized score >= gamma
+                         // (>= 1: off)
+    float   beta;        // distribution gate (eq. 2): no replacement in a batch whose fraction of requested
+                         // experts not resident is >= beta
+    int32_t rho;         // replacement budget: at most rho replacements per token (0: none)
+    int32_t search;      // H: buddies searched per missing expert, in the list's order
+    float   eta;         // priority (eq. 3): q_{j|i} (1 + eta z_j), z_j the token's standardized log score
+                         // of j (0: the list's order, Alg. 1); one machine has no cross-link hop (kappa)
+};
+
+// the defaults: tau -1 (calibrated), T 1, gamma 1 (off), beta 1, rho 3, search 16, eta 0
+GGML_ZIPMOE_API struct ggml_zipmoe_buddy_params ggml_zipmoe_buddy_default_params(void);
+
+// BuddyMoE's substitution (its Alg. 1 with the gates of its 3.1) for one layer, a pure function. No
+// replacement at all when the batch's fraction of distinct requested experts that are not resident is
+// >= p->beta, or none is missing. Per token: the gates on its chosen experts' renormalized scores
+// (TAE <= tau, or margin >= gamma: none), then, in selection order while fewer than p->rho were
+// replaced, a chosen expert e that is not resident is replaced with the best of the first p->search
+// entries of its buddy list buddies[e * k_max ..] (-1 ends a list) that is resident and not yet among
+// the token's experts (by q_{j|e} (1 + eta z_j); at eta 0 the first such). Shapes as
+// ggml_zipmoe_smoe_route; q: [n_expert][k_max] the buddies' q_{j|e}. *n_replaced (may be NULL) gets the
+// selections replaced. OK, ERR_ARG or ERR_NOMEM.
+GGML_ZIPMOE_API int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expert, int64_t scores_stride,
+                                            const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
+                                            const uint8_t * resident, const int32_t * buddies, const float * q,
+                                            int32_t k_max, float tau, const struct ggml_zipmoe_buddy_params * p,
+                                            int32_t * out, int64_t * n_replaced);
+
+// the token's TAE (BuddyMoE eq. 1) from its chosen experts' scores: the normalized entropy of
+// p^(1/T) renormalized over them, in [0, 1] (0 for one expert)
+GGML_ZIPMOE_API float ggml_zipmoe_buddy_tae(const float * chosen_scores, int64_t n_used, float temperature);
+
+// a layer's buddy profile (zipmoe-profile --coactivation): buddies and q as in ggml_zipmoe_buddy_route,
+// copied; tau: the layer's calibrated TAE threshold. OK or ERR_ARG (a layer not served, an id out of
+// range) or ERR_NOMEM. Without a profile a layer replaces nothing.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_set_buddies(struct ggml_zipmoe_cache * cache, int layer, const int32_t * buddies,
+                                                  const float * q, int32_t k_max, float tau);
+GGML_ZIPMOE_API int ggml_zipmoe_cache_set_buddy_params(struct ggml_zipmoe_cache * cache,
+                                                       const struct ggml_zipmoe_buddy_params * params);
+
+// Routing trace, for buddy profiles: while on, the substitution hook records per layer, over the tokens
+// it routes (before any substitution), each expert's activations A(i), the pairwise co-activations
+// M(i, j) of the same token (binary, and weighted by min of the two renormalized scores, BuddyMoE
+// 3.3), and a histogram of the tokens' TAE at temperature T (GGML_ZIPMOE_TAE_BINS bins over [0, 1]).
+// The first `warmup` tokens of each layer are down-weighted linearly (token n counts (n + 1) / warmup).
+// Turning it on clears what was recorded. OK or ERR_ARG / ERR_NOMEM.
+#define GGML_ZIPMOE_TAE_BINS 1000
+GGML_ZIPMOE_API int ggml_zipmoe_cache_trace_routing(struct ggml_zipmoe_cache * cache, int on, float temperature,
+                                                    int64_t warmup);
+// what the trace recorded for a layer: activations [n_expert], coact and coact_weighted [n_expert][n_expert],
+// tae_hist [GGML_ZIPMOE_TAE_BINS] (any may be NULL), *n_tokens the tokens seen. OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_get_routing_trace(const struct ggml_zipmoe_cache * cache, int layer,
+                                                        double * activations, double * coact, double * coact_weighted,
+                                                        uint64_t * tae_hist, uint64_t * n_tokens);
+
 // the cache's substitution policy (enum ggml_zipmoe_substitution) and its parameter (SMOE: alpha in
 // [0, 1]); NONE when the cache is made. OK or ERR_ARG.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_set_substitution(struct ggml_zipmoe_cache * cache, int policy, float alpha);
@@ -472,8 +534,9 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_get_substitution(const struct ggml_zipmoe_
 
 // the substitution hook, called after the router's top-k and before the layer's fetch: out
 // ([n_tokens][n_used], contiguous) gets ids with the cache's policy applied, "resident" meaning
-// full in a slot now; with NONE, ids unchanged. Counts substitutions in the statistics. OK or
-// ERR_ARG (a layer not served, a shape that is not the layer's, an id out of range) or ERR_NOMEM.
+// full in a slot now; with NONE, ids unchanged. Records the routing when a trace is on. Counts
+// substitutions in the statistics. OK or ERR_ARG (a layer not served, a shape that is not the
+// layer's, an id out of range) or ERR_NOMEM.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_substitute(struct ggml_zipmoe_cache * cache, int layer, const float * scores,
                                                  int64_t n_expert, int64_t scores_stride, const int32_t * ids,
                                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * out);

@@ -86,8 +86,16 @@ const option_desc k_options[] = {
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
-    { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe (smoe is lossy)" },
+    { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe, buddy (smoe and buddy are lossy)" },
     { "zipmoe.smoe_alpha", "ZIPMOE_SMOE_ALPHA", option_type::real, "a number from 0 to 1" },
+    { "zipmoe.buddy_tau",  "ZIPMOE_BUDDY_TAU",  option_type::real, "a number from 0 to 1, or -1 (the profile's calibrated tau)" },
+    { "zipmoe.buddy_temperature", "ZIPMOE_BUDDY_TEMPERATURE", option_type::real, "a number from 0.05 to 20" },
+    { "zipmoe.buddy_gamma", "ZIPMOE_BUDDY_GAMMA", option_type::real, "a number from 0 to 1 (1: no margin gate)" },
+    { "zipmoe.buddy_beta", "ZIPMOE_BUDDY_BETA", option_type::real, "a number from 0 to 1" },
+    { "zipmoe.buddy_rho",  "ZIPMOE_BUDDY_RHO",  option_type::integer, "a whole number of replacements per token from 0 to 64" },
+    { "zipmoe.buddy_search", "ZIPMOE_BUDDY_SEARCH", option_type::integer, "a whole number of buddies from 0 to 1024" },
+    { "zipmoe.buddy_eta",  "ZIPMOE_BUDDY_ETA",  option_type::real, "a number from 0 to 10" },
+    { "zipmoe.trace_routing", "ZIPMOE_TRACE_ROUTING", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
 };
 
 std::string trim_lower(const std::string & s) {
@@ -335,10 +343,39 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         } else if (key == "zipmoe.smoe_alpha") {
             o.smoe_alpha     = (float) as_real(v, d, 0.0, 1.0);
             o.smoe_alpha_set = true;
+        } else if (key == "zipmoe.buddy_tau") {
+            o.buddy.tau = (float) as_real(v, d, -1.0, 1.0);
+            if (o.buddy.tau < 0 && o.buddy.tau != -1.0f) {
+                bad_option(v, d, shown(v));
+            }
+            o.buddy_set = true;
+        } else if (key == "zipmoe.buddy_temperature") {
+            o.buddy.temperature = (float) as_real(v, d, 0.05, 20.0);
+        } else if (key == "zipmoe.buddy_gamma") {
+            o.buddy.gamma = (float) as_real(v, d, 0.0, 1.0);
+            o.buddy_set   = true;
+        } else if (key == "zipmoe.buddy_beta") {
+            o.buddy.beta = (float) as_real(v, d, 0.0, 1.0);
+            o.buddy_set  = true;
+        } else if (key == "zipmoe.buddy_rho") {
+            o.buddy.rho = (int32_t) as_int(v, d, 0, 64);
+            o.buddy_set = true;
+        } else if (key == "zipmoe.buddy_search") {
+            o.buddy.search = (int32_t) as_int(v, d, 0, 1024);
+            o.buddy_set    = true;
+        } else if (key == "zipmoe.buddy_eta") {
+            o.buddy.eta = (float) as_real(v, d, 0.0, 10.0);
+            o.buddy_set = true;
+        } else if (key == "zipmoe.trace_routing") {
+            o.trace_routing = as_bool(v, d);
         }
     }
     if (o.smoe_alpha_set && o.substitution != GGML_ZIPMOE_SUBST_SMOE) {
         throw std::runtime_error("zipmoe.smoe_alpha is SMoE's: it needs zipmoe.substitution=smoe");
+    }
+    if (o.buddy_set && o.substitution != GGML_ZIPMOE_SUBST_BUDDY) {
+        throw std::runtime_error("zipmoe.buddy_tau, _gamma, _beta, _rho, _search and _eta are BuddyMoE's: they need "
+                                 "zipmoe.substitution=buddy");
     }
     if (o.with_pools() && o.eviction_set && o.eviction != GGML_ZIPMOE_EVICT_RANK) {
         throw std::runtime_error("zipmoe.pool_* dispatch experts by rank: zipmoe.eviction must be rank (or not given)");
@@ -646,9 +683,18 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     }
     if (opt.substitution != GGML_ZIPMOE_SUBST_NONE) {
         ggml_zipmoe_cache_set_substitution(cache, opt.substitution, opt.smoe_alpha);
-        LLAMA_LOG_WARN("%s: ZipMoE expert substitution '%s' (alpha %.3g) is LOSSY: it replaces some of the experts the "
+        ggml_zipmoe_cache_set_buddy_params(cache, &opt.buddy);
+        const std::string params = opt.substitution == GGML_ZIPMOE_SUBST_SMOE
+            ? format("alpha %.3g", opt.smoe_alpha)
+            : format("tau %s, rho %d, beta %.3g, H %d; its buddy profile is given after load (zipmoe_py)",
+                     opt.buddy.tau < 0 ? "calibrated" : format("%.3g", opt.buddy.tau).c_str(), opt.buddy.rho,
+                     opt.buddy.beta, opt.buddy.search);
+        LLAMA_LOG_WARN("%s: ZipMoE expert substitution '%s' (%s) is LOSSY: it replaces some of the experts the "
                        "router chose with resident ones, so outputs differ from the model's\n", __func__,
-                       ggml_zipmoe_substitution_name(opt.substitution), opt.smoe_alpha);
+                       ggml_zipmoe_substitution_name(opt.substitution), params.c_str());
+    }
+    if (opt.trace_routing) {
+        ggml_zipmoe_cache_trace_routing(cache, 1, opt.buddy.temperature, 0);
     }
     if (opt.with_pools()) {
         uint64_t total = 0;
@@ -1037,7 +1083,7 @@ static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * use
 }
 
 ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected) {
-    if (opt.substitution == GGML_ZIPMOE_SUBST_NONE || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
+    if ((opt.substitution == GGML_ZIPMOE_SUBST_NONE && !opt.trace_routing) || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
         probs == nullptr || probs->type != GGML_TYPE_F32 || selected->type != GGML_TYPE_I32 ||
         ggml_n_dims(probs) > 2 || probs->ne[0] != ggml_zipmoe_cache_n_expert(cache, il) ||
         probs->ne[1] != selected->ne[1] || probs->nb[0] != sizeof(float) || selected->nb[0] != sizeof(int32_t)) {
@@ -1181,7 +1227,7 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
         // fetch begin and end + merge + the ~16 nodes of one experts block, per pass; the prefetch's
         // reshape, norm ratio (div, mul), scores, argsort, top-k view and op
         total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u) +
-                 (opt.substitution != GGML_ZIPMOE_SUBST_NONE ? 1u : 0u);
+                 (opt.substitution != GGML_ZIPMOE_SUBST_NONE || opt.trace_routing ? 1u : 0u);
     }
     return total;
 }

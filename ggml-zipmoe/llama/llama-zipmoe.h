@@ -73,6 +73,10 @@ struct llama_zipmoe_options {
                                     // none (lossless, the default) or smoe (LOSSY, opt-in)
     float       smoe_alpha   = 0.1f; // zipmoe.smoe_alpha / ZIPMOE_SMOE_ALPHA: SMoE's alpha, in [0, 1]
     bool        smoe_alpha_set = false;
+    ggml_zipmoe_buddy_params buddy = ggml_zipmoe_buddy_default_params(); // zipmoe.buddy_* / ZIPMOE_BUDDY_*
+    bool        buddy_set    = false;
+    bool        trace_routing = false; // zipmoe.trace_routing / ZIPMOE_TRACE_ROUTING: record co-activations
+                                       // (zipmoe-profile --coactivation)
 
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 

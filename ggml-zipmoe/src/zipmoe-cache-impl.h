@@ -231,11 +231,31 @@ struct zipmoe_counters {
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
 };
 
-// the substitution policy (zipmoe-substitute.c): set before serving, read by each layer's hook
+// a layer's BuddyMoE profile and routing trace (zipmoe-buddy.c)
+struct zipmoe_buddy_layer {
+    int32_t * buddies;  // [n_expert][k_max], -1 ends a list (NULL: no profile)
+    float *   q;        // [n_expert][k_max]
+    int32_t   k_max;
+    float     tau;
+    double *  activations;     // trace: [n_expert]
+    double *  coact;           // trace: [n_expert][n_expert]
+    double *  coact_weighted;  // trace: [n_expert][n_expert]
+    uint64_t * tae_hist;       // trace: [GGML_ZIPMOE_TAE_BINS]
+    uint64_t  n_tokens;        // trace
+};
+
+// the substitution policy (zipmoe-substitute.c, zipmoe-buddy.c): set before serving, read by each
+// layer's hook; the buddy profiles and the trace under buddy_lock
 struct zipmoe_substitution {
-    atomic_int            policy; // enum ggml_zipmoe_substitution
-    _Atomic float         alpha;  // SMOE's alpha
-    atomic_uint_least64_t replaced, tokens;
+    atomic_int                       policy; // enum ggml_zipmoe_substitution
+    _Atomic float                    alpha;  // SMOE's alpha
+    atomic_uint_least64_t            replaced, tokens;
+    struct ggml_zipmoe_buddy_params  buddy;
+    struct zipmoe_buddy_layer *      layers; // [n_layer], made on first use
+    int                              trace;
+    float                            trace_temperature;
+    int64_t                          trace_warmup;
+    pthread_mutex_t                  buddy_lock;
 };
 
 struct ggml_zipmoe_cache {
@@ -289,6 +309,15 @@ size_t zipmoe_cache_e_region_bytes(const struct ggml_zipmoe_cache * c);
 void   zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c);
 int    zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);
 void   zipmoe_pause_waiting(unsigned spins);
+
+// zipmoe-buddy.c
+void   zipmoe_buddy_init(struct ggml_zipmoe_cache * c);
+void   zipmoe_buddy_free(struct ggml_zipmoe_cache * c);
+int    zipmoe_buddy_substitute(struct ggml_zipmoe_cache * c, int layer, const float * scores, int64_t scores_stride,
+                               const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
+                               const uint8_t * resident, int32_t * out, int64_t * n_replaced);
+void   zipmoe_buddy_trace(struct ggml_zipmoe_cache * c, int layer, const float * scores, int64_t scores_stride,
+                          const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride);
 
 // zipmoe-prefetch.c
 int    zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity);

@@ -82,6 +82,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     pthread_cond_destroy(&c->pipe.io_wake);
     pthread_cond_destroy(&c->prefetch.idle);
     zipmoe_prefetch_free(c);
+    zipmoe_buddy_free(c);
     zipmoe_gpu_free(c->gpu);
     free(c->stats.activations);
     free(c->stats.layer_ubatches);
@@ -328,6 +329,7 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     }
     pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->policy.score_lock, NULL);
+    zipmoe_buddy_init(c);
     pthread_mutex_init(&c->pipe.io_lock, NULL);
     pthread_cond_init(&c->pipe.io_wake, NULL);
     pthread_cond_init(&c->prefetch.idle, NULL);

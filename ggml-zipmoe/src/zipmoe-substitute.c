@@ -1,6 +1,7 @@
 // Expert substitution (opt-in, lossy): a policy replaces some of the experts a router chose with
-// experts already resident, before the layer's fetch plans its reads. SMoE's expert-cache router
-// (SMoE Alg. 1, with the batch-aware choice of its 5.4) is the one policy so far.
+// experts already resident, before the layer's fetch plans its reads. Here the hook and SMoE's
+// expert-cache router (SMoE Alg. 1, with the batch-aware choice of its 5.4); BuddyMoE is in
+// zipmoe-buddy.c.
 
 #include "zipmoe-cache-impl.h"
 
@@ -9,7 +10,7 @@
 #include <string.h>
 
 const char * ggml_zipmoe_substitution_name(int policy) {
-    static const char * names[GGML_ZIPMOE_SUBST_COUNT] = { "none", "smoe" };
+    static const char * names[GGML_ZIPMOE_SUBST_COUNT] = { "none", "smoe", "buddy" };
     return policy >= 0 && policy < GGML_ZIPMOE_SUBST_COUNT ? names[policy] : NULL;
 }
 
@@ -190,7 +191,9 @@ int ggml_zipmoe_cache_get_substitution(const struct ggml_zipmoe_cache * c, int *
 int ggml_zipmoe_cache_substitute(struct ggml_zipmoe_cache * c, int layer, const float * scores, int64_t n_expert,
                                  int64_t scores_stride, const int32_t * ids, int64_t n_used, int64_t n_tokens,
                                  int64_t ids_stride, int32_t * out) {
-    if (c == NULL || !ggml_zipmoe_cache_has_layer(c, layer) || n_expert != c->layout.layer_n_expert[layer]) {
+    if (c == NULL || !ggml_zipmoe_cache_has_layer(c, layer) || n_expert != c->layout.layer_n_expert[layer] ||
+        scores == NULL || ids == NULL || out == NULL || scores_stride < n_expert || ids_stride < n_used ||
+        n_used < 1 || n_tokens < 0) {
         return GGML_ZIPMOE_ERR_ARG;
     }
     const int   policy = atomic_load(&c->subst.policy);
@@ -199,7 +202,8 @@ int ggml_zipmoe_cache_substitute(struct ggml_zipmoe_cache * c, int layer, const 
     if (resident == NULL) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
-    if (policy == GGML_ZIPMOE_SUBST_SMOE) {
+    zipmoe_buddy_trace(c, layer, scores, scores_stride, ids, n_used, n_tokens, ids_stride); // a no-op unless on
+    if (policy != GGML_ZIPMOE_SUBST_NONE) {
         // what is in a slot now; a fetch that is open holds the lock until its slots are full
         pthread_mutex_lock(&c->lock);
         const int64_t base = (int64_t) layer * c->layout.max_expert;
@@ -208,10 +212,12 @@ int ggml_zipmoe_cache_substitute(struct ggml_zipmoe_cache * c, int layer, const 
         }
         pthread_mutex_unlock(&c->lock);
     }
-    int64_t   replaced = 0;
-    const int status   = ggml_zipmoe_smoe_route(scores, n_expert, scores_stride, ids, n_used, n_tokens, ids_stride,
-                                                resident, policy == GGML_ZIPMOE_SUBST_SMOE ? alpha : 0.0f, 1, out,
-                                                &replaced);
+    int64_t replaced = 0;
+    const int status = policy == GGML_ZIPMOE_SUBST_BUDDY
+        ? zipmoe_buddy_substitute(c, layer, scores, scores_stride, ids, n_used, n_tokens, ids_stride, resident, out,
+                                  &replaced)
+        : ggml_zipmoe_smoe_route(scores, n_expert, scores_stride, ids, n_used, n_tokens, ids_stride, resident,
+                                 policy == GGML_ZIPMOE_SUBST_SMOE ? alpha : 0.0f, 1, out, &replaced);
     free(resident);
     if (status == GGML_ZIPMOE_OK && policy != GGML_ZIPMOE_SUBST_NONE) {
         atomic_fetch_add(&c->subst.replaced, (uint64_t) replaced);

@@ -1,0 +1,286 @@
+"""zipmoe-buddies: BuddyMoE's buddy profiles (its 3.2-3.3), made from a ZipMoE model's own routing.
+
+The model runs over a calibration text with the runtime's routing trace on
+(ggml_zipmoe_cache_trace_routing): per MoE layer, every expert's activations A(i), counted per token,
+and the co-activations M(i, j) of experts the same token chose, weighted by the smaller of their two
+renormalized scores (or binary), the first --warmup tokens down-weighted. Then, per layer:
+- q_{j|i} = M(i, j) / sum_j' M(i, j') after Laplace smoothing M + eps (eq. 4; q_{i|i} = 0);
+- the buddy list of i: its peers by q_{j|i}, descending, up to the shortest prefix whose q sum reaches
+  the cumulative frequency threshold alpha (CFT, eqs. 5-6), at most --k-max (none for an expert never
+  chosen);
+- tau: the --tae-percentile-th percentile of the layer's token activating entropies (eq. 1), the TAE
+  gate's calibrated threshold.
+With --heldout, the lists' recall of real co-activations on other text: the share of the binary
+co-activations (i, j) seen there whose j is in i's list.
+
+The profile is a JSON file (docs/PLAN_FORMAT.md, BUDDY PROFILE), not GGUF metadata, so one model file
+serves several profiles. It names the model it was made for by a fingerprint of the experts' stored
+sign+mantissa chunks; loading it for another model is an error naming both.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import _lib
+from .errors import ZipMoEError
+
+FORMAT = "zipmoe-buddy-profile"
+VERSION = 1
+
+
+def fingerprint(model: Path) -> dict:
+    """What a profile records of its model: file name, MoE layers with their expert counts, and a
+    hash of every expert's SM-chunk checksum (the same for any codec of the same weights)."""
+    from . import format as zformat
+
+    digest = hashlib.sha256()
+    layers = {}
+    with zformat.ZipMoEFile(model) as zf:
+        for layer, tensors in zf.moe_layers().items():
+            n_expert = zf.shape(zf.tensors[tensors[0]])[2]
+            layers[str(layer)] = n_expert
+            for t in tensors:
+                for e in range(n_expert):
+                    digest.update(zf.chunks(zf.tensors[t], e)[0].checksum.to_bytes(8, "little"))
+    return {"file": Path(model).name, "layers": layers, "fingerprint": digest.hexdigest()}
+
+
+def buddy_lists(coact: np.ndarray, activations: np.ndarray, cft: float, k_max: int,
+                smoothing: float) -> tuple[list[list[int]], list[list[float]]]:
+    """Per pivot i, its buddies (CFT prefix of its peers by q_{j|i}, at most k_max) and their q_{j|i}."""
+    n = coact.shape[0]
+    m = coact.astype(np.float64) + smoothing
+    np.fill_diagonal(m, 0.0)
+    q = m / m.sum(axis=1, keepdims=True)
+    buddies, qs = [], []
+    for i in range(n):
+        if activations[i] <= 0:
+            buddies.append([])
+            qs.append([])
+            continue
+        order = sorted(range(n), key=lambda j: (-q[i, j], j))
+        order = [j for j in order if j != i]
+        total, chosen = 0.0, []
+        for j in order:
+            chosen.append(j)
+            total += q[i, j]
+            if total >= cft - 1e-12 or len(chosen) == k_max:
+                break
+        buddies.append(chosen)
+        qs.append([float(q[i, j]) for j in chosen])
+    return buddies, qs
+
+
+def tae_percentile(hist: np.ndarray, percentile: float) -> float:
+    """The TAE below which `percentile` % of the traced tokens fall (a bin's upper edge)."""
+    total = int(hist.sum())
+    if total == 0:
+        return 0.0
+    cumulative = np.cumsum(hist)
+    index = int(np.searchsorted(cumulative, total * percentile / 100.0, side="left"))
+    return min(1.0, (index + 1) / len(hist))
+
+
+def recall(coact_binary: np.ndarray, buddies: list[list[int]]) -> float | None:
+    """Share of the co-activations (i, j) whose j is in i's buddy list."""
+    covered = sum(coact_binary[i, b].sum() for i, b in enumerate(buddies) if b)
+    total = coact_binary.sum()
+    return float(covered / total) if total > 0 else None
+
+
+def _trace(model: Path, texts: list[str], temperature: float, warmup: int, threads: int | None,
+           n_ctx: int) -> tuple[dict, int]:
+    """Routing traces of every MoE layer over the texts, and the tokens evaluated."""
+    from . import format as zformat
+    from .bindings import Llama
+
+    with zformat.ZipMoEFile(model) as zf:
+        layers = {layer: zf.shape(zf.tensors[t[0]])[2] for layer, t in zf.moe_layers().items()}
+        everything = zf.expert_bytes().all_experts
+    # logits_all: llama.cpp runs the last layer's FFN only for the tokens whose logits are wanted
+    llm = Llama(model_path=str(model), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 512), n_threads=threads,
+                n_threads_batch=threads, verbose=False, kv_overrides={"zipmoe.trace_routing": True},
+                zipmoe_budget=everything, logits_all=True)
+    try:
+        cache = _lib.llama_model_zipmoe_cache(llm._model.model)
+        if _lib.lib().ggml_zipmoe_cache_trace_routing(cache, 1, float(temperature), int(warmup)) != _lib.OK:
+            raise ZipMoEError("the routing trace could not be started")
+        n_tokens = 0
+        for text in texts:
+            tokens = llm.tokenize(text.encode(), add_bos=False, special=False)
+            for start in range(0, len(tokens), n_ctx):
+                llm.reset()
+                llm.eval(tokens[start:start + n_ctx])
+            n_tokens += len(tokens)
+        return {layer: _lib.routing_trace(cache, layer, n) for layer, n in layers.items()}, n_tokens
+    finally:
+        llm.close()
+
+
+def make_profile(model: Path, text: str, heldout: str | None = None, cft: float = 0.9, k_max: int = 16,
+                 percentile: float = 15.0, temperature: float = 1.0, smoothing: float = 1e-3,
+                 weighting: str = "probability", warmup: int = 0, threads: int | None = None,
+                 n_ctx: int = 512, text_name: str = "", progress=None) -> dict:
+    if not 0 < cft <= 1:
+        raise ZipMoEError(f"--cft must be in (0, 1]; got {cft}")
+    if k_max < 1:
+        raise ZipMoEError(f"--k-max must be >= 1; got {k_max}")
+    if not 0 <= percentile <= 100:
+        raise ZipMoEError(f"--tae-percentile must be in [0, 100]; got {percentile}")
+    if weighting not in ("probability", "binary"):
+        raise ZipMoEError(f"--weighting must be probability or binary; got {weighting!r}")
+    t0 = time.perf_counter()
+    traces, n_tokens = _trace(model, [text], temperature, warmup, threads, n_ctx)
+    if progress:
+        progress(f"traced {n_tokens} calibration tokens in {time.perf_counter() - t0:.1f} s")
+    layers = {}
+    for layer, tr in traces.items():
+        m = tr["coact_weighted"] if weighting == "probability" else tr["coact"]
+        buddies, qs = buddy_lists(m, tr["activations"], cft, k_max, smoothing)
+        sizes = [len(b) for b in buddies if b]
+        layers[str(layer)] = {
+            "tau": tae_percentile(tr["tae_hist"], percentile),
+            "buddies": buddies, "q": [[round(v, 6) for v in q] for q in qs],
+            "activations": [round(float(a), 3) for a in tr["activations"]],
+            "list_size": {"mean": float(np.mean(sizes)) if sizes else 0.0, "max": max(sizes, default=0)},
+            "recall_calibration": recall(tr["coact"], buddies),
+        }
+    heldout_recall = None
+    if heldout:
+        t0 = time.perf_counter()
+        held, held_tokens = _trace(model, [heldout], temperature, 0, threads, n_ctx)
+        per_layer = {str(layer): recall(tr["coact"], layers[str(layer)]["buddies"]) for layer, tr in held.items()}
+        total_cov = sum(held[l]["coact"][i, b].sum() for l in held for i, b in enumerate(layers[str(l)]["buddies"]) if b)
+        total = sum(held[l]["coact"].sum() for l in held)
+        heldout_recall = {"tokens": held_tokens, "recall": float(total_cov / total) if total else None,
+                          "by_layer": per_layer}
+        if progress:
+            progress(f"held-out recall {heldout_recall['recall']:.3f} over {held_tokens} tokens "
+                     f"({time.perf_counter() - t0:.1f} s)")
+    return {"format": FORMAT, "version": VERSION, "model": fingerprint(model),
+            "made_with": {"text": text_name, "tokens": n_tokens, "cft": cft, "k_max": k_max,
+                          "tae_percentile": percentile, "temperature": temperature, "smoothing": smoothing,
+                          "weighting": weighting, "warmup": warmup},
+            "heldout": heldout_recall, "layers": layers}
+
+
+def load_profile(path: Path, model: Path) -> dict:
+    """A buddy profile, checked against the model it is to serve; ZipMoEError names what is wrong."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise ZipMoEError(f"cannot read buddy profile {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise ZipMoEError(f"buddy profile {path} is not JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ZipMoEError(f"{path} is not a buddy profile (its format is not {FORMAT!r}; make one with zipmoe-buddies)")
+    if doc.get("version") != VERSION:
+        raise ZipMoEError(f"buddy profile {path} has version {doc.get('version')!r}; this ZipMoE reads version {VERSION}")
+    made_for = doc.get("model") or {}
+    this = fingerprint(model)
+    if made_for.get("fingerprint") != this["fingerprint"] or made_for.get("layers") != this["layers"]:
+        raise ZipMoEError(f"buddy profile {path} was made for model {made_for.get('file')!r} "
+                          f"(fingerprint {str(made_for.get('fingerprint'))[:12]}), not {Path(model).name} "
+                          f"(fingerprint {this['fingerprint'][:12]}): make one for this model with zipmoe-buddies")
+    layers = doc.get("layers")
+    if not isinstance(layers, dict) or set(layers) != set(this["layers"]):
+        raise ZipMoEError(f"buddy profile {path}: its layers {sorted(layers or {})} are not the model's MoE layers")
+    for layer, entry in layers.items():
+        n = this["layers"][layer]
+        buddies, qs, tau = entry.get("buddies"), entry.get("q"), entry.get("tau")
+        ok = (isinstance(buddies, list) and isinstance(qs, list) and len(buddies) == n and len(qs) == n and
+              isinstance(tau, (int, float)) and 0 <= tau <= 1)
+        ok = ok and all(isinstance(b, list) and isinstance(q, list) and len(b) == len(q) and
+                        all(isinstance(j, int) and 0 <= j < n and j != i for j in b) and
+                        all(isinstance(v, (int, float)) and 0 <= v <= 1 for v in q)
+                        for i, (b, q) in enumerate(zip(buddies, qs)))
+        if not ok:
+            raise ZipMoEError(f"buddy profile {path}: layer {layer} is malformed (it needs {n} buddy lists of expert "
+                              f"ids in [0, {n}) without the pivot, their q values in [0, 1], and tau in [0, 1])")
+    return doc
+
+
+def apply_profile(cache, doc: dict) -> None:
+    """Hands a loaded profile's lists to the cache (ggml_zipmoe_cache_set_buddies)."""
+    for layer, entry in doc["layers"].items():
+        n = len(entry["buddies"])
+        k_max = max(1, max((len(b) for b in entry["buddies"]), default=1))
+        ids = np.full((n, k_max), -1, dtype=np.int32)
+        q = np.zeros((n, k_max), dtype=np.float32)
+        for i, (b, v) in enumerate(zip(entry["buddies"], entry["q"])):
+            ids[i, :len(b)] = b
+            q[i, :len(v)] = v
+        status = _lib.lib().ggml_zipmoe_cache_set_buddies(cache, int(layer), ids.ctypes.data, q.ctypes.data, k_max,
+                                                          float(entry["tau"]))
+        if status != _lib.OK:
+            raise ZipMoEError(f"layer {layer}: the buddy lists were refused ({_lib.status_string(status)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="zipmoe-buddies",
+        description="Make a BuddyMoE buddy profile for a ZipMoE GGUF from its routing over a calibration text "
+                    "(for zipmoe_substitution='buddy', which is LOSSY). The profile is a JSON file beside the model.")
+    ap.add_argument("model", type=Path, help="ZipMoE GGUF (made by zipmoe-convert)")
+    ap.add_argument("-o", "--output", type=Path, required=True, help="buddy profile JSON to write")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=Path, help="calibration text file")
+    src.add_argument("--corpus", help="the train split of a zipmoe-train-tiny corpus (python-docs, pydoc-topics)")
+    ap.add_argument("--heldout", type=Path, default=None,
+                    help="text to measure the lists' recall of real co-activations on (with --corpus: its held-out "
+                         "split, unless given)")
+    ap.add_argument("--max-tokens", type=int, default=100_000,
+                    help="about this many calibration tokens at most (default: %(default)s)")
+    ap.add_argument("--cft", type=float, default=0.9,
+                    help="cumulative frequency threshold alpha of the buddy lists, in (0, 1] (default: %(default)s)")
+    ap.add_argument("--k-max", type=int, default=16, help="buddies per expert at most (default: %(default)s)")
+    ap.add_argument("--tae-percentile", type=float, default=15.0,
+                    help="the TAE gate's calibrated tau: this percentile of each layer's token entropies "
+                         "(default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="temperature T of the TAE (the runtime's zipmoe_buddy_temperature should match; "
+                         "default: %(default)s)")
+    ap.add_argument("--smoothing", type=float, default=1e-3, help="Laplace smoothing eps of M (default: %(default)s)")
+    ap.add_argument("--weighting", choices=("probability", "binary"), default="probability",
+                    help="co-activations weighted by the smaller renormalized score, or counted (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="down-weight each layer's first N traced tokens linearly (default: %(default)s)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    args = ap.parse_args(argv)
+    try:
+        heldout = args.heldout.read_text() if args.heldout else None
+        if args.text is not None:
+            text, name = args.text.read_text(), str(args.text)
+        else:
+            from .train_tiny import corpus_texts
+
+            text, held = corpus_texts(args.corpus)
+            name = f"train split of {args.corpus}"
+            heldout = heldout if heldout is not None else held
+        text = text[: args.max_tokens * 4]  # about max_tokens tokens (English BPE: ~4 characters a token)
+        doc = make_profile(args.model, text, heldout=heldout[: 200_000] if heldout else None, cft=args.cft,
+                           k_max=args.k_max, percentile=args.tae_percentile, temperature=args.temperature,
+                           smoothing=args.smoothing, weighting=args.weighting, warmup=args.warmup,
+                           threads=args.threads, text_name=name,
+                           progress=lambda m: print(f"zipmoe-buddies: {m}", file=sys.stderr))
+    except (ZipMoEError, OSError) as e:
+        print(f"zipmoe-buddies: error: {e}", file=sys.stderr)
+        return 1
+    args.output.write_text(json.dumps(doc) + "\n")
+    sizes = [v["list_size"]["mean"] for v in doc["layers"].values()]
+    rec = doc["heldout"]["recall"] if doc["heldout"] else None
+    print(f"wrote {args.output}: {len(doc['layers'])} MoE layers, mean buddy list {np.mean(sizes):.1f} experts"
+          + (f", held-out recall {rec:.3f}" if rec is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
