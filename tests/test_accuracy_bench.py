@@ -44,6 +44,9 @@ def test_lossless_deltas_are_exactly_zero_and_lossy_ones_are_not(arch, harness, 
 def test_configuration_names_are_checked(harness):
     assert harness.parse_config("lossless") == {}
     assert harness.parse_config("smoe:0.25") == {"zipmoe_substitution": "smoe", "zipmoe_smoe_alpha": 0.25}
-    for bad in ("smoe:2", "smoe:x", "buddy"):
+    assert harness.parse_config("buddy:rho=2:tau=0.5", Path("b.json")) == {
+        "zipmoe_substitution": "buddy", "zipmoe_buddy_profile": "b.json", "zipmoe_buddy_rho": 2,
+        "zipmoe_buddy_tau": 0.5}
+    for bad in ("smoe:2", "smoe:x", "buddi", "buddy:rho=x", "buddy:alpha=1"):
         with pytest.raises(ValueError, match="unknown configuration"):
             harness.parse_config(bad)

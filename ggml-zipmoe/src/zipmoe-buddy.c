@@ -70,14 +70,8 @@ int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expert, int64_t scor
         (out == ids && ids_stride != n_used) || k_max < 0 || (k_max > 0 && (buddies == NULL || q == NULL))) {
         return GGML_ZIPMOE_ERR_ARG;
     }
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int64_t i = 0; i < n_used; i++) {
-            const int32_t e = ids[t * ids_stride + i];
-            if (e < 0 || e >= n_expert) {
-                return GGML_ZIPMOE_ERR_ARG;
-            }
-            out[t * n_used + i] = e;
-        }
+    if (!zipmoe_copy_ids(ids, n_used, n_tokens, ids_stride, n_expert, out)) {
+        return GGML_ZIPMOE_ERR_ARG;
     }
     for (int64_t i = 0; i < (int64_t) n_expert * k_max; i++) {
         if (buddies[i] < -1 || buddies[i] >= n_expert) {

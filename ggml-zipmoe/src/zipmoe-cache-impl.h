@@ -310,6 +310,11 @@ void   zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c);
 int    zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);
 void   zipmoe_pause_waiting(unsigned spins);
 
+// zipmoe-substitute.c: ids ([n_tokens] rows of ids_stride) into out ([n_tokens][n_used]); 0 if one is
+// outside [0, n_expert)
+int    zipmoe_copy_ids(const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride, int64_t n_expert,
+                       int32_t * out);
+
 // zipmoe-buddy.c
 void   zipmoe_buddy_init(struct ggml_zipmoe_cache * c);
 void   zipmoe_buddy_free(struct ggml_zipmoe_cache * c);

@@ -62,6 +62,20 @@ static int lower_replaceable(const void * a, const void * b) {
     return x->position > y->position ? -1 : x->position < y->position;
 }
 
+int zipmoe_copy_ids(const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride, int64_t n_expert,
+                    int32_t * out) {
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t i = 0; i < n_used; i++) {
+            const int32_t e = ids[t * ids_stride + i];
+            if (e < 0 || e >= n_expert) {
+                return 0;
+            }
+            out[t * n_used + i] = e; // ids may be out itself: row t is read before row t is written
+        }
+    }
+    return 1;
+}
+
 int ggml_zipmoe_smoe_route(const float * scores, int64_t n_expert, int64_t scores_stride, const int32_t * ids,
                            int64_t n_used, int64_t n_tokens, int64_t ids_stride, const uint8_t * resident,
                            float alpha, int batch_aware, int32_t * out, int64_t * n_replaced) {
@@ -73,14 +87,8 @@ int ggml_zipmoe_smoe_route(const float * scores, int64_t n_expert, int64_t score
         (out == ids && ids_stride != n_used)) {
         return GGML_ZIPMOE_ERR_ARG;
     }
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int64_t i = 0; i < n_used; i++) {
-            const int32_t e = ids[t * ids_stride + i];
-            if (e < 0 || e >= n_expert) {
-                return GGML_ZIPMOE_ERR_ARG;
-            }
-            out[t * n_used + i] = e; // ids may be out itself: row t is read before row t is written
-        }
+    if (!zipmoe_copy_ids(ids, n_used, n_tokens, ids_stride, n_expert, out)) {
+        return GGML_ZIPMOE_ERR_ARG;
     }
     if (alpha == 0.0f || n_used >= n_expert || n_tokens == 0) {
         return GGML_ZIPMOE_OK; // no score lies in [beta, beta): nothing is replaced
