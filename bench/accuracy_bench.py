@@ -36,10 +36,25 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def parse_config(name: str) -> dict:
-    """Llama keyword arguments of a configuration name."""
+def parse_config(name: str, buddy_profile: Path | None = None) -> dict:
+    """Llama keyword arguments of a configuration name: lossless, smoe:ALPHA, buddy[:NAME=VALUE...]
+    (BuddyMoE's parameters, e.g. buddy:rho=2:tau=0.5)."""
     if name == "lossless":
         return {}
+    if name == "buddy" or name.startswith("buddy:"):
+        from zipmoe_py.options import BUDDY_PARAMETERS
+
+        out = {"zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(buddy_profile) if buddy_profile else None}
+        for item in name.split(":")[1:]:
+            key, _, value = item.partition("=")
+            if key not in BUDDY_PARAMETERS:
+                raise ValueError(f"unknown configuration {name!r}: {key!r} is not a BuddyMoE parameter "
+                                 f"({', '.join(BUDDY_PARAMETERS)})")
+            try:
+                out[f"zipmoe_buddy_{key}"] = BUDDY_PARAMETERS[key][1](value)
+            except ValueError:
+                raise ValueError(f"unknown configuration {name!r}: {key}={value!r} is not a number") from None
+        return out
     if name.startswith("smoe:"):
         try:
             alpha = float(name[5:])
@@ -47,7 +62,8 @@ def parse_config(name: str) -> dict:
             alpha = -1.0
         if 0 <= alpha <= 1:
             return {"zipmoe_substitution": "smoe", "zipmoe_smoe_alpha": alpha}
-    raise ValueError(f"unknown configuration {name!r}: give lossless or smoe:ALPHA with ALPHA in [0, 1]")
+    raise ValueError(f"unknown configuration {name!r}: give lossless, smoe:ALPHA with ALPHA in [0, 1], or "
+                     "buddy[:NAME=VALUE...]")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -140,8 +156,23 @@ def held_out_tokens(bf16: Path, text: str, n_tokens: int) -> list[int]:
     return tokens[:n_tokens]
 
 
+def ensure_buddy_profile(zipmoe: Path, calibration: str, heldout: str, args) -> Path:
+    """The model's BuddyMoE profile, made from the calibration text when missing (zipmoe-buddies)."""
+    from zipmoe_py.buddies import make_profile
+
+    out = zipmoe.with_name(zipmoe.name.replace(".zipmoe.gguf", "") + ".buddies.json")
+    if not out.exists() or out.stat().st_mtime < zipmoe.stat().st_mtime:
+        doc = make_profile(zipmoe, calibration, heldout=heldout[:200_000], threads=args.threads, text_name=args.calibration_name,
+                           progress=lambda m: print(f"  buddies: {m}", flush=True))
+        out.write_text(json.dumps(doc) + "\n")
+    return out
+
+
 def bench_model(model: Path, text: str, args) -> dict:
     bf16, zipmoe = ensure_ggufs(model, args.work)
+    profile = None
+    if any(c.startswith("buddy") for c in args.configs):
+        profile = ensure_buddy_profile(zipmoe, args.calibration, text, args)
     tokens = held_out_tokens(bf16, text, args.tokens)
     windows = [tokens[i:i + args.window] for i in range(0, len(tokens) - 1, args.window)]
     windows = [w for w in windows if len(w) > 1]
@@ -154,7 +185,7 @@ def bench_model(model: Path, text: str, args) -> dict:
         budget = max(1, everything * pct // 100)
         for config in args.configs:
             got = run_windows(zipmoe, windows, args.ubatch, args.threads,
-                              {"zipmoe_budget": budget, **parse_config(config)})
+                              {"zipmoe_budget": budget, **parse_config(config, profile)})
             s = got["stats"]
             row = {"config": config, "lossy": config != "lossless" and s["substitution"]["lossy"],
                    "budget_pct": pct, "budget_bytes": budget, **compare(exact["logits"], got["logits"], windows),
@@ -174,7 +205,12 @@ def bench_model(model: Path, text: str, args) -> dict:
     training = None
     if model.is_dir() and (model / "training.json").exists():
         training = json.loads((model / "training.json").read_text())
+    buddy = json.loads(profile.read_text()) if profile else None
     return {"model": str(model), "bf16": str(bf16), "zipmoe": str(zipmoe), "tokens": len(tokens),
+            "buddy_profile": None if buddy is None else {
+                "path": str(profile), "made_with": buddy["made_with"], "heldout_recall": buddy["heldout"],
+                "list_size": {layer: v["list_size"] for layer, v in buddy["layers"].items()},
+                "tau": {layer: v["tau"] for layer, v in buddy["layers"].items()}},
             "windows": len(windows), "all_experts_bytes": everything,
             "exact_ms_per_token": exact["seconds"] / len(tokens) * 1e3, "training": training, "rows": rows}
 
@@ -213,7 +249,12 @@ def main() -> int:
     ap.add_argument("--budgets", default="10,25,50",
                     help="expert-cache budgets, %% of all routed experts' bytes (default: %(default)s)")
     ap.add_argument("--configs", default="lossless,smoe:0,smoe:0.05,smoe:0.1,smoe:0.2,smoe:0.5,smoe:1",
-                    help="configurations: lossless, smoe:ALPHA (default: %(default)s)")
+                    help="configurations: lossless, smoe:ALPHA, buddy[:NAME=VALUE...] (BuddyMoE with its "
+                         "parameters, e.g. buddy:rho=2:tau=0.5; its profile is made from the calibration text "
+                         "when missing) (default: %(default)s)")
+    ap.add_argument("--calibration-tokens", type=int, default=50_000,
+                    help="about this many tokens of the corpus's train split make the buddy profiles "
+                         "(default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, default=REPO / "bench" / "work" / "accuracy",
                     help="folder for the converted GGUFs (default: %(default)s)")
@@ -228,12 +269,16 @@ def main() -> int:
             ap.error(str(e))
     if args.window < 2 or args.tokens < 2 or args.ubatch < 1:
         ap.error("--window and --tokens must be >= 2, --ubatch >= 1")
+    from zipmoe_py.train_tiny import load_corpus
+
+    corpus = load_corpus(args.corpus)
+    train_text, held_text = corpus.train_text, corpus.heldout_text
+    args.calibration = train_text[: args.calibration_tokens * 4]
+    args.calibration_name = f"train split of {args.corpus}"
     if args.text is not None:
         text, text_name = args.text.read_text(), str(args.text)
     else:
-        from zipmoe_py.train_tiny import heldout_text
-
-        text, text_name = heldout_text(args.corpus), f"held-out split of {args.corpus}"
+        text, text_name = held_text, f"held-out split of {args.corpus}"
     models = [bench_model(m, text, args) for m in args.model]
     result = {"command": " ".join(["bench/accuracy_bench.py"] + sys.argv[1:]), "text": text_name,
               "tokens": args.tokens, "window": args.window, "ubatch": args.ubatch, "threads": args.threads,

@@ -260,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.text is not None:
             text, name = args.text.read_text(), str(args.text)
         else:
-            from .train_tiny import corpus_texts
+            from .train_tiny import load_corpus
 
-            text, held = corpus_texts(args.corpus)
+            corpus = load_corpus(args.corpus)
+            text, held = corpus.train_text, corpus.heldout_text
             name = f"train split of {args.corpus}"
             heldout = heldout if heldout is not None else held
         text = text[: args.max_tokens * 4]  # about max_tokens tokens (English BPE: ~4 characters a token)
