@@ -183,6 +183,14 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
     opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
     if variant.startswith("smoe:"):  # LOSSY: SMoE's expert-cache router at this alpha, default eviction
         return {**opts, "zipmoe_substitution": "smoe", "zipmoe_smoe_alpha": float(variant[5:])}
+    if variant == "buddy" or variant.startswith("buddy:"):  # LOSSY: BuddyMoE with --buddy-profile
+        from zipmoe_py.options import BUDDY_PARAMETERS
+
+        out = {**opts, "zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(args.buddy_profile)}
+        for item in variant.split(":")[1:]:
+            key, _, value = item.partition("=")
+            out[f"zipmoe_buddy_{key}"] = BUDDY_PARAMETERS[key][1](value)
+        return out
     if variant not in ("pools", "plan"):
         return {**opts, "zipmoe_eviction": variant}
     pool_budget = budget - work_slots * one_expert
@@ -216,6 +224,22 @@ def _is_smoe_variant(name: str) -> bool:
         return False
 
 
+def _is_buddy_variant(name: str) -> bool:
+    from zipmoe_py.options import BUDDY_PARAMETERS
+
+    if name != "buddy" and not name.startswith("buddy:"):
+        return False
+    for item in name.split(":")[1:]:
+        key, _, value = item.partition("=")
+        if key not in BUDDY_PARAMETERS:
+            return False
+        try:
+            BUDDY_PARAMETERS[key][1](value)
+        except ValueError:
+            return False
+    return True
+
+
 def n_moe_layers(zipmoe_path: Path) -> int:
     from zipmoe_py import format as zformat
 
@@ -246,8 +270,11 @@ def main() -> int:
                          "lfu, rank (one F pool of the whole budget); pools (the four pools F, C, S, E with equal "
                          "shares of the budget); plan (the pools and shares zipmoe-plan chooses from a profile of "
                          "this workload, taken in an uncapped run with another seed); smoe:ALPHA (LOSSY: SMoE's "
-                         "expert-cache router at that alpha, rank eviction). Default: %(default)s; the "
+                         "expert-cache router at that alpha, rank eviction); buddy[:NAME=VALUE...] (LOSSY: BuddyMoE "
+                         "with --buddy-profile and these parameters). Default: %(default)s; the "
                          "ratios printed use the first")
+    ap.add_argument("--buddy-profile", type=Path, default=None,
+                    help="the buddy profile of the ZipMoE GGUF for buddy variants (zipmoe-buddies)")
     ap.add_argument("--work-slots", type=int, default=None,
                     help="working slots of the pools and plan variants (default: top-k x batch, at most 64: one "
                          "pass per decode step; prefills run in more passes)")
@@ -286,9 +313,11 @@ def main() -> int:
     rows = []
     systems = args.systems.split(",")
     evictions = args.variants.split(",")
-    unknown = [e for e in evictions if e not in VARIANTS and not _is_smoe_variant(e)]
+    unknown = [e for e in evictions if e not in VARIANTS and not _is_smoe_variant(e) and not _is_buddy_variant(e)]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)} and smoe:ALPHA (lossy)")
+        ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)}, smoe:ALPHA and buddy[:NAME=VALUE] (lossy)")
+    if any(_is_buddy_variant(e) for e in evictions) and args.buddy_profile is None:
+        ap.error("buddy variants need --buddy-profile (zipmoe-buddies ZIPMOE.gguf ...)")
     k = top_k(zipmoe)
     work_slots = args.work_slots or min(64, k * args.batch)
     profile = None
