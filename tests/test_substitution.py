@@ -163,7 +163,8 @@ def test_substitution_is_off_by_default_and_alpha_zero_is_bit_identical(arch, zi
             assert stats["substitution_tokens"] == 0
 
 
-def test_smoe_replaces_experts_counts_them_and_reads_less(arch, zipmoe_gguf, reference):
+def test_smoe_replaces_experts_counts_them_and_reads_less(zipmoe_gguf, reference):
+    arch = "qwen2moe"  # the lossy path's behaviour; both architectures' exactness is tested above
     path = zipmoe_gguf(arch)
     budget = budget_of(path, arch, "half")
     want, _ = reference(arch, 1)
