@@ -286,7 +286,9 @@ def main() -> int:
 
     bf16 = args.bf16.resolve()
     zipmoe = (args.zipmoe or ensure_zipmoe(bf16, bf16.with_suffix(".zipmoe.gguf"), "fhuf")).resolve()
-    raw = (args.raw or ensure_zipmoe(bf16, bf16.with_suffix(".raw.gguf"), "raw")).resolve()
+    raw = None  # the raw-E-chunk ablation's file, made only when that system runs (as large as the model)
+    if "raw" in args.systems.split(","):
+        raw = (args.raw or ensure_zipmoe(bf16, bf16.with_suffix(".raw.gguf"), "raw")).resolve()
     args.zipmoe_resolved = str(zipmoe)
     model_bytes = bf16.stat().st_size
     fixed, fixed_read = non_expert_bytes(zipmoe)

@@ -1082,7 +1082,8 @@ static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * use
     }
 }
 
-ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected) {
+ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected,
+                                      ggml_tensor ** weight_ids) {
     if ((opt.substitution == GGML_ZIPMOE_SUBST_NONE && !opt.trace_routing) || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
         probs == nullptr || probs->type != GGML_TYPE_F32 || selected->type != GGML_TYPE_I32 ||
         ggml_n_dims(probs) > 2 || probs->ne[0] != ggml_zipmoe_cache_n_expert(cache, il) ||
@@ -1093,6 +1094,11 @@ ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor 
     ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, srcs, 2,
                                        zipmoe_substitute_op, 1, args_for(il, 0));
     ggml_format_name(out, "zipmoe_substitute-%d", il);
+    // BuddyMoE's Alg. 1 rewrites the expert indices only: a buddy computes with the weight the router
+    // gave the expert it stands in for. SMoE's router chooses its alternatives: they weigh their own scores
+    if (weight_ids != nullptr && opt.substitution == GGML_ZIPMOE_SUBST_BUDDY) {
+        *weight_ids = selected;
+    }
     return out;
 }
 

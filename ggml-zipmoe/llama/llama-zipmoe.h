@@ -142,8 +142,11 @@ struct llama_zipmoe {
 
     // the substitution hook, after the router's top-k (selected, [n_used, n_tokens]) of layer il and
     // before the weights are taken from probs ([n_expert, n_tokens], the router's scores): the ids
-    // with zipmoe.substitution's policy applied (LOSSY), or selected itself when it is none
-    ggml_tensor * substitute(ggml_context * ctx, int il, ggml_tensor * probs, ggml_tensor * selected);
+    // the experts compute with, zipmoe.substitution's policy applied (LOSSY), or selected itself when
+    // it is none. *weight_ids gets the ids whose scores weigh them when they are not those (BuddyMoE:
+    // the router's own choice), else is left as it is
+    ggml_tensor * substitute(ggml_context * ctx, int il, ggml_tensor * probs, ggml_tensor * selected,
+                             ggml_tensor ** weight_ids);
 
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
     uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;
