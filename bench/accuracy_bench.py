@@ -291,13 +291,15 @@ def main() -> int:
         text, text_name = args.text.read_text(), str(args.text)
     else:
         text, text_name = held_text, f"held-out split of {args.corpus}"
-    models = [bench_model(m, text, args) for m in args.model]
     result = {"command": " ".join(["bench/accuracy_bench.py"] + sys.argv[1:]), "text": text_name,
               "tokens": args.tokens, "window": args.window, "ubatch": args.ubatch, "threads": args.threads,
-              "machine": platform.platform(), "cpu_count": os.cpu_count(), "models": models}
+              "machine": platform.platform(), "cpu_count": os.cpu_count(), "models": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
+    for m in args.model:  # saved after each model: a long run stopped keeps the models it finished
+        result["models"].append(bench_model(m, text, args))
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(result))
+    models = result["models"]
     print(f"saved {args.out} and {args.out.with_suffix('.md')}")
     bad = [r for m in models for r in m["rows"] if r["config"] == "lossless" and not r["bit_identical"]]
     return 1 if bad else 0

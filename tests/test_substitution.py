@@ -446,3 +446,14 @@ def test_buddy_profiles_are_checked_against_their_model(buddy_profile, zipmoe_gg
     broken.write_text(json.dumps({"format": "zipmoe-plan"}))
     with pytest.raises(ZipMoEError, match="is not a buddy profile"):
         load(path, zipmoe_substitution="buddy", zipmoe_buddy_profile=str(broken))
+
+
+def test_buddy_profiles_take_an_alpha_per_layer(zipmoe_gguf):
+    from zipmoe_py.buddies import make_profile
+
+    path = zipmoe_gguf("qwen2moe")
+    doc = make_profile(path, " ".join(PROMPTS) * 6, cft=[0.3, 1.0, 1.0, 1.0], threads=2, n_ctx=128)
+    sizes = {layer: entry["list_size"]["mean"] for layer, entry in doc["layers"].items()}
+    assert doc["layers"]["0"]["cft"] == 0.3 and sizes["0"] < sizes["1"]
+    with pytest.raises(ZipMoEError, match="--cft gives 2 values for the model's 4 MoE layers"):
+        make_profile(path, "text", cft=[0.5, 0.5])

@@ -124,29 +124,37 @@ def _trace(model: Path, texts: list[str], temperature: float, warmup: int, threa
         llm.close()
 
 
-def make_profile(model: Path, text: str, heldout: str | None = None, cft: float = 0.9, k_max: int = 16,
+def make_profile(model: Path, text: str, heldout: str | None = None, cft: float | list[float] = 0.9, k_max: int = 16,
                  percentile: float = 15.0, temperature: float = 1.0, smoothing: float = 1e-3,
                  weighting: str = "probability", warmup: int = 0, threads: int | None = None,
                  n_ctx: int = 512, text_name: str = "", progress=None) -> dict:
-    if not 0 < cft <= 1:
-        raise ZipMoEError(f"--cft must be in (0, 1]; got {cft}")
+    cfts = cft if isinstance(cft, (list, tuple)) else None
+    if any(not 0 < c <= 1 for c in (cfts or [cft])):
+        raise ZipMoEError(f"--cft must be in (0, 1] (one value, or one per MoE layer); got {cft}")
     if k_max < 1:
         raise ZipMoEError(f"--k-max must be >= 1; got {k_max}")
     if not 0 <= percentile <= 100:
         raise ZipMoEError(f"--tae-percentile must be in [0, 100]; got {percentile}")
     if weighting not in ("probability", "binary"):
         raise ZipMoEError(f"--weighting must be probability or binary; got {weighting!r}")
+    if cfts is not None:
+        from . import format as zformat
+
+        with zformat.ZipMoEFile(model) as zf:
+            n_layers = len(zf.moe_layers())
+        if len(cfts) != n_layers:
+            raise ZipMoEError(f"--cft gives {len(cfts)} values for the model's {n_layers} MoE layers")
     t0 = time.perf_counter()
     traces, n_tokens = _trace(model, [text], temperature, warmup, threads, n_ctx)
     if progress:
         progress(f"traced {n_tokens} calibration tokens in {time.perf_counter() - t0:.1f} s")
     layers = {}
-    for layer, tr in traces.items():
+    for n, (layer, tr) in enumerate(traces.items()):
         m = tr["coact_weighted"] if weighting == "probability" else tr["coact"]
-        buddies, qs = buddy_lists(m, tr["activations"], cft, k_max, smoothing)
+        buddies, qs = buddy_lists(m, tr["activations"], cfts[n] if cfts else cft, k_max, smoothing)
         sizes = [len(b) for b in buddies if b]
         layers[str(layer)] = {
-            "tau": tae_percentile(tr["tae_hist"], percentile),
+            "tau": tae_percentile(tr["tae_hist"], percentile), "cft": cfts[n] if cfts else cft,
             "buddies": buddies, "q": [[round(v, 6) for v in q] for q in qs],
             "activations": [round(float(a), 3) for a in tr["activations"]],
             "list_size": {"mean": float(np.mean(sizes)) if sizes else 0.0, "max": max(sizes, default=0)},
@@ -239,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                          "split, unless given)")
     ap.add_argument("--max-tokens", type=int, default=100_000,
                     help="about this many calibration tokens at most (default: %(default)s)")
-    ap.add_argument("--cft", type=float, default=0.9,
-                    help="cumulative frequency threshold alpha of the buddy lists, in (0, 1] (default: %(default)s)")
+    ap.add_argument("--cft", default="0.9", metavar="ALPHA[,ALPHA...]",
+                    help="cumulative frequency threshold alpha of the buddy lists, in (0, 1]: one value, or one per "
+                         "MoE layer in layer order (alpha_l) (default: %(default)s)")
     ap.add_argument("--k-max", type=int, default=16, help="buddies per expert at most (default: %(default)s)")
     ap.add_argument("--tae-percentile", type=float, default=15.0,
                     help="the TAE gate's calibrated tau: this percentile of each layer's token entropies "
@@ -256,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
     args = ap.parse_args(argv)
     try:
+        cft = [float(v) for v in args.cft.split(",")]
+    except ValueError:
+        ap.error(f"--cft must be numbers in (0, 1], like 0.9 or 0.95,0.9,0.85; got {args.cft!r}")
+    try:
         heldout = args.heldout.read_text() if args.heldout else None
         if args.text is not None:
             text, name = args.text.read_text(), str(args.text)
@@ -267,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"train split of {args.corpus}"
             heldout = heldout if heldout is not None else held
         text = text[: args.max_tokens * 4]  # about max_tokens tokens (English BPE: ~4 characters a token)
-        doc = make_profile(args.model, text, heldout=heldout[: 200_000] if heldout else None, cft=args.cft,
+        doc = make_profile(args.model, text, heldout=heldout[: 200_000] if heldout else None,
+                           cft=cft[0] if len(cft) == 1 else cft,
                            k_max=args.k_max, percentile=args.tae_percentile, temperature=args.temperature,
                            smoothing=args.smoothing, weighting=args.weighting, warmup=args.warmup,
                            threads=args.threads, text_name=name,
