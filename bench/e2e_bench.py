@@ -186,7 +186,7 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
     if variant == "buddy" or variant.startswith("buddy:"):  # LOSSY: BuddyMoE with --buddy-profile
         from zipmoe_py.options import BUDDY_PARAMETERS
 
-        out = {**opts, "zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(args.buddy_profile)}
+        out = {**opts, "zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(args.buddy_profile.resolve())}
         for item in variant.split(":")[1:]:
             key, _, value = item.partition("=")
             out[f"zipmoe_buddy_{key}"] = BUDDY_PARAMETERS[key][1](value)
