@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from accuracy_bench import parse_config  # the lossy configurations' names (bench/ is on sys.path)
+
 CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run"
 
 PROBE = r"""
@@ -181,16 +183,9 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
     from zipmoe_py import _lib, plan_files, planner, profile as zprofile
 
     opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
-    if variant.startswith("smoe:"):  # LOSSY: SMoE's expert-cache router at this alpha, default eviction
-        return {**opts, "zipmoe_substitution": "smoe", "zipmoe_smoe_alpha": float(variant[5:])}
-    if variant == "buddy" or variant.startswith("buddy:"):  # LOSSY: BuddyMoE with --buddy-profile
-        from zipmoe_py.options import BUDDY_PARAMETERS
-
-        out = {**opts, "zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(args.buddy_profile.resolve())}
-        for item in variant.split(":")[1:]:
-            key, _, value = item.partition("=")
-            out[f"zipmoe_buddy_{key}"] = BUDDY_PARAMETERS[key][1](value)
-        return out
+    if _is_lossy_variant(variant):  # LOSSY: smoe:ALPHA or buddy[:NAME=VALUE...], rank eviction
+        profile = args.buddy_profile.resolve() if args.buddy_profile else None
+        return {**opts, **parse_config(variant, profile)}
     if variant not in ("pools", "plan"):
         return {**opts, "zipmoe_eviction": variant}
     pool_budget = budget - work_slots * one_expert
@@ -217,26 +212,14 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
             "zipmoe_work_slots": work_slots}
 
 
-def _is_smoe_variant(name: str) -> bool:
+def _is_lossy_variant(name: str) -> bool:
+    """smoe:ALPHA or buddy[:NAME=VALUE...], as bench/accuracy_bench.py's configurations."""
+    if not (name.startswith("smoe:") or name == "buddy" or name.startswith("buddy:")):
+        return False
     try:
-        return name.startswith("smoe:") and 0 <= float(name[5:]) <= 1
+        parse_config(name)
     except ValueError:
         return False
-
-
-def _is_buddy_variant(name: str) -> bool:
-    from zipmoe_py.options import BUDDY_PARAMETERS
-
-    if name != "buddy" and not name.startswith("buddy:"):
-        return False
-    for item in name.split(":")[1:]:
-        key, _, value = item.partition("=")
-        if key not in BUDDY_PARAMETERS:
-            return False
-        try:
-            BUDDY_PARAMETERS[key][1](value)
-        except ValueError:
-            return False
     return True
 
 
@@ -315,10 +298,10 @@ def main() -> int:
     rows = []
     systems = args.systems.split(",")
     evictions = args.variants.split(",")
-    unknown = [e for e in evictions if e not in VARIANTS and not _is_smoe_variant(e) and not _is_buddy_variant(e)]
+    unknown = [e for e in evictions if e not in VARIANTS and not _is_lossy_variant(e)]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known are {', '.join(VARIANTS)}, smoe:ALPHA and buddy[:NAME=VALUE] (lossy)")
-    if any(_is_buddy_variant(e) for e in evictions) and args.buddy_profile is None:
+    if any(e.startswith("buddy") and _is_lossy_variant(e) for e in evictions) and args.buddy_profile is None:
         ap.error("buddy variants need --buddy-profile (zipmoe-buddies ZIPMOE.gguf ...)")
     k = top_k(zipmoe)
     work_slots = args.work_slots or min(64, k * args.batch)

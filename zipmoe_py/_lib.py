@@ -261,16 +261,14 @@ def substitution_names() -> tuple[str, ...]:
     return _enum_names(lib().ggml_zipmoe_substitution_name)
 
 
-def substitution(cache) -> dict:
+def substitution(cache, stats: "CacheStats") -> dict:
     """The cache's substitution policy: {"policy": "none"} (lossless), or the lossy policy's name,
-    parameter and counts, labelled lossy."""
+    parameter and counts (from stats, the cache's statistics), labelled lossy."""
     policy, alpha = ctypes.c_int(), ctypes.c_float()
     lib().ggml_zipmoe_cache_get_substitution(cache, ctypes.byref(policy), ctypes.byref(alpha))
     name = substitution_names()[policy.value]
     if name == "none":
         return {"policy": name, "lossy": False}
-    stats = CacheStats()
-    lib().ggml_zipmoe_cache_get_stats(cache, ctypes.byref(stats))
     tokens = stats.substitution_tokens
     out = {"policy": name, "lossy": True}
     if name == "smoe":
@@ -380,7 +378,7 @@ def cache_stats(cache) -> dict:
     # hit_rate: found full in a slot; store hits still decode (C) or read half (S, E)
     out["hit_rate"] = out["expert_hits"] / lookups if lookups else None
     out["prefetch_recall"] = prefetch_recall(cache)
-    out["substitution"] = substitution(cache)  # "lossy": True whenever a policy replaces experts
+    out["substitution"] = substitution(cache, stats)  # "lossy": True whenever a policy replaces experts
     # the scheduler's cost model now (bytes/s): measured on this machine unless given
     out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
                     for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE))}
