@@ -30,7 +30,8 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
           "so most of the weights sit idle at any moment and can wait on disk until they are needed.")
 CONTEXTS = {"default": [], "256": ["-c", "256", "-b", "64"]}
 # systems beyond stock and zipmoe (the defaults): one ZipMoE option changed through its environment variable
-SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"}}
+SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"},
+              "zipmoe-fpool": {"ZIPMOE_AUTO_POOLS": "0"}}
 STATS = re.compile(r"ZipMoE expert cache so far: (.*)")  # logged when a context is freed
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
@@ -64,7 +65,8 @@ def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) 
     if "prompt eval" in perf:
         row.update({"prompt_s": perf["prompt eval"][0] / 1e3, "prompt_tokens": perf["prompt eval"][1]})
     for line in proc.stderr.splitlines():
-        if "ZipMoE expert cache:" in line or "memory is short" in line or "does not fit" in line:
+        if ("ZipMoE expert cache:" in line or "ZipMoE expert cache pools" in line or "memory is short" in line
+                or "does not fit" in line or "ZipMoE preloaded" in line):
             row.setdefault("zipmoe_log", []).append(line.strip())
     return row
 
@@ -187,7 +189,7 @@ def plot(result: dict, contexts: list[str], path: Path) -> None:
                    if r["system"] == system and r["context"] == context and "tpot_s" in r]
             if pts:
                 names = {"stock": "stock llama.cpp", "zipmoe": "ZipMoE", "zipmoe-prefetch": "ZipMoE, prefetch",
-                         "zipmoe-noprefetch": "ZipMoE, no prefetch"}
+                         "zipmoe-noprefetch": "ZipMoE, no prefetch", "zipmoe-fpool": "ZipMoE, one F pool"}
                 ax.plot(*zip(*sorted(pts)), marker="o", label=names.get(system, system))
         ax.set_title("default context" if context == "default" else f"-c {context} -b 64")
         ax.set_xlabel("memory cap, % of the BF16 model")

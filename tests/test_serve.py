@@ -40,6 +40,15 @@ def budget_of(path, arch: str, name: str) -> int:
     return {"top-k": TOP_K[arch] * one, "half": everything // 2, "everything": everything}[name]
 
 
+def assert_slots_fit_the_budget(stats: dict, budget: int, one: int) -> None:
+    """One F pool takes every slot the budget holds; the default pools (tests/test_default_pools.py)
+    take fewer, beside their stores, and serve from them."""
+    if any(stats["memory"]["pools"].values()):
+        assert stats["n_slots"] * one <= budget and stats["c_hits"] + stats["s_hits"] + stats["e_hits"] > 0
+    else:
+        assert stats["n_slots"] == budget // one
+
+
 def trace_and_close(llm, n_seq: int):
     """logits_trace of the first n_seq prompts, and the cache's statistics after it; closes llm."""
     try:
@@ -137,7 +146,7 @@ def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zip
     assert got.shape == want.shape
     differing = int((got != want).any(axis=1).sum())
     assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF"
-    assert stats["n_slots"] == budget // one
+    assert_slots_fit_the_budget(stats, budget, one)
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
     if budget_name == "top-k":
         # a prefill of this many tokens selects more experts per layer than there are slots: several passes ran
@@ -183,7 +192,7 @@ def test_preload_fills_the_slots_and_stays_bit_identical(arch, budget_name, zipm
     if budget_name == "everything":
         assert after["expert_misses"] == 0 and after["bytes_read"] == 0 and after["expert_hits"] > 0
     elif budget_name == "half":  # (top-k slots over all the layers leave each layer a share of 0 or 1)
-        assert after["expert_hits"] > 0
+        assert after["expert_hits"] + after["c_hits"] + after["s_hits"] + after["e_hits"] > 0
 
 
 def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):

@@ -58,7 +58,27 @@ class MemoryPlan(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("available", "non_expert", "contexts", "cache_buffers", "margin",
                                                      "fits", "budget", "expert_bytes")] + \
                [(name, ctypes.c_int32) for name in ("n_contexts", "n_slots", "slot_capacity", "min_slots")] + \
-               [("source", ctypes.c_char * 256)]
+               [("source", ctypes.c_char * 256), ("pools", ctypes.c_int32 * 4), ("pools_why", ctypes.c_char * 320)]
+
+
+class PlanParams(ctypes.Structure):
+    """struct ggml_zipmoe_plan_params: the runtime's planner (Alg. 2-4 on given selection probabilities)."""
+    _fields_ = [("n_expert", ctypes.c_int32), ("k", ctypes.c_int32), ("q", ctypes.POINTER(ctypes.c_double)),
+                ("budget", ctypes.c_uint64), ("entry_bytes", ctypes.c_uint64 * 4), ("u", ctypes.c_double),
+                ("v", ctypes.c_double), ("c", ctypes.c_double), ("threads", ctypes.c_int32),
+                ("n_shards", ctypes.c_int32), ("n_tensors", ctypes.c_int32), ("n_layer", ctypes.c_int32),
+                ("grid_steps", ctypes.c_int32)]
+
+
+class PlanResult(ctypes.Structure):
+    _fields_ = [("capacity", ctypes.c_int32 * 4), ("expected_makespan_s", ctypes.c_double)]
+
+
+class DefaultPools(ctypes.Structure):
+    """struct ggml_zipmoe_default_pools: the pools a model loaded with no pool options gets."""
+    _fields_ = [("capacity", ctypes.c_int32 * 4), ("n_slots", ctypes.c_int32), ("inclusive", ctypes.c_int32),
+                ("expected_makespan_s", ctypes.c_double), ("f_only_makespan_s", ctypes.c_double),
+                ("why", ctypes.c_char * 320)]
 
 
 class CacheParams(ctypes.Structure):
@@ -207,6 +227,12 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_n_slots": (ctypes.c_int32, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_slot_capacity": (ctypes.c_int32, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_set_n_slots": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32]),
+    "ggml_zipmoe_cache_set_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
+                                                   ctypes.c_int]),
+    "ggml_zipmoe_plan_pools": (ctypes.c_int, [ctypes.POINTER(PlanParams), ctypes.POINTER(PlanResult)]),
+    "ggml_zipmoe_cache_default_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
+                                                       ctypes.c_int32, ctypes.c_double, ctypes.c_double,
+                                                       ctypes.POINTER(DefaultPools)]),
     "ggml_zipmoe_cache_extra_bytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_cache_cancel": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_memory_available": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_void_p]),
@@ -338,6 +364,8 @@ def memory_plan(model) -> dict | None:
         return None
     out = {name: getattr(plan, name) for name, _ in MemoryPlan._fields_}
     out["source"] = plan.source.decode(errors="replace")
+    out["pools"] = dict(zip(pool_names(), plan.pools))
+    out["pools_why"] = plan.pools_why.decode(errors="replace")
     return out
 
 

@@ -106,7 +106,13 @@ class Llama(llama_cpp.Llama):
       zipmoe_rank_delta: the "rank" dispatch's tolerance margin delta (default 0, or the plan's)
       zipmoe_pools:     the hierarchical pools (ZipMoE §3.2), experts per MoE layer kept full (F),
                         compressed (C: SM + E-chunks), as SM-chunks (S) or as E-chunks (E), e.g.
-                        "F=4,C=8,E=2" or {"F": 4, "C": 8}; default: one F pool of the whole budget
+                        "F=4,C=8,E=2" or {"F": 4, "C": 8}; default: zipmoe_auto_pools
+      zipmoe_auto_pools: with no pools given (default True), the pools for the memory left: one F pool
+                        when every expert fits full; when every compressed expert fits, all of them in C
+                        and as many as room allows in F too (nothing is read after warm-up); otherwise
+                        the planner's pools for a uniform profile (ZipMoE Alg. 4), if it expects them to
+                        beat one F pool. zipmoe_stats()["memory"]["pools_why"] says which and why.
+                        False: one F pool of the whole budget
       zipmoe_plan:      a zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools)
       zipmoe_work_slots: with pools, the slots beyond F's where other experts are made full for a
                         pass (default 8; a ubatch choosing more distinct experts per layer than the
@@ -147,7 +153,8 @@ class Llama(llama_cpp.Llama):
                                    kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
                                    kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"),
                                    kwargs.get("zipmoe_prefetch"), kwargs.get("zipmoe_substitution"),
-                                   kwargs.get("zipmoe_smoe_alpha"), _buddy_kwargs(kwargs))
+                                   kwargs.get("zipmoe_smoe_alpha"), _buddy_kwargs(kwargs),
+                                   auto_pools=kwargs.get("zipmoe_auto_pools"))
         if kwargs.get("zipmoe_buddy_profile") is not None and kwargs.get("zipmoe_substitution") != "buddy":
             raise ZipMoEError("zipmoe_buddy_profile is BuddyMoE's: give it with zipmoe_substitution='buddy'")
         if kwargs.get("zipmoe_substitution") == "buddy" and kwargs.get("zipmoe_buddy_profile") is None:
@@ -166,7 +173,8 @@ class Llama(llama_cpp.Llama):
                  zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
                  zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None,
                  zipmoe_prefetch: bool | None = None, zipmoe_substitution: str | None = None,
-                 zipmoe_smoe_alpha: float | None = None, zipmoe_buddy_profile=None, **kwargs):
+                 zipmoe_smoe_alpha: float | None = None, zipmoe_buddy_profile=None,
+                 zipmoe_auto_pools: bool | None = None, **kwargs):
         buddy = _buddy_kwargs(kwargs, pop=True)
         profile = None
         if zipmoe_buddy_profile is not None:
@@ -177,7 +185,7 @@ class Llama(llama_cpp.Llama):
         overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
                                           zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
                                           zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch, zipmoe_substitution,
-                                          zipmoe_smoe_alpha, buddy))
+                                          zipmoe_smoe_alpha, buddy, auto_pools=zipmoe_auto_pools))
         if overrides:
             kwargs["kv_overrides"] = overrides
         super().__init__(model_path, *args, **kwargs)

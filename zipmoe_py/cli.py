@@ -109,7 +109,10 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
               f"{plan['available'] / gib:.2f} GiB ({plan['source']}) - non-expert weights {plan['non_expert'] / gib:.2f} "
               f"- {plan['n_contexts']} context(s) {plan['contexts'] / gib:.2f} - cache buffers "
               f"{plan['cache_buffers'] / gib:.2f} - margin {plan['margin'] / gib:.2f} = {plan['fits'] / gib:.2f} GiB "
-              "for slots", file=sys.stderr)
+              "for slots and stores", file=sys.stderr)
+        pools = ", ".join(f"{name} {count}" for name, count in plan["pools"].items())
+        print(f"[stats] pools per MoE layer: {pools if any(plan['pools'].values()) else 'one F pool'}; "
+              f"{plan['pools_why']}", file=sys.stderr)
     return now
 
 
@@ -149,7 +152,7 @@ def chat(args) -> int:
                 zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
                 zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch,
                 zipmoe_substitution=args.substitution, zipmoe_smoe_alpha=args.smoe_alpha,
-                zipmoe_buddy_profile=args.buddy_profile,
+                zipmoe_buddy_profile=args.buddy_profile, zipmoe_auto_pools=False if args.no_auto_pools else None,
                 **{f"zipmoe_buddy_{name}": getattr(args, f"buddy_{name}") for name in BUDDY_PARAMETERS})
     system = [{"role": "system", "content": args.system}] if args.system else []
 
@@ -251,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ZipMoE GGUFs: hierarchical cache pools by hand, experts per MoE layer kept full (F), "
                          "compressed (C), as sign+mantissa chunks (S) or as exponent chunks (E); an expert goes "
                          "to the first pool whose cumulative size exceeds its activation rank (instead of --plan)")
+    ap.add_argument("--no-auto-pools", action="store_true",
+                    help="ZipMoE GGUFs without --plan/--pools: one pool of full experts for the whole budget. By "
+                         "default the pools follow the memory left: every expert full if all fit; every "
+                         "compressed expert kept (and some full) if those fit, so nothing is read after warm-up; "
+                         "else the planner's pools for a uniform profile when it expects them to beat one full "
+                         "pool. --stats says which and why")
     ap.add_argument("--work-slots", type=int, default=None, metavar="N",
                     help="ZipMoE GGUFs with pools: slots beyond F's where experts from C, S, E or disk are made "
                          "full for use (default: 8)")
@@ -295,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.plan is not None and args.pools is not None:
         ap.error("give --plan or --pools, not both (a plan sets the pools)")
+    if args.no_auto_pools and (args.plan is not None or args.pools is not None):
+        ap.error("--no-auto-pools is for the default pools: --plan and --pools set them anyway")
     if args.work_slots is not None and args.work_slots < 1:
         ap.error(f"--work-slots must be >= 1, got {args.work_slots}")
     if args.zipmoe_threads is not None and args.zipmoe_threads < 0:

@@ -84,7 +84,7 @@ def plan_overrides(plan_path) -> dict:
 def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
                      rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
                      preload: bool | None = None, prefetch: bool | None = None, substitution=None,
-                     smoe_alpha=None, buddy: dict | None = None) -> dict:
+                     smoe_alpha=None, buddy: dict | None = None, auto_pools: bool | None = None) -> dict:
     """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
     not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
     out = {}
@@ -117,6 +117,12 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
         if not isinstance(preload, bool):
             raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
         out["zipmoe.preload"] = preload
+    if auto_pools is not None:
+        if not isinstance(auto_pools, bool):
+            raise ZipMoEError(f"zipmoe_auto_pools must be True or False; got {auto_pools!r}")
+        if auto_pools and any(key.startswith("zipmoe.pool_") for key in out):
+            raise ZipMoEError("zipmoe_auto_pools=True picks the pools: give it or zipmoe_pools/zipmoe_plan, not both")
+        out["zipmoe.auto_pools"] = auto_pools
     if prefetch is not None:
         if not isinstance(prefetch, bool):
             raise ZipMoEError(f"zipmoe_prefetch must be True or False; got {prefetch!r}")

@@ -370,6 +370,69 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_slot_capacity(const struct ggml_zipmoe
 // ggml_zipmoe_cache_error).
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * cache, int32_t n_slots);
 
+// reconfigure the pools (what ggml_zipmoe_cache_params.pool_capacity sets at creation) and the slots
+// in use: capacity[4] experts per served layer in F, C, S, E (all 0: one F pool of every slot in
+// use), n_slots as in ggml_zipmoe_cache_set_n_slots (with pools, more than F's). The stores are
+// made anew and empty, experts in the slots given up are forgotten, a pending prefetch is dropped.
+// inclusive (with C holding every expert of a layer): an F expert keeps its C entry as well, so
+// that one leaving F is never read again. No fetch of another thread may be open; graphs built
+// for the old slot count must be rebuilt. OK, ERR_ARG or ERR_NOMEM (then one F pool of n_slots
+// slots; the message in ggml_zipmoe_cache_error).
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * cache, const int32_t * capacity,
+                                                    int32_t n_slots, int inclusive);
+
+// The pool planner (ZipMoE Alg. 2-4, paper 3.4): the per-layer capacities of the pools Lambda
+// (those with entry_bytes != 0) that minimise the expected makespan of a sparse layer (Alg. 3's
+// max(I/O time, decompression time / threads)), by a grid search over the shares of the budget in
+// steps of 1 / grid_steps: a share gamma_p gives floor(gamma_p budget / (entry_bytes[p] n_layer))
+// experts, packed onto consecutive ranks in hierarchy order; ties keep the earlier grid point, the
+// first being all memory in the first pool of Lambda. zipmoe_py/planner.py is the reference (it
+// fits q to a profile with the modified IPF).
+struct ggml_zipmoe_plan_params {
+    int32_t        n_expert;       // N, experts per MoE layer
+    int32_t        k;              // experts a ubatch selects per layer
+    const double * q;              // [n_expert] selection probabilities by rank (NULL: uniform, k / N)
+    uint64_t       budget;         // bytes for the pools of all n_layer MoE layers
+    uint64_t       entry_bytes[4]; // one expert in F, C, S, E (0: the pool is not in Lambda)
+    double         u, v, c;        // seconds: read one tensor's SM-chunk, read one E-chunk, decode one E-chunk
+    int32_t        threads;        // L, decoding threads
+    int32_t        n_shards;       // K, E-chunks per tensor
+    int32_t        n_tensors;      // n, tensors per expert
+    int32_t        n_layer;        // MoE layers
+    int32_t        grid_steps;     // 1 / the grid step (20: 0.05)
+};
+
+struct ggml_zipmoe_plan_result {
+    int32_t capacity[4];         // experts per layer in F, C, S, E
+    double  expected_makespan_s; // Alg. 4's expected makespan of a layer
+};
+
+// OK, or ERR_ARG for invalid params (nothing selectable, no pool, a q outside [0, 1])
+GGML_ZIPMOE_API int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params * params,
+                                           struct ggml_zipmoe_plan_result * result);
+
+// The pools a model loaded with no pool options gets for `budget` bytes of expert memory:
+// - every expert fits full: one F pool (capacity all 0);
+// - every compressed expert fits beside work_slots working slots: C holds every expert and F as
+//   many as the rest allows, inclusive (nothing is read after warm-up);
+// - otherwise the planner's choice for a uniform profile (every expert equally likely), with the
+//   cache's rates (measured by its fetches, or the defaults) and the store entries' real sizes,
+//   kept only if it expects a shorter makespan than one F pool.
+struct ggml_zipmoe_default_pools {
+    int32_t capacity[4];         // experts per served layer in F, C, S, E; all 0: one F pool of n_slots
+    int32_t n_slots;             // slots to use (F's and the working slots)
+    int32_t inclusive;           // for ggml_zipmoe_cache_set_pools
+    double  expected_makespan_s; // the planner's expectation per layer (0 when it did not run)
+    double  f_only_makespan_s;   // and its expectation for one F pool of the same budget
+    char    why[320];            // one sentence for logs and statistics
+};
+
+// k: experts a token selects per layer; n_threads: decoding threads; rate_read, rate_decode: the
+// cost model's rates (bytes per second; 0: the cache's, ggml_zipmoe_cache_rate). OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * cache, uint64_t budget, int32_t k,
+                                                    int32_t n_threads, int32_t work_slots, double rate_read,
+                                                    double rate_decode, struct ggml_zipmoe_default_pools * out);
+
 // host memory the cache allocates besides the slots, once it has fetched with n_threads graph
 // threads: the C, S, E stores, the staging rings, the decoders and the bookkeeping
 GGML_ZIPMOE_API size_t  ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * cache, int n_threads);

@@ -84,6 +84,7 @@ const option_desc k_options[] = {
     { "zipmoe.pool_s",     "ZIPMOE_POOL_S",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
+    { "zipmoe.auto_pools", "ZIPMOE_AUTO_POOLS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe, buddy (smoe and buddy are lossy)" },
@@ -334,6 +335,8 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             o.pools[strchr("fcse", key.back()) - "fcse"] = (int32_t) as_int(v, d, 0, 1 << 20);
         } else if (key == "zipmoe.work_slots") {
             o.work_slots = (int32_t) as_int(v, d, 1, 1 << 20);
+        } else if (key == "zipmoe.auto_pools") {
+            o.auto_pools = as_bool(v, d);
         } else if (key == "zipmoe.prefetch") {
             o.prefetch = as_bool(v, d);
         } else if (key == "zipmoe.resident_views") {
@@ -821,7 +824,7 @@ void llama_zipmoe::attach(llama_context * lctx) {
         }
         // every expert resident: the graphs may use the slots in place (rebuilt for it)
         const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && on_gpu);
-        if (status == GGML_ZIPMOE_OK && views && !opt.with_pools()) {
+        if (status == GGML_ZIPMOE_OK && views && !opt.with_pools() && !auto_active) {
             std::vector<int32_t> base;
             if (resident_bases(base)) {
                 std::lock_guard<std::mutex> lock(state_mutex);
@@ -880,7 +883,14 @@ void llama_zipmoe::resize(const llama_context * making) {
             }
         }
     }
-    const uint64_t own    = ggml_zipmoe_cache_extra_bytes(cache, n_threads_max);
+    // the stores of C, S and E are sized with the slots, from what is left beside the cache's other buffers
+    uint64_t stores = 0;
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; ++p) {
+        size_t entry = 0;
+        stores += (uint64_t) std::max(0, ggml_zipmoe_cache_pool_entries(cache, p, &entry)) * entry;
+    }
+    const uint64_t extra  = ggml_zipmoe_cache_extra_bytes(cache, n_threads_max);
+    const uint64_t own    = opt.with_pools() || extra < stores ? extra : extra - stores;
     const uint64_t margin = (64ull << 20) + available_at_load / 32; // heap growth, readahead, allocator slack
     const uint64_t fixed  = non_expert_bytes + contexts_bytes + own + margin;
     const uint64_t fits   = available_at_load > fixed ? available_at_load - fixed : 0;
@@ -920,10 +930,58 @@ void llama_zipmoe::resize(const llama_context * making) {
             }
         }
     }
-    const bool changed = n != n_slots_used;
+
+    // the pools for that memory (deliverable of issue 13: compressed experts kept where full ones do not fit)
+    ggml_zipmoe_default_pools choice = {};
+    bool use_pools = false;
+    if (opt.with_pools()) {
+        snprintf(choice.why, sizeof(choice.why), "the pools given (zipmoe.pool_* or a zipmoe-plan file)");
+    } else if (on_gpu) {
+        snprintf(choice.why, sizeof(choice.why), "one F pool: the slots are in GPU memory");
+    } else if (!opt.auto_pools) {
+        snprintf(choice.why, sizeof(choice.why), "one F pool: zipmoe.auto_pools is off");
+    } else if (opt.eviction != GGML_ZIPMOE_EVICT_RANK) {
+        snprintf(choice.why, sizeof(choice.why), "one F pool: pools dispatch by rank, and zipmoe.eviction is %s",
+                 ggml_zipmoe_eviction_name(opt.eviction));
+    } else {
+        const uint64_t budget  = opt.budget != 0 ? std::min(opt.budget, fits) : fits;
+        const int32_t  threads = opt.threads > 0 ? opt.threads : std::max<int32_t>(1, n_threads_max);
+        // the rates of the first plan (the defaults, or those given): the pools change with the memory
+        // left, not with each measurement of the disk
+        if (plan_rates[0] == 0) {
+            plan_rates[0] = ggml_zipmoe_cache_rate(cache, GGML_ZIPMOE_RATE_READ);
+            plan_rates[1] = ggml_zipmoe_cache_rate(cache, GGML_ZIPMOE_RATE_DECODE);
+        }
+        if (ggml_zipmoe_cache_default_pools(cache, budget, n_expert_used, threads, opt.work_slots, plan_rates[0],
+                                            plan_rates[1], &choice) ==
+                GGML_ZIPMOE_OK &&
+            choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0) {
+            if (choice.n_slots <= capacity && choice.n_slots >= fewest) {
+                use_pools = true;
+                n = choice.n_slots;
+            } else {
+                snprintf(choice.why, sizeof(choice.why), "one F pool: the planned %d slots are outside the %d to %d "
+                         "reserved", choice.n_slots, fewest, capacity);
+                memset(choice.capacity, 0, sizeof(choice.capacity));
+            }
+        }
+    }
+    const bool pools_changed = use_pools != auto_active ||
+                               (use_pools && memcmp(choice.capacity, auto_choice.capacity, sizeof(choice.capacity)) != 0);
+    const bool changed = n != n_slots_used || pools_changed;
     if (changed) {
         const int32_t old = n_slots_used;
-        if (ggml_zipmoe_cache_set_n_slots(cache, n) != GGML_ZIPMOE_OK) {
+        const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
+        const int status = pools_changed ? ggml_zipmoe_cache_set_pools(cache, use_pools ? choice.capacity : none, n,
+                                                                       choice.inclusive)
+                                         : ggml_zipmoe_cache_set_n_slots(cache, n);
+        if (status == GGML_ZIPMOE_ERR_NOMEM && use_pools) {
+            // the stores could not be allocated: the cache fell back to one F pool of n slots
+            LLAMA_LOG_WARN("%s: ZipMoE pools could not be made (%s): one F pool\n", __func__, ggml_zipmoe_cache_error(cache));
+            use_pools = false;
+            snprintf(choice.why, sizeof(choice.why), "one F pool: the planned stores could not be allocated");
+            memset(choice.capacity, 0, sizeof(choice.capacity));
+        } else if (status != GGML_ZIPMOE_OK) {
             throw std::runtime_error(ggml_zipmoe_cache_error(cache));
         }
         n_slots_used = n;
@@ -940,6 +998,13 @@ void llama_zipmoe::resize(const llama_context * making) {
             }
         }
     }
+    if (use_pools && (changed || making != nullptr)) {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache pools per MoE layer: F %d, C %d, S %d, E %d, %d working slots: %s\n",
+                       __func__, choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3],
+                       n - choice.capacity[0] * n_moe_layers, choice.why);
+    }
+    auto_active = use_pools;
+    auto_choice = choice;
     {
         std::lock_guard<std::mutex> lock(state_mutex);
         layout += changed; // graphs built for another slot count must be rebuilt
@@ -957,6 +1022,9 @@ void llama_zipmoe::resize(const llama_context * making) {
         plan.slot_capacity = capacity;
         plan.min_slots     = fewest;
         snprintf(plan.source, sizeof(plan.source), "%s", memory_source.c_str());
+        std::copy(opt.with_pools() ? opt.pools : choice.capacity, (opt.with_pools() ? opt.pools : choice.capacity) + 4,
+                  plan.pools);
+        snprintf(plan.pools_why, sizeof(plan.pools_why), "%s", choice.why);
     }
     LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s)\n", __func__, n, capacity,
                    (double) n * expert_bytes / k_mib, opt.budget != 0 ? "zipmoe.budget; " : "", sums.c_str());

@@ -61,6 +61,9 @@ struct llama_zipmoe_options {
     int32_t     rank_delta = 0;     // zipmoe.rank_delta / ZIPMOE_RANK_DELTA
     int32_t     pools[4]   = { 0, 0, 0, 0 }; // zipmoe.pool_f..pool_e / ZIPMOE_POOL_F..E: experts per MoE layer
     int32_t     work_slots = 8;     // zipmoe.work_slots / ZIPMOE_WORK_SLOTS: slots beyond F's with pools
+    bool        auto_pools = true;  // zipmoe.auto_pools / ZIPMOE_AUTO_POOLS: with no pools given, host slots and
+                                    // rank eviction, the pools ggml_zipmoe_cache_default_pools picks for the
+                                    // memory left (off: one F pool of every slot that fits)
     bool        prefetch   = false; // zipmoe.prefetch / ZIPMOE_PREFETCH: read ahead for the next layer's
                                     // predicted experts (ggml_zipmoe_cache_prefetch); off: it did not win
                                     // on the bench models (docs/benchmarks/BENCHMARKS.md)
@@ -238,6 +241,9 @@ private:
     size_t                mapping_bytes = 0;
     size_t                section[3]    = { 0, 0, 0 }; // offset of each kind's slots in the region
     int32_t               n_slots_used  = 0;
+    ggml_zipmoe_default_pools auto_choice = {}; // the pools resize chose (capacity all 0: one F pool)
+    bool                  auto_active   = false; // auto_choice's pools are the cache's
+    double                plan_rates[2] = { 0, 0 }; // read and decode rates the pools are planned with
     ggml_context *        ctx    = nullptr;
     ggml_backend_buffer_t buf    = nullptr;
     ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };

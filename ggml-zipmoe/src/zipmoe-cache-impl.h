@@ -87,6 +87,7 @@ struct zipmoe_layout {
     uint64_t  kind_n[3];      // values of one expert tensor, by kind
     uint64_t  sm_bytes;       // an expert's SM-chunks: kind_n[0] + kind_n[1] + kind_n[2]
     double    rho;            // stored E bytes over exponent bytes, over the file
+    uint64_t  max_e_bytes;    // the largest stored E bytes of one expert (gate + up + down): a store entry's E part
 };
 
 // residency of the slots (zipmoe-residency.c, under the cache's lock)
@@ -127,6 +128,7 @@ struct zipmoe_pools {
     int32_t             active[4];
     int32_t             threshold[4]; // by pool: ranks below it go to that pool (or an earlier one)
     int32_t             f_capacity;   // slots that may hold F-pool experts (the rest are working slots)
+    int                 inclusive;    // C holds every expert: an F expert keeps its C entry (demoted, it is not read again)
     struct zipmoe_store store[4];     // by pool; F's is unused
     int8_t *            key_pool;     // [n_keys] store holding the expert (C, S, E), or NO_POOL
     int32_t *           key_entry;    // [n_keys]

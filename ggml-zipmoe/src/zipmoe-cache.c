@@ -372,8 +372,8 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         status = c->gpu != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_ARG;
     }
     if (status == GGML_ZIPMOE_OK) {
-        const uint64_t max_e = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
-        status = set_up_pools(c, p->pool_capacity, n_pools, max_e, msg, sizeof(msg));
+        c->layout.max_e_bytes = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
+        status = set_up_pools(c, p->pool_capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
     }
     if (status != GGML_ZIPMOE_OK) {
         set_error(err, err_size, msg);
@@ -440,6 +440,85 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
         if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
             zipmoe_cache_share_single_pool(c);
         }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return status;
+}
+
+static void free_stores(struct ggml_zipmoe_cache * c) {
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        struct zipmoe_store * s = &c->pools.store[p];
+        free(s->mem);
+        free(s->entry_key);
+        free(s->entry_pinned);
+        free(s->entry_last_use);
+        memset(s, 0, sizeof(*s));
+    }
+}
+
+int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
+                                int inclusive) {
+    if (c == NULL || capacity == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    int n_pools = 0;
+    for (int i = 0; i < GGML_ZIPMOE_POOL_COUNT; i++) {
+        if (capacity[i] < 0) {
+            snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_pools: pool %s's capacity is negative",
+                     ggml_zipmoe_pool_name(i));
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        n_pools += capacity[i] > 0;
+    }
+    if (n_pools > 0 && c->policy.eviction != GGML_ZIPMOE_EVICT_RANK) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_pools: pools dispatch by rank: the eviction "
+                 "policy must be rank, not %s", ggml_zipmoe_eviction_name(c->policy.eviction));
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (n_slots < 1 || n_slots > c->slots.capacity) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_pools: %d slots asked, the slot tensors hold 1 "
+                 "to %d", n_slots, c->slots.capacity);
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    ggml_zipmoe_cache_cancel(c); // a fetch this thread left open would hold the lock
+    zipmoe_prefetch_pause(c, 1); // a prefetch planned with the old pools reads nothing more
+    pthread_mutex_lock(&c->lock);
+    pthread_mutex_lock(&c->pipe.io_lock);
+    c->prefetch.latest  = -1;
+    c->prefetch.pending = 0;
+    pthread_mutex_unlock(&c->pipe.io_lock);
+    // the stores are made anew, empty; experts in the slots given up are forgotten
+    free_stores(c);
+    const size_t n_keys = zipmoe_cache_n_keys(c);
+    for (size_t i = 0; i < n_keys; i++) {
+        c->pools.key_pool[i]  = NO_POOL;
+        c->pools.key_entry[i] = -1;
+    }
+    for (int32_t s = n_slots; s < c->slots.n_used; s++) {
+        if (c->slots.key[s] >= 0) {
+            c->slots.of_key[c->slots.key[s]] = -1;
+        }
+        c->slots.key[s] = -1;
+    }
+    for (int32_t s = 0; s < c->slots.capacity; s++) {
+        c->slots.pinned[s]    = 0;
+        c->slots.marked[s]    = 0;
+        c->slots.transient[s] = 0;
+    }
+    __atomic_store_n(&c->slots.n_used, n_slots, __ATOMIC_RELAXED);
+    c->pools.n_active  = 0;
+    c->pools.inclusive = 0;
+    char msg[1024];
+    int status = set_up_pools(c, capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
+    if (status != GGML_ZIPMOE_OK) {
+        // the stores could not be made: one F pool of every slot, as before any pools
+        const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
+        free_stores(c);
+        c->pools.n_active = 0;
+        set_up_pools(c, none, 0, 0, NULL, 0);
+        snprintf(c->error, sizeof(c->error), "%s", msg);
+    } else {
+        c->pools.inclusive = inclusive && n_pools > 0 && capacity[GGML_ZIPMOE_POOL_C] >= c->layout.max_expert;
     }
     pthread_mutex_unlock(&c->lock);
     return status;
@@ -517,6 +596,37 @@ static void * preload_worker_main(void * arg) {
     return NULL;
 }
 
+// one preload fetch of n experts of a layer, decoded on n_threads threads (the caller one of them)
+static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n, int n_threads) {
+    int32_t slot_ids_small[256];
+    int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
+    if (slot_ids == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    const int status = ggml_zipmoe_cache_fetch_begin(c, layer, 0, ids, n, 1, n, slot_ids);
+    pthread_t threads[ZIPMOE_MAX_THREADS];
+    struct preload_worker workers[ZIPMOE_MAX_THREADS];
+    atomic_int nth;
+    atomic_init(&nth, 0);
+    int started = 0;
+    for (int t = 1; t < n_threads; t++) {
+        workers[t] = (struct preload_worker) { c, t, &nth };
+        if (pthread_create(&threads[t], NULL, preload_worker_main, &workers[t]) != 0) {
+            break; // fewer decoding threads
+        }
+        started++;
+    }
+    atomic_store(&nth, started + 1);
+    const int end_status = ggml_zipmoe_cache_fetch_end(c, 0, started + 1);
+    for (int t = 1; t <= started; t++) {
+        pthread_join(threads[t], NULL);
+    }
+    if (slot_ids != slot_ids_small) {
+        free(slot_ids);
+    }
+    return status != GGML_ZIPMOE_OK ? status : end_status;
+}
+
 int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32_t * n_loaded) {
     if (n_loaded != NULL) {
         *n_loaded = 0;
@@ -534,9 +644,14 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
         saved[i] = atomic_load(counters[i]);
     }
     const uint64_t saved_h2d = zipmoe_gpu_h2d_bytes(c->gpu);
-    // each served layer's share of the slots in use (F's capacity with pools), experts in id order
+    // each served layer's share of the slots in use (F's capacity with pools), experts in id order;
+    // then, with pools, the experts of the stores' ranks (by id: no activation is counted yet), as
+    // many at a time as there are working slots
     const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;
     const int32_t share = c->pools.f_capacity / n_served;
+    const int     pooled = !(c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F);
+    const int32_t stored = pooled ? c->pools.threshold[c->pools.active[c->pools.n_active - 1]] - c->policy.rank_delta : 0;
+    const int32_t n_work = c->slots.n_used - c->pools.f_capacity;
     int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1));
     int status = ids != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
     int32_t loaded = 0;
@@ -545,44 +660,29 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
         if (!ggml_zipmoe_cache_has_layer(c, l)) {
             continue;
         }
+        const int64_t base = (int64_t) l * c->layout.max_expert;
         int32_t n = 0;
         for (int32_t e = 0; e < c->layout.layer_n_expert[l] && n < share; e++) {
-            if (c->slots.of_key[(int64_t) l * c->layout.max_expert + e] < 0) {
+            if (c->slots.of_key[base + e] < 0) {
                 ids[n++] = e;
             }
         }
-        if (n == 0) {
-            continue;
+        if (n > 0) {
+            status = preload_fetch(c, l, ids, n, n_threads);
+            loaded += status == GGML_ZIPMOE_OK ? n : 0;
         }
-        int32_t slot_ids_small[256];
-        int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
-        if (slot_ids == NULL) {
-            status = GGML_ZIPMOE_ERR_NOMEM;
-            break;
-        }
-        status = ggml_zipmoe_cache_fetch_begin(c, l, 0, ids, n, 1, n, slot_ids);
-        pthread_t threads[ZIPMOE_MAX_THREADS];
-        struct preload_worker workers[ZIPMOE_MAX_THREADS];
-        atomic_int nth;
-        atomic_init(&nth, 0);
-        int started = 0;
-        for (int t = 1; t < n_threads; t++) {
-            workers[t] = (struct preload_worker) { c, t, &nth };
-            if (pthread_create(&threads[t], NULL, preload_worker_main, &workers[t]) != 0) {
-                break; // fewer decoding threads
+        int32_t e = share;
+        while (status == GGML_ZIPMOE_OK && n_work > 0 && e < stored && e < c->layout.layer_n_expert[l]) {
+            for (n = 0; n < n_work && e < stored && e < c->layout.layer_n_expert[l]; e++) {
+                if (c->slots.of_key[base + e] < 0 && c->pools.key_pool[base + e] == NO_POOL) {
+                    ids[n++] = e;
+                }
             }
-            started++;
+            if (n > 0) {
+                status = preload_fetch(c, l, ids, n, n_threads);
+                loaded += status == GGML_ZIPMOE_OK ? n : 0;
+            }
         }
-        atomic_store(&nth, started + 1);
-        const int end_status = ggml_zipmoe_cache_fetch_end(c, 0, started + 1);
-        for (int t = 1; t <= started; t++) {
-            pthread_join(threads[t], NULL);
-        }
-        if (slot_ids != slot_ids_small) {
-            free(slot_ids);
-        }
-        status = status != GGML_ZIPMOE_OK ? status : end_status;
-        loaded += status == GGML_ZIPMOE_OK ? n : 0;
     }
     c->preloading = 0;
     free(ids);

@@ -355,16 +355,20 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     } else {
         atomic_fetch_add(&c->stats.misses, 1);
     }
-    if (target != cur && target > GGML_ZIPMOE_POOL_F) {
-        dst_pool  = target;
-        dst_entry = store_victim(c, target, serial);
+    // the store that keeps its chunks after use: its pool's; with an inclusive C, an F expert's C entry too
+    const int keep = target > GGML_ZIPMOE_POOL_F                     ? target
+                   : c->pools.inclusive && target == GGML_ZIPMOE_POOL_F ? GGML_ZIPMOE_POOL_C
+                                                                       : NO_POOL;
+    if (keep != NO_POOL && keep != cur) {
+        dst_pool  = keep;
+        dst_entry = store_victim(c, keep, serial);
         if (dst_entry >= 0) {
-            store_forget(c, target, dst_entry);
+            store_forget(c, keep, dst_entry);
         } else {
             dst_pool = NO_POOL; // every entry is read or written by this call
         }
     }
-    if (cur != NO_POOL && target != cur) {
+    if (cur != NO_POOL && keep != cur) {
         store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
     }
     if (dst_pool != NO_POOL) {

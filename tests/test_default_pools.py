@@ -1,0 +1,210 @@
+"""Default pools (issue 13, deliverable 4): the runtime's planner and the pools a model gets with no options.
+
+- ggml_zipmoe_plan_pools (C, what the runtime runs) makes the same choice as zipmoe_py.planner.plan
+  (the reference) on uniform and on fitted, skewed selection probabilities.
+- Loaded with no pool options, a ZipMoE model gets one F pool when every expert fits full; every
+  expert in C (and some in F too) when the compressed ones fit, and then reads nothing after the
+  preload; the planner's pools in between; one F pool with zipmoe_auto_pools=False. Logits stay
+  bit-identical to the BF16 GGUF in every case, and zipmoe-chat --stats says which pools and why.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from zipmoe_py import ZipMoEError, _lib, planner
+from zipmoe_py.plan_files import Costs
+
+from conftest import run, zipmoe_command
+from test_serve import PROMPTS, expert_geometry, load, logits_trace
+
+POOLS = ("F", "C", "S", "E")
+
+
+def c_plan(q, k, budget, entry_bytes, costs, threads, n_shards, n_tensors, n_layer, grid_steps):
+    params = _lib.PlanParams()
+    params.n_expert, params.k, params.budget = len(q), k, budget
+    values = (ctypes.c_double * len(q))(*q)
+    params.q = values
+    for i, pool in enumerate(POOLS):
+        params.entry_bytes[i] = entry_bytes.get(pool, 0)
+    params.u, params.v, params.c = costs.u_s, costs.v_s, costs.c_s
+    params.threads, params.n_shards, params.n_tensors = threads, n_shards, n_tensors
+    params.n_layer, params.grid_steps = n_layer, grid_steps
+    result = _lib.PlanResult()
+    assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) == 0
+    return dict(zip(POOLS, result.capacity)), result.expected_makespan_s
+
+
+SIZES = {"F": 17_301_504, "C": 11_600_000, "S": 8_650_752, "E": 2_950_000}  # a DeepSeek-V2-Lite expert
+
+
+@pytest.mark.parametrize("n_expert,k,skew", [(64, 6, None), (60, 4, None), (16, 4, 0.4), (64, 6, 1.5)])
+@pytest.mark.parametrize("budget_experts", [20, 300, 900, 1500])
+@pytest.mark.parametrize("pools", ["FCSE", "FC", "SE"])
+def test_the_runtimes_planner_chooses_as_the_reference_does(n_expert, k, skew, budget_experts, pools):
+    if skew is None:
+        f = np.full(n_expert, k / n_expert)
+        q = f  # uniform marginals are their own selection probabilities
+    else:
+        weights = np.random.default_rng(n_expert).gamma(skew, size=n_expert)
+        f, _ = planner.round_to_subset_size(k * weights / weights.sum())
+        q = planner.ipf(f, k).selection_probabilities
+    costs = Costs(u_s=4.1e-3, v_s=0.28e-3, c_s=0.36e-3)
+    entry = {p: SIZES[p] for p in pools}
+    budget = budget_experts * SIZES["F"]
+    reference = planner.plan(f, k, budget, entry, tuple(pools), costs, threads=2, n_shards=5,
+                             n_tensors_per_expert=3, n_layer_moe=26, grid=0.05)
+    capacities, makespan = c_plan(q, k, budget, entry, costs, 2, 5, 3, 26, 20)
+    assert capacities == {p: reference.capacities.get(p, 0) for p in POOLS}
+    # float sums in another order: the same choice, the same value to rounding (not a lossless path)
+    assert makespan == pytest.approx(reference.expected_makespan_s, rel=1e-9)
+
+
+def test_the_runtimes_planner_rejects_bad_params():
+    params = _lib.PlanParams()
+    result = _lib.PlanResult()
+    assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) != 0
+    params.n_expert, params.k, params.budget, params.threads, params.n_shards = 8, 9, 1000, 1, 1
+    params.n_tensors, params.n_layer, params.grid_steps = 3, 1, 10
+    params.entry_bytes[0] = 100
+    assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) != 0  # k > N
+    params.k = 2
+    assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) == 0
+    assert result.capacity[0] == 8  # 1000 bytes hold every expert of the one layer
+    bad_q = (ctypes.c_double * 8)(*([0.25] * 7 + [1.5]))
+    params.q = bad_q
+    assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) != 0
+
+
+def pooled_run(path, budget, **options):
+    llm = load(path, zipmoe_budget=budget, zipmoe_preload=True, **options)
+    try:
+        logits, _ = logits_trace(llm, PROMPTS[:2])
+        return logits, llm.zipmoe_stats()
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_gguf):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            llm = load(tiny_gguf(arch))
+            made[arch] = logits_trace(llm, PROMPTS[:2])[0]
+            llm.close()
+        return made[arch]
+    return get
+
+
+def test_every_compressed_expert_fits_nothing_is_read_after_the_preload(arch, zipmoe_gguf, references):
+    path = zipmoe_gguf(arch)
+    one, n_expert, everything = expert_geometry(path)
+    logits, stats = pooled_run(path, int(everything * 0.9))
+    memory = stats["memory"]
+    assert memory["pools"]["C"] == n_expert and memory["pools"]["S"] == memory["pools"]["E"] == 0
+    assert memory["pools"]["F"] >= 1 and "every compressed expert fits" in memory["pools_why"]
+    assert stats["expert_misses"] == 0 and stats["bytes_read"] == 0
+    assert stats["c_hits"] > 0 and stats["expert_hits"] > 0
+    np.testing.assert_array_equal(logits, references(arch))
+
+
+def test_between_the_planner_picks_the_pools_and_stays_exact(arch, zipmoe_gguf, references):
+    path = zipmoe_gguf(arch)
+    one, n_expert, everything = expert_geometry(path)
+    logits, stats = pooled_run(path, everything // 2)
+    memory = stats["memory"]
+    assert "planner (uniform profile" in memory["pools_why"]
+    if any(memory["pools"][p] for p in "CSE"):
+        assert stats["c_hits"] + stats["s_hits"] + stats["e_hits"] > 0
+        from zipmoe_py import format as zformat
+
+        with zformat.ZipMoEFile(path) as zf:
+            n_moe = len(zf.moe_layers())
+        assert memory["n_slots"] == memory["pools"]["F"] * n_moe + 8  # 8 working slots by default
+    np.testing.assert_array_equal(logits, references(arch))
+
+
+def test_one_f_pool_when_every_expert_fits_or_when_turned_off(arch, zipmoe_gguf, references):
+    path = zipmoe_gguf(arch)
+    _, _, everything = expert_geometry(path)
+    logits, stats = pooled_run(path, everything)
+    assert not any(stats["memory"]["pools"].values())
+    assert "every expert fits full" in stats["memory"]["pools_why"]
+    np.testing.assert_array_equal(logits, references(arch))
+    logits, stats = pooled_run(path, int(everything * 0.9), zipmoe_auto_pools=False)
+    assert not any(stats["memory"]["pools"].values()) and "auto_pools is off" in stats["memory"]["pools_why"]
+    assert stats["c_hits"] == 0
+    np.testing.assert_array_equal(logits, references(arch))
+
+
+def test_auto_pools_is_checked_against_the_other_pool_options(zipmoe_gguf):
+    from zipmoe_py.options import zipmoe_overrides
+
+    with pytest.raises(ZipMoEError, match="zipmoe_auto_pools must be True or False"):
+        zipmoe_overrides(auto_pools="yes")
+    with pytest.raises(ZipMoEError, match="zipmoe_auto_pools=True picks the pools"):
+        zipmoe_overrides(pools="F=2,C=4", auto_pools=True)
+    assert zipmoe_overrides(auto_pools=False) == {"zipmoe.auto_pools": False}
+
+
+def test_chat_stats_say_which_pools_and_why(zipmoe_gguf):
+    path = zipmoe_gguf("qwen2moe")
+    _, _, everything = expert_geometry(path)
+    out = run([zipmoe_command("zipmoe-chat"), str(path), "--budget", str(int(everything * 0.9)), "-p", "Hello",
+               "-n", "4", "--stats"])
+    err = out.stderr.decode(errors="replace")
+    assert out.returncode == 0, err
+    assert "[stats] pools per MoE layer: F " in err and "C 16" in err
+    assert "every compressed expert fits" in err
+    out = run([zipmoe_command("zipmoe-chat"), str(path), "--no-auto-pools", "--pools", "F=1,C=2", "-p", "Hi"])
+    assert out.returncode != 0 and "--no-auto-pools is for the default pools" in out.stderr.decode(errors="replace")
+
+
+def test_set_pools_names_what_is_wrong(zipmoe_gguf):
+    """The cache's reconfiguration refuses bad capacities with a message, and leaves the cache usable."""
+    from zipmoe_py import format as zformat
+
+    path = zipmoe_gguf("qwen2moe")  # 4 MoE layers
+    with zformat.ZipMoEFile(path) as zf:
+        moe_layers = zf.moe_layers()
+    assert len(moe_layers) == 4
+    handle = _lib.lib()
+    err = ctypes.create_string_buffer(1024)
+    file = handle.ggml_zipmoe_file_open(str(path).encode(), 0, err, 1024)
+    assert file, err.value
+    one, n_expert, _ = expert_geometry(path)
+    n_slots = 40
+    buffers = [ctypes.create_string_buffer(n_slots * one // 3 + 64) for _ in range(3)]
+    params = _lib.CacheParams()
+    params.file, params.n_slots, params.eviction = file, n_slots, 4
+    for k in range(3):
+        params.slot_data[k] = ctypes.cast(buffers[k], ctypes.c_void_p)
+        params.slot_stride[k] = one // 3
+    params.set_layers(moe_layers)
+    cache = handle.ggml_zipmoe_cache_new(ctypes.byref(params), err, 1024)
+    assert cache, err.value
+    try:
+        negative = (ctypes.c_int32 * 4)(0, -1, 0, 0)
+        assert handle.ggml_zipmoe_cache_set_pools(cache, negative, 10, 0) != 0
+        assert b"pool C's capacity is negative" in handle.ggml_zipmoe_cache_error(cache)
+        no_work_slot = (ctypes.c_int32 * 4)(10, 4, 0, 0)  # F 10 per layer x 4 layers = 40 slots: none to work in
+        assert handle.ggml_zipmoe_cache_set_pools(cache, no_work_slot, 40, 0) != 0
+        assert b"working slot" in handle.ggml_zipmoe_cache_error(cache)
+        too_many = (ctypes.c_int32 * 4)(1, 4, 0, 0)
+        assert handle.ggml_zipmoe_cache_set_pools(cache, too_many, 41, 0) != 0
+        good = (ctypes.c_int32 * 4)(2, n_expert, 0, 0)
+        assert handle.ggml_zipmoe_cache_set_pools(cache, good, 16, 1) == 0
+        size = ctypes.c_size_t()
+        assert handle.ggml_zipmoe_cache_pool_entries(cache, 1, ctypes.byref(size)) == n_expert * 4
+        assert handle.ggml_zipmoe_cache_pool_entries(cache, 0, None) == 8
+        choice = _lib.DefaultPools()
+        assert handle.ggml_zipmoe_cache_default_pools(cache, 1 << 40, 6, 2, 8, 0, 0, ctypes.byref(choice)) == 0
+        assert list(choice.capacity) == [0, 0, 0, 0] and b"every expert fits full" in choice.why
+    finally:
+        handle.ggml_zipmoe_cache_free(cache)
+        handle.ggml_zipmoe_file_close(file)
