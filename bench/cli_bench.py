@@ -47,7 +47,8 @@ def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) 
            str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp", "1",
            "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *CONTEXTS[context]]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
+                          stdin=subprocess.DEVNULL,
                           env={**os.environ, **(env or {})})
     row = {"command": cmd[cmd.index("--") + 1:], "env": env or {}, "wall_s": time.perf_counter() - t}
     stats = STATS.findall(proc.stderr)
@@ -65,7 +66,8 @@ def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) 
     if "prompt eval" in perf:
         row.update({"prompt_s": perf["prompt eval"][0] / 1e3, "prompt_tokens": perf["prompt eval"][1]})
     for line in proc.stderr.splitlines():
-        if ("ZipMoE expert cache:" in line or "ZipMoE expert cache pools" in line or "memory is short" in line
+        if ("ZipMoE expert cache:" in line or "ZipMoE expert cache pools" in line or "ZipMoE pools re-planned" in line
+                or "memory is short" in line
                 or "does not fit" in line or "ZipMoE preloaded" in line):
             row.setdefault("zipmoe_log", []).append(line.strip())
     return row

@@ -63,6 +63,24 @@ def test_the_runtimes_planner_chooses_as_the_reference_does(n_expert, k, skew, b
     assert makespan == pytest.approx(reference.expected_makespan_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("n,k,skew", [(8, 2, 0.5), (60, 4, 0.3), (64, 6, 2.0), (16, 4, 0.15)])
+def test_the_runtimes_ipf_fits_as_the_reference_does(n, k, skew):
+    weights = np.sort(np.random.default_rng(n + k).gamma(skew, size=n))[::-1]
+    f, _ = planner.round_to_subset_size(k * weights / weights.sum())
+    want = planner.ipf(f, k).selection_probabilities
+    got = (ctypes.c_double * n)()
+    assert _lib.lib().ggml_zipmoe_plan_fit((ctypes.c_double * n)(*f), n, k, got) == 0
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-7, atol=1e-12)  # an iterative fit: not a lossless path
+
+
+def test_the_runtimes_ipf_rejects_inconsistent_marginals():
+    out = (ctypes.c_double * 4)()
+    assert _lib.lib().ggml_zipmoe_plan_fit((ctypes.c_double * 4)(0.5, 0.5, 0.5, 0.1), 4, 2, out) != 0  # sum != k
+    assert _lib.lib().ggml_zipmoe_plan_fit((ctypes.c_double * 4)(1.5, 0.5, 0.0, 0.0), 4, 2, out) != 0  # f > 1
+    assert _lib.lib().ggml_zipmoe_plan_fit((ctypes.c_double * 4)(1.0, 1.0, 0.0, 0.0), 4, 2, out) == 0
+    assert list(out) == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_the_runtimes_planner_rejects_bad_params():
     params = _lib.PlanParams()
     result = _lib.PlanResult()
@@ -79,10 +97,10 @@ def test_the_runtimes_planner_rejects_bad_params():
     assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) != 0
 
 
-def pooled_run(path, budget, **options):
+def pooled_run(path, budget, n_seq: int = 2, **options):
     llm = load(path, zipmoe_budget=budget, zipmoe_preload=True, **options)
     try:
-        logits, _ = logits_trace(llm, PROMPTS[:2])
+        logits, _ = logits_trace(llm, PROMPTS[:n_seq])
         return logits, llm.zipmoe_stats()
     finally:
         llm.close()
@@ -92,12 +110,12 @@ def pooled_run(path, budget, **options):
 def references(tiny_gguf):
     made = {}
 
-    def get(arch):
-        if arch not in made:
+    def get(arch, n_seq: int = 2):
+        if (arch, n_seq) not in made:
             llm = load(tiny_gguf(arch))
-            made[arch] = logits_trace(llm, PROMPTS[:2])[0]
+            made[arch, n_seq] = logits_trace(llm, PROMPTS[:n_seq])[0]
             llm.close()
-        return made[arch]
+        return made[arch, n_seq]
     return get
 
 
@@ -140,6 +158,21 @@ def test_one_f_pool_when_every_expert_fits_or_when_turned_off(arch, zipmoe_gguf,
     assert not any(stats["memory"]["pools"].values()) and "auto_pools is off" in stats["memory"]["pools_why"]
     assert stats["c_hits"] == 0
     np.testing.assert_array_equal(logits, references(arch))
+
+
+def test_pools_are_planned_again_from_the_routing_seen_and_stay_exact(arch, zipmoe_gguf, references, monkeypatch):
+    """After zipmoe.replan_tokens decode steps of one token the default pools are planned from those
+    steps' routing (the tiny models' random routing concentrates: one F pool wins); 0 keeps the first plan."""
+    path = zipmoe_gguf(arch)
+    _, _, everything = expert_geometry(path)
+    monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "8")
+    logits, stats = pooled_run(path, everything // 2, n_seq=1)
+    assert "observed profile" in stats["memory"]["pools_why"]
+    np.testing.assert_array_equal(logits, references(arch, 1))
+    monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "0")
+    logits, stats = pooled_run(path, everything // 2, n_seq=1)
+    assert "uniform profile" in stats["memory"]["pools_why"]
+    np.testing.assert_array_equal(logits, references(arch, 1))
 
 
 def test_auto_pools_is_checked_against_the_other_pool_options(zipmoe_gguf):
@@ -203,7 +236,7 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         assert handle.ggml_zipmoe_cache_pool_entries(cache, 1, ctypes.byref(size)) == n_expert * 4
         assert handle.ggml_zipmoe_cache_pool_entries(cache, 0, None) == 8
         choice = _lib.DefaultPools()
-        assert handle.ggml_zipmoe_cache_default_pools(cache, 1 << 40, 6, 2, 8, 0, 0, ctypes.byref(choice)) == 0
+        assert handle.ggml_zipmoe_cache_default_pools(cache, 1 << 40, 6, 2, 8, 0, 0, None, ctypes.byref(choice)) == 0
         assert list(choice.capacity) == [0, 0, 0, 0] and b"every expert fits full" in choice.why
     finally:
         handle.ggml_zipmoe_cache_free(cache)

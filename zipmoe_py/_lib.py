@@ -78,7 +78,7 @@ class DefaultPools(ctypes.Structure):
     """struct ggml_zipmoe_default_pools: the pools a model loaded with no pool options gets."""
     _fields_ = [("capacity", ctypes.c_int32 * 4), ("n_slots", ctypes.c_int32), ("inclusive", ctypes.c_int32),
                 ("expected_makespan_s", ctypes.c_double), ("f_only_makespan_s", ctypes.c_double),
-                ("why", ctypes.c_char * 320)]
+                ("current_makespan_s", ctypes.c_double), ("why", ctypes.c_char * 320)]
 
 
 class CacheParams(ctypes.Structure):
@@ -232,7 +232,9 @@ _PROTOTYPES = {
     "ggml_zipmoe_plan_pools": (ctypes.c_int, [ctypes.POINTER(PlanParams), ctypes.POINTER(PlanResult)]),
     "ggml_zipmoe_cache_default_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
                                                        ctypes.c_int32, ctypes.c_double, ctypes.c_double,
-                                                       ctypes.POINTER(DefaultPools)]),
+                                                       ctypes.POINTER(ctypes.c_double), ctypes.POINTER(DefaultPools)]),
+    "ggml_zipmoe_plan_fit": (ctypes.c_int, [ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_int32,
+                                            ctypes.POINTER(ctypes.c_double)]),
     "ggml_zipmoe_cache_extra_bytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_cache_cancel": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_memory_available": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_void_p]),

@@ -111,7 +111,9 @@ class Llama(llama_cpp.Llama):
                         when every expert fits full; when every compressed expert fits, all of them in C
                         and as many as room allows in F too (nothing is read after warm-up); otherwise
                         the planner's pools for a uniform profile (ZipMoE Alg. 4), if it expects them to
-                        beat one F pool. zipmoe_stats()["memory"]["pools_why"] says which and why.
+                        beat one F pool; after 16 one-token decode steps (KV zipmoe.replan_tokens, 0:
+                        never) planned once more from the routing seen.
+                        zipmoe_stats()["memory"]["pools_why"] says which and why.
                         False: one F pool of the whole budget
       zipmoe_plan:      a zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools)
       zipmoe_work_slots: with pools, the slots beyond F's where other experts are made full for a

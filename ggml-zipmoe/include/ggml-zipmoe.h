@@ -424,14 +424,24 @@ struct ggml_zipmoe_default_pools {
     int32_t inclusive;           // for ggml_zipmoe_cache_set_pools
     double  expected_makespan_s; // the planner's expectation per layer (0 when it did not run)
     double  f_only_makespan_s;   // and its expectation for one F pool of the same budget
+    double  current_makespan_s;  // and for the pools the cache has now (0 when the planner did not run)
     char    why[320];            // one sentence for logs and statistics
 };
 
 // k: experts a token selects per layer; n_threads: decoding threads; rate_read, rate_decode: the
-// cost model's rates (bytes per second; 0: the cache's, ggml_zipmoe_cache_rate). OK or ERR_ARG.
+// cost model's rates (bytes per second; 0: the cache's, ggml_zipmoe_cache_rate); profile: NULL (the
+// built-in uniform profile) or [n_expert] rank-based inclusion probabilities observed per token
+// (descending, scaled to sum k): the planner then fits them (ggml_zipmoe_plan_fit) and every
+// expert is kept in C only if it expects that to be the fastest. OK, ERR_ARG or ERR_NOMEM.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * cache, uint64_t budget, int32_t k,
                                                     int32_t n_threads, int32_t work_slots, double rate_read,
-                                                    double rate_decode, struct ggml_zipmoe_default_pools * out);
+                                                    double rate_decode, const double * profile,
+                                                    struct ggml_zipmoe_default_pools * out);
+
+// the modified IPF of ZipMoE's eq. (24) (zipmoe_py.planner.ipf): selection probabilities q [n] whose
+// conditional Bernoulli distribution on k-sets has the inclusion probabilities f [n] (sum k, each in
+// [0, 1]; 1: always, 0: never selected). OK, or ERR_ARG (inconsistent f, or no convergence).
+GGML_ZIPMOE_API int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q);
 
 // host memory the cache allocates besides the slots, once it has fetched with n_threads graph
 // threads: the C, S, E stores, the staging rings, the decoders and the bookkeeping

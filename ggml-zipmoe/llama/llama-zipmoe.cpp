@@ -85,6 +85,7 @@ const option_desc k_options[] = {
     { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
     { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
     { "zipmoe.auto_pools", "ZIPMOE_AUTO_POOLS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
+    { "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS", option_type::integer, "a number of tokens >= 0 (0: never)" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe, buddy (smoe and buddy are lossy)" },
@@ -337,6 +338,8 @@ llama_zipmoe_options llama_zipmoe_options::parse(
             o.work_slots = (int32_t) as_int(v, d, 1, 1 << 20);
         } else if (key == "zipmoe.auto_pools") {
             o.auto_pools = as_bool(v, d);
+        } else if (key == "zipmoe.replan_tokens") {
+            o.replan_tokens = (int32_t) as_int(v, d, 0, 1 << 30);
         } else if (key == "zipmoe.prefetch") {
             o.prefetch = as_bool(v, d);
         } else if (key == "zipmoe.resident_views") {
@@ -944,6 +947,7 @@ void llama_zipmoe::resize(const llama_context * making) {
         snprintf(choice.why, sizeof(choice.why), "one F pool: pools dispatch by rank, and zipmoe.eviction is %s",
                  ggml_zipmoe_eviction_name(opt.eviction));
     } else {
+        auto_eligible = true;
         const uint64_t budget  = opt.budget != 0 ? std::min(opt.budget, fits) : fits;
         const int32_t  threads = opt.threads > 0 ? opt.threads : std::max<int32_t>(1, n_threads_max);
         // the rates of the first plan (the defaults, or those given): the pools change with the memory
@@ -952,8 +956,10 @@ void llama_zipmoe::resize(const llama_context * making) {
             plan_rates[0] = ggml_zipmoe_cache_rate(cache, GGML_ZIPMOE_RATE_READ);
             plan_rates[1] = ggml_zipmoe_cache_rate(cache, GGML_ZIPMOE_RATE_DECODE);
         }
+        auto_budget  = budget;
+        auto_threads = threads;
         if (ggml_zipmoe_cache_default_pools(cache, budget, n_expert_used, threads, opt.work_slots, plan_rates[0],
-                                            plan_rates[1], &choice) ==
+                                            plan_rates[1], replanned ? observed_profile.data() : nullptr, &choice) ==
                 GGML_ZIPMOE_OK &&
             choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0) {
             if (choice.n_slots <= capacity && choice.n_slots >= fewest) {
@@ -1332,7 +1338,118 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
         LLAMA_LOG_ERROR("%s: %s\n", __func__, st.error.c_str());
         return GGML_STATUS_FAILED;
     }
+    if (status == GGML_STATUS_SUCCESS) {
+        observe_routing();
+    }
     return status;
+}
+
+// the default pools, planned once more from the routing seen: after zipmoe.replan_tokens decode
+// steps (ubatches of one token) the rank-based inclusion probabilities of those steps replace the
+// built-in uniform profile. Called after a graph, under compute_mutex: no fetch is open.
+void llama_zipmoe::observe_routing() {
+    if (!auto_eligible || replanned || opt.replan_tokens == 0 || cache == nullptr) {
+        return;
+    }
+    const int n_layer = (int) gate_inp.size();
+    int32_t n_exp = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        n_exp = std::max(n_exp, ggml_zipmoe_cache_n_expert(cache, il));
+    }
+    if (n_exp == 0) {
+        return;
+    }
+    if (seen_counts.empty()) {
+        seen_counts.assign((size_t) n_layer * n_exp, 0);
+        seen_ubatches.assign(n_layer, 0);
+        token_counts.assign((size_t) n_layer * n_exp, 0);
+    }
+    // this graph's selections per layer: a decode step of one token selects n_expert_used in each
+    std::vector<uint64_t> counts((size_t) n_layer * n_exp, 0), ubatches(n_layer, 0);
+    bool one_token = true, any = false;
+    for (int il = 0; il < n_layer; ++il) {
+        if (!ggml_zipmoe_cache_has_layer(cache, il)) {
+            continue;
+        }
+        ggml_zipmoe_cache_get_activations(cache, il, counts.data() + (size_t) il * n_exp, &ubatches[il]);
+        uint64_t selected = 0;
+        for (int32_t e = 0; e < n_exp; ++e) {
+            selected += counts[(size_t) il * n_exp + e] - seen_counts[(size_t) il * n_exp + e];
+        }
+        const uint64_t steps = ubatches[il] - seen_ubatches[il];
+        any |= steps > 0;
+        one_token &= steps == 1 && selected <= (uint64_t) n_expert_used;
+    }
+    if (one_token && any) {
+        for (size_t i = 0; i < counts.size(); ++i) {
+            token_counts[i] += (double) (counts[i] - seen_counts[i]);
+        }
+        token_steps++;
+    }
+    seen_counts.swap(counts);
+    seen_ubatches.swap(ubatches);
+    if (token_steps < (uint64_t) opt.replan_tokens) {
+        return;
+    }
+    // rank-based inclusion probabilities, averaged over the served layers (zipmoe_py.planner)
+    observed_profile.assign(n_exp, 0.0);
+    int n_served = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        if (!ggml_zipmoe_cache_has_layer(cache, il)) {
+            continue;
+        }
+        std::vector<double> ranked(token_counts.begin() + (size_t) il * n_exp, token_counts.begin() + (size_t) (il + 1) * n_exp);
+        std::sort(ranked.begin(), ranked.end(), std::greater<double>());
+        for (int32_t r = 0; r < n_exp; ++r) {
+            observed_profile[r] += ranked[r] / (double) token_steps;
+        }
+        n_served++;
+    }
+    for (double & f : observed_profile) {
+        f /= std::max(1, n_served);
+    }
+    replanned = true;
+    ggml_zipmoe_default_pools choice = {};
+    if (ggml_zipmoe_cache_default_pools(cache, auto_budget, n_expert_used, auto_threads, opt.work_slots, plan_rates[0],
+                                        plan_rates[1], observed_profile.data(), &choice) != GGML_ZIPMOE_OK) {
+        return;
+    }
+    const bool use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
+    const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
+    const int32_t fewest   = std::min(capacity, n_expert_used);
+    if (use_pools && (choice.n_slots < fewest || choice.n_slots > capacity)) {
+        return;
+    }
+    const int32_t n = std::min(capacity, std::max(fewest, choice.n_slots));
+    // a change empties the stores (they fill again on demand): only for a gain of a tenth or more
+    const bool same = (use_pools == auto_active && n == n_slots_used &&
+                       memcmp(choice.capacity, auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
+                       choice.inclusive == auto_choice.inclusive) ||
+                      (use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s) >=
+                          0.9 * choice.current_makespan_s;
+    if (!same) {
+        const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
+        if (ggml_zipmoe_cache_set_pools(cache, use_pools ? choice.capacity : none, n, choice.inclusive) != GGML_ZIPMOE_OK) {
+            LLAMA_LOG_WARN("%s: ZipMoE pools from the observed routing not made (%s): %s\n", __func__, choice.why,
+                           ggml_zipmoe_cache_error(cache));
+            auto_active = false;
+            memset(auto_choice.capacity, 0, sizeof(auto_choice.capacity));
+            return;
+        }
+        n_slots_used = n;
+        auto_active  = use_pools;
+        auto_choice  = choice;
+    }
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        layout += !same; // graphs built for the old slots are rebuilt
+        std::copy(choice.capacity, choice.capacity + 4, plan.pools);
+        plan.n_slots = n_slots_used;
+        snprintf(plan.pools_why, sizeof(plan.pools_why), "%s", choice.why);
+    }
+    LLAMA_LOG_INFO("%s: ZipMoE pools re-planned after %llu decode steps%s: F %d, C %d, S %d, E %d per MoE layer, %d "
+                   "slots: %s\n", __func__, (unsigned long long) token_steps, same ? " (unchanged)" : "",
+                   choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n, choice.why);
 }
 
 bool llama_zipmoe::abort_callback(void * data) {

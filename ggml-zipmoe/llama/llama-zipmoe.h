@@ -64,6 +64,8 @@ struct llama_zipmoe_options {
     bool        auto_pools = true;  // zipmoe.auto_pools / ZIPMOE_AUTO_POOLS: with no pools given, host slots and
                                     // rank eviction, the pools ggml_zipmoe_cache_default_pools picks for the
                                     // memory left (off: one F pool of every slot that fits)
+    int32_t     replan_tokens = 16; // zipmoe.replan_tokens / ZIPMOE_REPLAN_TOKENS: after this many decode steps,
+                                    // the default pools are planned again from the routing seen (0: never)
     bool        prefetch   = false; // zipmoe.prefetch / ZIPMOE_PREFETCH: read ahead for the next layer's
                                     // predicted experts (ggml_zipmoe_cache_prefetch); off: it did not win
                                     // on the bench models (docs/benchmarks/BENCHMARKS.md)
@@ -244,6 +246,16 @@ private:
     ggml_zipmoe_default_pools auto_choice = {}; // the pools resize chose (capacity all 0: one F pool)
     bool                  auto_active   = false; // auto_choice's pools are the cache's
     double                plan_rates[2] = { 0, 0 }; // read and decode rates the pools are planned with
+    bool                  auto_eligible = false; // the default pools apply (no pools given, host slots, rank)
+    uint64_t              auto_budget   = 0;     // the bytes and decoding threads they were last planned for
+    int32_t               auto_threads  = 1;
+    // the routing of decode steps, for planning the pools once more (observe_routing)
+    std::vector<uint64_t> seen_counts, seen_ubatches; // the cache's activation counts at the last graph
+    std::vector<double>   token_counts;               // [n_layer][n_expert] selections in one-token ubatches
+    uint64_t              token_steps = 0;
+    bool                  replanned   = false;
+    std::vector<double>   observed_profile;           // rank-based inclusion probabilities of those steps
+    void                  observe_routing();
     ggml_context *        ctx    = nullptr;
     ggml_backend_buffer_t buf    = nullptr;
     ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };

@@ -8,6 +8,7 @@
 
 #include "zipmoe-cache-impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,6 +141,166 @@ static int bad_params(const struct ggml_zipmoe_plan_params * p) {
     return 0;
 }
 
+// P(X_i = 1 | sum X = k) for independent X_i ~ Bernoulli(q_i), by prefix and suffix DPs truncated
+// at k hits (zipmoe_py.planner.conditional_inclusion_probabilities); work: 2 (n + 2) (k + 1) doubles
+static void conditional_inclusion(const double * q, int32_t n, int32_t k, double * out, double * work) {
+    const size_t H = (size_t) k + 1;
+    double * prefix = work;                        // prefix[i][h]: h hits among the first i
+    double * suffix = work + (size_t) (n + 1) * H; // suffix[i][h]: h hits among i .. n-1
+    memset(work, 0, sizeof(double) * 2 * (size_t) (n + 2) * H);
+    prefix[0] = 1.0;
+    suffix[(size_t) n * H] = 1.0;
+    for (int32_t i = 0; i < n; i++) {
+        const double * a = prefix + (size_t) i * H;
+        double *       b = prefix + (size_t) (i + 1) * H;
+        b[0] = a[0] * (1.0 - q[i]);
+        for (size_t h = 1; h < H; h++) {
+            b[h] = a[h] * (1.0 - q[i]) + a[h - 1] * q[i];
+        }
+    }
+    for (int32_t i = n - 1; i >= 0; i--) {
+        const double * a = suffix + (size_t) (i + 1) * H;
+        double *       b = suffix + (size_t) i * H;
+        b[0] = a[0] * (1.0 - q[i]);
+        for (size_t h = 1; h < H; h++) {
+            b[h] = a[h] * (1.0 - q[i]) + a[h - 1] * q[i];
+        }
+    }
+    const double total = prefix[(size_t) n * H + k];
+    for (int32_t i = 0; i < n; i++) {
+        double others = 0.0; // k - 1 hits among the others of i
+        for (int32_t a = 0; a < k; a++) {
+            others += prefix[(size_t) i * H + a] * suffix[(size_t) (i + 1) * H + (k - 1 - a)];
+        }
+        out[i] = q[i] * others / total;
+    }
+}
+
+// q_i = 1 / (1 + exp(-(log_w_i + shift))) with the shift making sum q == k (safeguarded Newton)
+static void normalized_selection(const double * log_w, int32_t n, int32_t k, double * q) {
+    double lo = 0, hi = 0, wmax = log_w[0], wmin = log_w[0];
+    for (int32_t i = 1; i < n; i++) {
+        wmax = log_w[i] > wmax ? log_w[i] : wmax;
+        wmin = log_w[i] < wmin ? log_w[i] : wmin;
+    }
+    const double logit_mean = log((double) k / (n - k));
+    lo = logit_mean - wmax;
+    hi = logit_mean - wmin;
+    double shift = 0.5 * (lo + hi);
+    for (int it = 0; it < 200; it++) {
+        double value = -k, slope = 0;
+        for (int32_t i = 0; i < n; i++) {
+            const double qi = 1.0 / (1.0 + exp(-(log_w[i] + shift)));
+            value += qi;
+            slope += qi * (1.0 - qi);
+        }
+        if (fabs(value) <= 1e-12 * k || hi - lo <= 1e-15 * (fabs(shift) > 1 ? fabs(shift) : 1)) {
+            break;
+        }
+        if (value > 0) {
+            hi = shift;
+        } else {
+            lo = shift;
+        }
+        const double step = slope > 0 ? shift - value / slope : NAN;
+        shift = step > lo && step < hi ? step : 0.5 * (lo + hi);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        q[i] = 1.0 / (1.0 + exp(-(log_w[i] + shift)));
+    }
+}
+
+int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q) {
+    if (f == NULL || q == NULL || n < 1 || k < 1 || k > n) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    double sum = 0;
+    int32_t always = 0, n_free = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (!(f[i] >= 0.0 && f[i] <= 1.0)) {
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        sum += f[i];
+        always += f[i] == 1.0;
+        n_free += f[i] > 0.0 && f[i] < 1.0;
+    }
+    if (fabs(sum - k) > 1e-8 * k) {
+        return GGML_ZIPMOE_ERR_ARG; // every selection has exactly k experts
+    }
+    const int32_t k_free = k - always;
+    for (int32_t i = 0; i < n; i++) {
+        q[i] = f[i] == 1.0 ? 1.0 : 0.0;
+    }
+    if (n_free == 0) {
+        return GGML_ZIPMOE_OK;
+    }
+    if (k_free <= 0 || k_free >= n_free) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    double * target = (double *) malloc(sizeof(double) * (size_t) n_free * 4);
+    double * work   = (double *) malloc(sizeof(double) * 2 * (size_t) (n_free + 2) * (size_t) (k_free + 1));
+    int status = target != NULL && work != NULL ? GGML_ZIPMOE_ERR_ARG : GGML_ZIPMOE_ERR_NOMEM;
+    if (status == GGML_ZIPMOE_ERR_ARG) {
+        double * log_w = target + n_free, * qf = target + 2 * (size_t) n_free, * fitted = target + 3 * (size_t) n_free;
+        double free_sum = 0;
+        for (int32_t i = 0, j = 0; i < n; i++) {
+            if (f[i] > 0.0 && f[i] < 1.0) {
+                target[j++] = f[i];
+                free_sum += f[i];
+            }
+        }
+        int ok = 1;
+        for (int32_t j = 0; j < n_free; j++) {
+            target[j] *= k_free / free_sum; // consistent targets: the free ones carry k_free
+            ok &= target[j] < 1.0;
+            log_w[j] = log(target[j]); // w(0) = f
+        }
+        for (int it = 0; ok && it <= 100000; it++) {
+            normalized_selection(log_w, n_free, k_free, qf);
+            conditional_inclusion(qf, n_free, k_free, fitted, work);
+            double error = 0;
+            for (int32_t j = 0; j < n_free; j++) {
+                const double e = fabs(fitted[j] - target[j]);
+                error = e > error ? e : error;
+            }
+            if (error <= 1e-10) {
+                for (int32_t i = 0, j = 0; i < n; i++) {
+                    if (f[i] > 0.0 && f[i] < 1.0) {
+                        q[i] = qf[j++];
+                    }
+                }
+                status = GGML_ZIPMOE_OK;
+                break;
+            }
+            for (int32_t j = 0; j < n_free; j++) {
+                log_w[j] += log(target[j]) - log(fitted[j]);
+            }
+        }
+    }
+    free(target);
+    free(work);
+    return status;
+}
+
+// the expected makespan of given per-layer capacities (packed in hierarchy order) under p's q and costs
+static int plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s) {
+    double * q = (double *) malloc(sizeof(double) * (size_t) p->n_expert);
+    if (q == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    for (int32_t r = 0; r < p->n_expert; r++) {
+        q[r] = p->q != NULL ? p->q[r] : (double) p->k / p->n_expert;
+    }
+    double * phi = interval_hits(q, p->n_expert, p->k);
+    free(q);
+    if (phi == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    *makespan_s = expected_makespan(p, phi, capacity);
+    free(phi);
+    return GGML_ZIPMOE_OK;
+}
+
 int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params * p, struct ggml_zipmoe_plan_result * out) {
     if (out == NULL || bad_params(p)) {
         return GGML_ZIPMOE_ERR_ARG;
@@ -172,8 +333,28 @@ int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params * p, struct ggml
     return GGML_ZIPMOE_OK;
 }
 
+// f scaled to sum k, capped at 1 (zipmoe_py.planner.round_to_subset_size with k given); f descending
+static void scale_to_k(const double * f, int32_t n, int32_t k, double * out) {
+    double tail = 0;
+    for (int32_t i = 0; i < n; i++) {
+        tail += f[i];
+    }
+    int32_t capped = 0;
+    double  scale  = tail > 0 ? k / tail : 0;
+    for (; capped < k && tail > 0; capped++) {
+        scale = (k - capped) / tail;
+        if (scale * f[capped] <= 1.0) {
+            break;
+        }
+        tail -= f[capped];
+    }
+    for (int32_t i = 0; i < n; i++) {
+        out[i] = i < capped ? 1.0 : (scale * f[i] < 1.0 ? scale * f[i] : 1.0);
+    }
+}
+
 int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, int32_t n_threads,
-                                    int32_t work_slots, double rate_read, double rate_decode,
+                                    int32_t work_slots, double rate_read, double rate_decode, const double * profile,
                                     struct ggml_zipmoe_default_pools * out) {
     if (c == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
         return GGML_ZIPMOE_ERR_ARG;
@@ -193,24 +374,30 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
                  X * N * (double) L / (1 << 30), budget / (double) (1 << 30));
         return GGML_ZIPMOE_OK;
     }
-    const uint64_t work = (uint64_t) work_slots * X;
+    const uint64_t work  = (uint64_t) work_slots * X;
     const uint64_t all_c = entry_c * N * L;
-    if (budget >= all_c + work) {
-        // every expert in C, and as many as room allows full in F as well: after warm-up nothing is read
-        const uint64_t f = (budget - all_c - work) / (X * L);
-        out->capacity[GGML_ZIPMOE_POOL_F] = f < (uint64_t) N ? (int32_t) f : N;
-        out->capacity[GGML_ZIPMOE_POOL_C] = N;
-        out->inclusive = 1;
-        out->n_slots   = out->capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
-        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%.2f GiB), F "
-                 "keeps %d per layer full as well (room left in %.2f GiB): nothing is read after warm-up",
-                 N, all_c / (double) (1 << 30), out->capacity[GGML_ZIPMOE_POOL_F], budget / (double) (1 << 30));
-        return GGML_ZIPMOE_OK;
-    }
+    const int      fits_compressed = budget >= all_c + work;
     if (budget <= work + X * L) {
         snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB is too little for pools beside %d working slots",
                  budget / (double) (1 << 30), work_slots);
         return GGML_ZIPMOE_OK;
+    }
+
+    // the selection probabilities: uniform (the built-in profile), or fitted to the observed one
+    double * q = NULL;
+    const char * source = "uniform profile";
+    if (profile != NULL) {
+        q = (double *) malloc(sizeof(double) * 2 * (size_t) N);
+        if (q == NULL) {
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        scale_to_k(profile, N, k, q + N);
+        source = "observed profile";
+        if (ggml_zipmoe_plan_fit(q + N, N, k, q) != GGML_ZIPMOE_OK) {
+            free(q);
+            q = NULL;
+            source = "uniform profile (the observed one did not fit)";
+        }
     }
     const double read   = rate_read > 0 ? rate_read : c->plan.rate_read;
     const double decode = rate_decode > 0 ? rate_decode : c->plan.rate_decode;
@@ -218,7 +405,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     struct ggml_zipmoe_plan_params p = { 0 };
     p.n_expert   = N;
     p.k          = k;
-    p.q          = NULL;
+    p.q          = q;
     p.budget     = budget - work;
     p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
     p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c;
@@ -232,32 +419,69 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     p.n_tensors  = 3;
     p.n_layer    = L;
     p.grid_steps = 20;
-    struct ggml_zipmoe_plan_result best;
+    struct ggml_zipmoe_plan_result best, f_best;
     int status = ggml_zipmoe_plan_pools(&p, &best);
-    if (status != GGML_ZIPMOE_OK) {
-        return status;
-    }
     struct ggml_zipmoe_plan_params f_only = p;
     memset(f_only.entry_bytes + 1, 0, 3 * sizeof(uint64_t));
     f_only.budget = budget; // one F pool needs no working slots of its own
-    struct ggml_zipmoe_plan_result f_best;
-    status = ggml_zipmoe_plan_pools(&f_only, &f_best);
+    if (status == GGML_ZIPMOE_OK) {
+        status = ggml_zipmoe_plan_pools(&f_only, &f_best);
+    }
+        // every expert in C and F where room allows (inclusive): with the built-in profile it is taken
+    // whenever it fits; with an observed one, when the planner expects it to be the fastest
+    struct ggml_zipmoe_plan_result all = { { 0, 0, 0, 0 }, 0 };
+    if (status == GGML_ZIPMOE_OK && fits_compressed) {
+        const uint64_t f = (budget - all_c - work) / (X * L);
+        all.capacity[GGML_ZIPMOE_POOL_F] = f < (uint64_t) N ? (int32_t) f : N;
+        all.capacity[GGML_ZIPMOE_POOL_C] = N - all.capacity[GGML_ZIPMOE_POOL_F]; // its hits, as exclusive pools
+        status = plan_evaluate(&p, all.capacity, &all.expected_makespan_s);
+        all.capacity[GGML_ZIPMOE_POOL_C] = N;
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        // the pools the cache has now, under the same profile: a caller changes them only for a real gain
+        int32_t now[4] = { 0, 0, 0, 0 };
+        if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
+            now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
+        } else {
+            int32_t left = N;
+            for (int i = 0; i < 4; i++) {
+                const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
+                now[i] = held < left ? held : left;
+                left -= now[i];
+            }
+        }
+        status = plan_evaluate(&p, now, &out->current_makespan_s);
+    }
+    free(q);
     if (status != GGML_ZIPMOE_OK) {
         return status;
     }
     out->expected_makespan_s = best.expected_makespan_s;
     out->f_only_makespan_s   = f_best.expected_makespan_s;
+    if (fits_compressed && (profile == NULL || all.expected_makespan_s <= best.expected_makespan_s) &&
+        (profile == NULL || all.expected_makespan_s < f_best.expected_makespan_s)) {
+        // every expert in C, and as many as room allows full in F as well: after warm-up nothing is read
+        memcpy(out->capacity, all.capacity, sizeof(all.capacity));
+        out->inclusive           = 1;
+        out->n_slots             = out->capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+        out->expected_makespan_s = all.expected_makespan_s;
+        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%.2f GiB), F "
+                 "keeps %d per layer full as well (room left in %.2f GiB): nothing is read after warm-up (%s)",
+                 N, all_c / (double) (1 << 30), out->capacity[GGML_ZIPMOE_POOL_F], budget / (double) (1 << 30),
+                 source);
+        return GGML_ZIPMOE_OK;
+    }
     const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
     if (!pools || best.expected_makespan_s >= f_best.expected_makespan_s) {
-        snprintf(out->why, sizeof(out->why), "one F pool: the planner (uniform profile, read %.2f GB/s, decode %.2f "
-                 "GB/s x %d threads) expects %.2f ms per layer, pools no better", read / 1e9, decode / 1e9, n_threads,
+        snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
+                 "threads) expects %.2f ms per layer, pools no better", source, read / 1e9, decode / 1e9, n_threads,
                  f_best.expected_makespan_s * 1e3);
         return GGML_ZIPMOE_OK;
     }
     memcpy(out->capacity, best.capacity, sizeof(best.capacity));
     out->n_slots = best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
-    snprintf(out->why, sizeof(out->why), "the planner (uniform profile, read %.2f GB/s, decode %.2f GB/s x %d threads) "
-             "for %.2f GiB: %.2f ms per layer expected, against %.2f ms with one F pool", read / 1e9, decode / 1e9,
+    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
+             "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
              n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
     return GGML_ZIPMOE_OK;
 }
