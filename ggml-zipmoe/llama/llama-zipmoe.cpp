@@ -934,7 +934,7 @@ void llama_zipmoe::resize(const llama_context * making) {
         }
     }
 
-    // the pools for that memory (deliverable of issue 13: compressed experts kept where full ones do not fit)
+    // the pools for that memory: compressed experts kept where full ones no longer fit
     ggml_zipmoe_default_pools choice = {};
     bool use_pools = false;
     if (opt.with_pools()) {

@@ -282,17 +282,23 @@ int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q) {
     return status;
 }
 
-// the expected makespan of given per-layer capacities (packed in hierarchy order) under p's q and costs
-static int plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s) {
+// Algorithm 2's table for p's selection probabilities (p->q, or uniform k / N); NULL when out of memory
+static double * selection_table(const struct ggml_zipmoe_plan_params * p) {
     double * q = (double *) malloc(sizeof(double) * (size_t) p->n_expert);
     if (q == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
+        return NULL;
     }
     for (int32_t r = 0; r < p->n_expert; r++) {
         q[r] = p->q != NULL ? p->q[r] : (double) p->k / p->n_expert;
     }
     double * phi = interval_hits(q, p->n_expert, p->k);
     free(q);
+    return phi;
+}
+
+// the expected makespan of given per-layer capacities (packed in hierarchy order) under p's q and costs
+static int plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s) {
+    double * phi = selection_table(p);
     if (phi == NULL) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
@@ -306,15 +312,7 @@ int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params * p, struct ggml
         return GGML_ZIPMOE_ERR_ARG;
     }
     memset(out, 0, sizeof(*out));
-    double * q = (double *) malloc(sizeof(double) * (size_t) p->n_expert);
-    if (q == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
-    }
-    for (int32_t r = 0; r < p->n_expert; r++) {
-        q[r] = p->q != NULL ? p->q[r] : (double) p->k / p->n_expert;
-    }
-    double * phi = interval_hits(q, p->n_expert, p->k);
-    free(q);
+    double * phi = selection_table(p);
     if (phi == NULL) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
