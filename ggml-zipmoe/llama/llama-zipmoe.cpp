@@ -873,6 +873,35 @@ void llama_zipmoe::detach(llama_context * lctx) {
     }
 }
 
+int llama_zipmoe::use_slots(int32_t n, ggml_zipmoe_default_pools * pools) {
+    const int32_t old = n_slots_used;
+    const int status = pools != nullptr ? ggml_zipmoe_cache_set_pools(cache, pools->capacity, n, pools->inclusive)
+                                        : ggml_zipmoe_cache_set_n_slots(cache, n);
+    if (status != GGML_ZIPMOE_OK && status != GGML_ZIPMOE_ERR_NOMEM) {
+        return status; // refused before anything changed
+    }
+    if (status == GGML_ZIPMOE_ERR_NOMEM) {
+        // the stores could not be allocated: the cache fell back to one F pool of n slots
+        LLAMA_LOG_WARN("%s: ZipMoE pools could not be made (%s): one F pool\n", __func__, ggml_zipmoe_cache_error(cache));
+        snprintf(pools->why, sizeof(pools->why), "one F pool: the planned stores could not be allocated");
+        memset(pools->capacity, 0, sizeof(pools->capacity));
+    }
+    n_slots_used = n;
+    if (n < old) {
+        // give the memory of the slots given up back to the system
+        const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+        for (int k = 0; k < 3; ++k) {
+            const size_t stride = slots[k]->nb[2];
+            const size_t lo = GGML_PAD(section[k] + (size_t) n * stride, page);
+            const size_t hi = (section[k] + (size_t) old * stride) / page * page;
+            if (hi > lo) {
+                madvise((char *) mapping + lo, hi - lo, MADV_DONTNEED);
+            }
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
 void llama_zipmoe::resize(const llama_context * making) {
     std::lock_guard<std::mutex> compute(compute_mutex);
     uint64_t contexts_bytes = 0;
@@ -976,33 +1005,13 @@ void llama_zipmoe::resize(const llama_context * making) {
                                (use_pools && memcmp(choice.capacity, auto_choice.capacity, sizeof(choice.capacity)) != 0);
     const bool changed = n != n_slots_used || pools_changed;
     if (changed) {
-        const int32_t old = n_slots_used;
-        const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
-        const int status = pools_changed ? ggml_zipmoe_cache_set_pools(cache, use_pools ? choice.capacity : none, n,
-                                                                       choice.inclusive)
-                                         : ggml_zipmoe_cache_set_n_slots(cache, n);
-        if (status == GGML_ZIPMOE_ERR_NOMEM && use_pools) {
-            // the stores could not be allocated: the cache fell back to one F pool of n slots
-            LLAMA_LOG_WARN("%s: ZipMoE pools could not be made (%s): one F pool\n", __func__, ggml_zipmoe_cache_error(cache));
-            use_pools = false;
-            snprintf(choice.why, sizeof(choice.why), "one F pool: the planned stores could not be allocated");
-            memset(choice.capacity, 0, sizeof(choice.capacity));
-        } else if (status != GGML_ZIPMOE_OK) {
+        if (!use_pools) {
+            memset(choice.capacity, 0, sizeof(choice.capacity)); // one F pool
+        }
+        if (use_slots(n, pools_changed ? &choice : nullptr) != GGML_ZIPMOE_OK) {
             throw std::runtime_error(ggml_zipmoe_cache_error(cache));
         }
-        n_slots_used = n;
-        if (n < old) {
-            // give the memory of the slots given up back to the system
-            const size_t page = (size_t) sysconf(_SC_PAGESIZE);
-            for (int k = 0; k < 3; ++k) {
-                const size_t stride = slots[k]->nb[2];
-                const size_t lo = GGML_PAD(section[k] + (size_t) n * stride, page);
-                const size_t hi = (section[k] + (size_t) old * stride) / page * page;
-                if (hi > lo) {
-                    madvise((char *) mapping + lo, hi - lo, MADV_DONTNEED);
-                }
-            }
-        }
+        use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
     }
     if (use_pools && (changed || making != nullptr)) {
         LLAMA_LOG_INFO("%s: ZipMoE expert cache pools per MoE layer: F %d, C %d, S %d, E %d, %d working slots: %s\n",
@@ -1352,20 +1361,21 @@ void llama_zipmoe::observe_routing() {
         return;
     }
     const int n_layer = (int) gate_inp.size();
-    int32_t n_exp = 0;
-    for (int il = 0; il < n_layer; ++il) {
-        n_exp = std::max(n_exp, ggml_zipmoe_cache_n_expert(cache, il));
+    if (seen_counts.empty()) {
+        for (int il = 0; il < n_layer; ++il) {
+            n_exp_seen = std::max(n_exp_seen, ggml_zipmoe_cache_n_expert(cache, il));
+        }
+        seen_counts.assign((size_t) n_layer * n_exp_seen, 0);
+        seen_ubatches.assign(n_layer, 0);
+        token_counts.assign((size_t) n_layer * n_exp_seen, 0);
+        counts.assign((size_t) n_layer * n_exp_seen, 0);
+        ubatches.assign(n_layer, 0);
     }
+    const int32_t n_exp = n_exp_seen;
     if (n_exp == 0) {
         return;
     }
-    if (seen_counts.empty()) {
-        seen_counts.assign((size_t) n_layer * n_exp, 0);
-        seen_ubatches.assign(n_layer, 0);
-        token_counts.assign((size_t) n_layer * n_exp, 0);
-    }
     // this graph's selections per layer: a decode step of one token selects n_expert_used in each
-    std::vector<uint64_t> counts((size_t) n_layer * n_exp, 0), ubatches(n_layer, 0);
     bool one_token = true, any = false;
     for (int il = 0; il < n_layer; ++il) {
         if (!ggml_zipmoe_cache_has_layer(cache, il)) {
@@ -1422,34 +1432,38 @@ void llama_zipmoe::observe_routing() {
     }
     const int32_t n = std::min(capacity, std::max(fewest, choice.n_slots));
     // a change empties the stores (they fill again on demand): only for a gain of a tenth or more
-    const bool same = (use_pools == auto_active && n == n_slots_used &&
-                       memcmp(choice.capacity, auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
-                       choice.inclusive == auto_choice.inclusive) ||
-                      (use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s) >=
-                          0.9 * choice.current_makespan_s;
-    if (!same) {
-        const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
-        if (ggml_zipmoe_cache_set_pools(cache, use_pools ? choice.capacity : none, n, choice.inclusive) != GGML_ZIPMOE_OK) {
-            LLAMA_LOG_WARN("%s: ZipMoE pools from the observed routing not made (%s): %s\n", __func__, choice.why,
-                           ggml_zipmoe_cache_error(cache));
-            auto_active = false;
-            memset(auto_choice.capacity, 0, sizeof(auto_choice.capacity));
-            return;
-        }
-        n_slots_used = n;
-        auto_active  = use_pools;
-        auto_choice  = choice;
+    const double expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
+    const bool   same     = (use_pools == auto_active && n == n_slots_used &&
+                             memcmp(choice.capacity, auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
+                             choice.inclusive == auto_choice.inclusive) ||
+                            expected >= 0.9 * choice.current_makespan_s;
+    if (same) {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        const std::string why = format("%s (kept after a re-plan from the observed profile: %.2f ms per layer "
+                                       "expected, against %.2f ms with these)", auto_choice.why, expected * 1e3,
+                                       choice.current_makespan_s * 1e3);
+        snprintf(plan.pools_why, sizeof(plan.pools_why), "%s", why.c_str()); // cut to the field's size
+        LLAMA_LOG_INFO("%s: ZipMoE pools re-planned after %llu decode steps: kept (%s)\n", __func__,
+                       (unsigned long long) token_steps, choice.why);
+        return;
     }
+    if (use_slots(n, &choice) != GGML_ZIPMOE_OK) {
+        LLAMA_LOG_WARN("%s: ZipMoE pools from the observed routing not made (%s): %s\n", __func__, choice.why,
+                       ggml_zipmoe_cache_error(cache));
+        return; // nothing changed
+    }
+    auto_active = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
+    auto_choice = choice;
     {
         std::lock_guard<std::mutex> lock(state_mutex);
-        layout += !same; // graphs built for the old slots are rebuilt
+        layout++; // graphs built for the old slots are rebuilt
         std::copy(choice.capacity, choice.capacity + 4, plan.pools);
         plan.n_slots = n_slots_used;
         snprintf(plan.pools_why, sizeof(plan.pools_why), "%s", choice.why);
     }
-    LLAMA_LOG_INFO("%s: ZipMoE pools re-planned after %llu decode steps%s: F %d, C %d, S %d, E %d per MoE layer, %d "
-                   "slots: %s\n", __func__, (unsigned long long) token_steps, same ? " (unchanged)" : "",
-                   choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n, choice.why);
+    LLAMA_LOG_INFO("%s: ZipMoE pools re-planned after %llu decode steps: F %d, C %d, S %d, E %d per MoE layer, %d "
+                   "slots: %s\n", __func__, (unsigned long long) token_steps, choice.capacity[0], choice.capacity[1],
+                   choice.capacity[2], choice.capacity[3], n, choice.why);
 }
 
 bool llama_zipmoe::abort_callback(void * data) {

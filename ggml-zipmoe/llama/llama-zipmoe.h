@@ -251,11 +251,17 @@ private:
     int32_t               auto_threads  = 1;
     // the routing of decode steps, for planning the pools once more (observe_routing)
     std::vector<uint64_t> seen_counts, seen_ubatches; // the cache's activation counts at the last graph
+    std::vector<uint64_t> counts, ubatches;           // and at this one
+    int32_t               n_exp_seen = 0;             // experts of the widest served layer
     std::vector<double>   token_counts;               // [n_layer][n_expert] selections in one-token ubatches
     uint64_t              token_steps = 0;
     bool                  replanned   = false;
     std::vector<double>   observed_profile;           // rank-based inclusion probabilities of those steps
     void                  observe_routing();
+    // n slots in use with the pools (capacity all 0: one F pool; nullptr: the pools unchanged), the memory
+    // of slots given up returned to the system. Where their stores cannot be allocated the cache falls
+    // back to one F pool, and *pools says so. OK, or the cache's refusal (nothing changed)
+    int                   use_slots(int32_t n, ggml_zipmoe_default_pools * pools);
     ggml_context *        ctx    = nullptr;
     ggml_backend_buffer_t buf    = nullptr;
     ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };

@@ -63,6 +63,30 @@ static void set_error(char * err, size_t err_size, const char * msg) {
     }
 }
 
+static void free_stores(struct ggml_zipmoe_cache * c) {
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        struct zipmoe_store * s = &c->pools.store[p];
+        free(s->mem);
+        free(s->entry_key);
+        free(s->entry_pinned);
+        free(s->entry_last_use);
+        memset(s, 0, sizeof(*s));
+    }
+}
+
+// experts in slots n_slots and beyond are forgotten (the caller may release their memory)
+static void forget_slots_from(struct ggml_zipmoe_cache * c, int32_t n_slots) {
+    for (int32_t s = n_slots; s < c->slots.n_used; s++) {
+        if (c->slots.key[s] >= 0) {
+            c->slots.of_key[c->slots.key[s]] = -1;
+        }
+        c->slots.key[s]       = -1;
+        c->slots.pinned[s]    = 0;
+        c->slots.marked[s]    = 0;
+        c->slots.transient[s] = 0;
+    }
+}
+
 void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     if (c == NULL) {
         return;
@@ -93,12 +117,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
         free(c->pipe.sm_ring[i].mem);
         free(c->pipe.e_ring[i].mem);
     }
-    for (int p = 0; p < 4; p++) {
-        free(c->pools.store[p].mem);
-        free(c->pools.store[p].entry_key);
-        free(c->pools.store[p].entry_pinned);
-        free(c->pools.store[p].entry_last_use);
-    }
+    free_stores(c);
     free(c->pools.key_pool);
     free(c->pools.key_entry);
     free(c->layout.layer_tensor);
@@ -426,16 +445,7 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
         status = GGML_ZIPMOE_ERR_ARG;
     }
     if (status == GGML_ZIPMOE_OK) {
-        // experts in the slots given up are forgotten; slots taken on start empty
-        for (int32_t s = n_slots; s < c->slots.n_used; s++) {
-            if (c->slots.key[s] >= 0) {
-                c->slots.of_key[c->slots.key[s]] = -1;
-            }
-            c->slots.key[s]       = -1;
-            c->slots.pinned[s]    = 0;
-            c->slots.marked[s]    = 0;
-            c->slots.transient[s] = 0;
-        }
+        forget_slots_from(c, n_slots); // slots taken on start empty
         __atomic_store_n(&c->slots.n_used, n_slots, __ATOMIC_RELAXED);
         if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
             zipmoe_cache_share_single_pool(c);
@@ -443,17 +453,6 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
     }
     pthread_mutex_unlock(&c->lock);
     return status;
-}
-
-static void free_stores(struct ggml_zipmoe_cache * c) {
-    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        struct zipmoe_store * s = &c->pools.store[p];
-        free(s->mem);
-        free(s->entry_key);
-        free(s->entry_pinned);
-        free(s->entry_last_use);
-        memset(s, 0, sizeof(*s));
-    }
 }
 
 int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
@@ -494,12 +493,7 @@ int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * ca
         c->pools.key_pool[i]  = NO_POOL;
         c->pools.key_entry[i] = -1;
     }
-    for (int32_t s = n_slots; s < c->slots.n_used; s++) {
-        if (c->slots.key[s] >= 0) {
-            c->slots.of_key[c->slots.key[s]] = -1;
-        }
-        c->slots.key[s] = -1;
-    }
+    forget_slots_from(c, n_slots);
     for (int32_t s = 0; s < c->slots.capacity; s++) {
         c->slots.pinned[s]    = 0;
         c->slots.marked[s]    = 0;
