@@ -66,6 +66,14 @@ class Cache:
         assert len(set(statuses)) == 1
         return statuses[0], out
 
+    def fetch_passes(self, layer, ids, nth=1):
+        """Every pass of a fetch, in order, as a graph runs them: yields (status, slot ids) of a pass
+        before the next one runs (it may reuse the slots); a selection another pass computes has a
+        negative slot id in this one."""
+        n_passes = self.lib.ggml_zipmoe_cache_n_passes(self.handle, layer, np.size(ids))
+        for p in range(n_passes):
+            yield self.fetch(layer, ids, pass_=p, nth=nth)
+
     def begin(self, layer, ids, pass_=0):
         ids = np.ascontiguousarray(ids, np.int32)
         out = np.full(ids.shape, -1, np.int32)
@@ -133,9 +141,13 @@ def setup(tmp_path):
         c.close()
 
 
-def assert_resident(cache, experts, layer, ids, slot_ids):
+def assert_resident(cache, experts, layer, ids, slot_ids, this_pass_only=False):
+    """The slots hold the selections' experts bit-exactly; this_pass_only: one pass of several,
+    whose other selections (negative slot ids) are not checked."""
     tensors = [cache.zf.tensors[t] for t in cache.zf.moe_layers()[layer]]
     for e, s in zip(np.asarray(ids).reshape(-1), np.asarray(slot_ids).reshape(-1)):
+        if this_pass_only and s < 0:
+            continue
         for k, tensor in enumerate(tensors):
             assert np.array_equal(cache.slots[k][s], experts[tensor, int(e)])
 

@@ -111,6 +111,27 @@ def test_output_folder_must_exist(tmp_path, tiny_hf):
     assert "output folder does not exist" in err
 
 
+def test_an_output_that_would_overwrite_the_input_is_refused(tmp_path, tiny_hf, tiny_gguf):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_hf("qwen2moe"), ckpt)
+    bf16 = tmp_path / "model.gguf"
+    shutil.copy(tiny_gguf("qwen2moe"), bf16)
+    before = {p.name: p.read_bytes() for p in [*ckpt.iterdir(), bf16] if p.is_file()}
+    for args, message in (
+            ([bf16, "-o", bf16], "is the input"),
+            ([bf16, "-o", tmp_path / "." / "model.gguf"], "is the input"),
+            ([ckpt, "-o", ckpt / "model.safetensors"], "lies inside the checkpoint folder"),
+            ([ckpt, "-o", tmp_path / "z.gguf", "--keep-bf16", ckpt / "config.json"], "lies inside the checkpoint"),
+            ([ckpt, "-o", tmp_path / "same.gguf", "--keep-bf16", tmp_path / "same.gguf"], "are the same file"),
+            ([bf16, "-o", ""], "must name a file"),
+            ([bf16, "-o", tmp_path], "must name a file")):
+        proc = run([zipmoe_command("zipmoe-convert"), *args])
+        assert proc.returncode == 2 and message in proc.stderr.decode(), (args, proc.stderr.decode()[-1000:])
+    # nothing was touched, nothing was written
+    assert before == {p.name: p.read_bytes() for p in [*ckpt.iterdir(), bf16] if p.is_file()}
+    assert not (tmp_path / "z.gguf").exists() and not (tmp_path / "same.gguf").exists()
+
+
 def _wait_for(pattern_dir, pattern: str, proc, timeout: float = 120.0) -> None:
     import time
 

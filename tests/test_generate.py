@@ -94,6 +94,20 @@ def test_zipmoe_chat_reads_turns_until_exit(tiny_gguf):
     assert two_turns.stdout.startswith(one_shot.stdout) and len(two_turns.stdout) > len(one_shot.stdout)
 
 
+def test_zipmoe_chat_names_a_conversation_longer_than_the_context(tiny_gguf):
+    model = tiny_gguf("qwen2moe")
+    long_prompt = " ".join(["word"] * 300)
+    one_shot = _chat(model, "-p", long_prompt, "-c", "128")
+    assert one_shot.returncode == 1
+    assert b"zipmoe-chat: error: the conversation does not fit the context of" in one_shot.stderr
+    assert b"Traceback" not in one_shot.stderr
+    # interactive: the turn that does not fit is dropped, the chat goes on and /clear makes room
+    driven = _chat(model, "-c", "128", stdin=f"{long_prompt}\n/clear\nHello\n".encode())
+    assert driven.returncode == 0, driven.stderr.decode()[-2000:]
+    assert b"this turn is dropped" in driven.stderr and b"Traceback" not in driven.stderr
+    assert driven.stdout == _chat(model, "-c", "128", "-p", "Hello").stdout
+
+
 def test_zipmoe_chat_help_explains_every_option():
     proc = run([zipmoe_command("zipmoe-chat"), "--help"])
     assert proc.returncode == 0

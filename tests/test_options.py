@@ -90,8 +90,8 @@ def test_environment_reaches_llama_perplexity_which_matches_the_bf16_gguf(model,
     ("ZIPMOE_BUDGET", "-2G", "ZIPMOE_BUDGET (environment) must be a size"),
     ("ZIPMOE_DIRECT_IO", "maybe", "ZIPMOE_DIRECT_IO (environment) must be true or false"),
     ("ZIPMOE_THREADS", "two", "ZIPMOE_THREADS (environment) must be 0"),
-    ("ZIPMOE_POOL_C", "-1", "ZIPMOE_POOL_C (environment) must be a number of experts per MoE layer >= 0"),
-    ("ZIPMOE_WORK_SLOTS", "0", "ZIPMOE_WORK_SLOTS (environment) must be a number of slots >= 1"),
+    ("ZIPMOE_POOL_C", "-1", "ZIPMOE_POOL_C (environment) must be a number of experts per MoE layer from 0 to 1048576"),
+    ("ZIPMOE_WORK_SLOTS", "0", "ZIPMOE_WORK_SLOTS (environment) must be a number of slots from 1 to 1048576"),
 ])
 def test_bad_environment_values_are_named(model, variable, value, message):
     path, _ = model
@@ -130,7 +130,8 @@ def test_python_arguments_override_the_environment_which_overrides_the_default(m
         assert llm.zipmoe_stats()["n_slots"] == 8
         llm.close()
         os.environ["ZIPMOE_BUDGET"] = "lots"
-        with pytest.raises(ValueError):
+        # llama-cpp-python's ValueError, carrying the loader's reason though verbose=False silences the log
+        with pytest.raises(ValueError, match=r"ZIPMOE_BUDGET \(environment\) must be a size in bytes.*got 'lots'"):
             Llama(model_path=str(path), n_ctx=128, verbose=False)
     finally:
         os.environ.pop("ZIPMOE_BUDGET", None)
@@ -153,3 +154,95 @@ def test_option_names_are_the_c_librarys():
         options.zipmoe_overrides(eviction="x")
     with pytest.raises(ZipMoEError, match="zipmoe_pools: 'F=1,X=2' must name each of the pools F, C, S, E"):
         options.pool_overrides("F=1,X=2")
+
+
+def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
+    from zipmoe_py import Llama
+    from zipmoe_py.errors import ZipMoELoadError
+
+    path, _ = model
+    with pytest.raises(ZipMoELoadError, match=r"cannot load .*: --override-kv zipmoe.eviction must be one of lru"):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, kv_overrides={"zipmoe.eviction": "zzz"})
+    with pytest.raises(ZipMoELoadError, match="hold 100000 experts per MoE layer, more than the 16 a layer of"):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_pools="F=100000")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ZipMoELoadError, match=f"cannot load {truncated}: .*(file bounds|truncated|beyond the end)"):
+        Llama(model_path=str(truncated), n_ctx=128, verbose=False)
+    # the log callback is llama-cpp-python's again afterwards, and a good load still works
+    llm = Llama(model_path=str(path), n_ctx=128, verbose=False)
+    assert llm.zipmoe_stats()["n_slots"] > 0
+    llm.close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(zipmoe_threads=10000), "zipmoe_threads must be a whole number from 0 to 4096; got 10000"),
+    (dict(zipmoe_rank_delta=2 ** 40), "zipmoe_rank_delta must be a whole number from 0 to 1048576"),
+    (dict(zipmoe_work_slots=0), "zipmoe_work_slots must be a whole number from 1 to 1048576; got 0"),
+    (dict(zipmoe_pools={"F": 2.7}), "zipmoe_pools: .* whole number from 0 to 1048576"),
+    (dict(zipmoe_pools="F=2.7"), "zipmoe_pools: .* whole number"),
+    (dict(zipmoe_direct_io="no"), "zipmoe_direct_io must be True or False; got 'no'"),
+    (dict(zipmoe_budget=2 ** 70), "zipmoe_budget of .* is beyond any machine's memory"),
+    (dict(zipmoe_budget="inf"), "zipmoe_budget must be a size in bytes"),
+    (dict(zipmoe_budget=float("inf")), "zipmoe_budget must be a size in bytes"),
+    (dict(zipmoe_bugdet="1M"), "unknown option\\(s\\) zipmoe_bugdet; ZipMoE's options are zipmoe_auto_pools"),
+])
+def test_python_options_are_checked_before_the_loader(model, kwargs, message):
+    from zipmoe_py import Llama
+
+    with pytest.raises(ZipMoEError, match=message):
+        Llama(model_path=str(model[0]), n_ctx=128, verbose=False, **kwargs)
+
+
+def test_buddy_substitution_from_the_environment_needs_a_profile_too(model):
+    from zipmoe_py import Llama
+
+    saved = os.environ.get("ZIPMOE_SUBSTITUTION")
+    os.environ["ZIPMOE_SUBSTITUTION"] = "buddy"
+    try:
+        with pytest.raises(ZipMoEError, match=r"ZIPMOE_SUBSTITUTION \(environment\) = 'buddy' needs zipmoe_buddy_profile"):
+            Llama(model_path=str(model[0]), n_ctx=128, verbose=False)
+    finally:
+        os.environ.pop("ZIPMOE_SUBSTITUTION")
+        if saved is not None:
+            os.environ["ZIPMOE_SUBSTITUTION"] = saved
+    with pytest.raises(ZipMoEError, match=r"kv_overrides\['zipmoe.substitution'\] = 'buddy' needs"):
+        Llama(model_path=str(model[0]), n_ctx=128, verbose=False, kv_overrides={"zipmoe.substitution": "buddy"})
+
+
+def test_a_llama_pickles_with_its_options_and_gives_the_same_logits(model):
+    import pickle
+
+    import numpy as np
+
+    from zipmoe_py import Llama
+
+    path, one = model
+    llm = Llama(model_path=str(path), n_ctx=128, verbose=False, logits_all=True, zipmoe_budget=5 * one,
+                zipmoe_eviction="lfu")
+    copy = pickle.loads(pickle.dumps(llm))
+    assert copy.zipmoe_stats()["n_slots"] == 5 and copy.kv_overrides["zipmoe.eviction"] == "lfu"
+    tokens = llm.tokenize(PROMPT.encode())
+    llm.eval(tokens)
+    copy.eval(tokens)
+    assert np.array_equal(np.asarray(llm.scores[:len(tokens)]), np.asarray(copy.scores[:len(tokens)]))
+    llm.close()
+    copy.close()
+
+
+def test_a_closed_llama_raises_instead_of_crashing(model, tmp_path):
+    code = (f"from zipmoe_py import Llama, ZipMoEError\n"
+            f"llm = Llama(model_path={str(model[0])!r}, n_ctx=128, verbose=False)\n"
+            "llm.close()\n"
+            "for call in (lambda: llm.eval([1, 2, 3]), llm.zipmoe_stats, lambda: llm('Hi', max_tokens=2),\n"
+            "             lambda: llm.create_chat_completion([{'role': 'user', 'content': 'Hi'}]),\n"
+            "             lambda: llm.tokenize(b'Hi'), lambda: llm.detokenize([1])):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except ZipMoEError as e:\n"
+            "        assert 'was closed' in str(e), e\n"
+            "    else:\n"
+            "        raise SystemExit('no error')\n"
+            "print('ok')\n")
+    proc = run([VENV_BIN / "python", "-c", code], cwd=tmp_path)  # not the source tree's zipmoe_py
+    assert proc.returncode == 0 and proc.stdout.strip() == b"ok", proc.stderr.decode()[-2000:]

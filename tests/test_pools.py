@@ -49,11 +49,14 @@ def make(model):
         c.close()
 
 
-def read_by(cache, layer, ids):
-    """(bytes read, stats delta) of one fetch, after checking the slots hold the exact experts"""
+def read_by(cache, layer, ids, experts=None):
+    """(bytes read, stats delta) of one fetch, all its passes; with experts, each pass's slots are
+    checked to hold them exactly"""
     before = cache.stats()
-    status, slots = cache.fetch(layer, ids)
-    assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+    for status, slots in cache.fetch_passes(layer, ids):
+        assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        if experts is not None:
+            assert_resident(cache, experts, layer, ids, slots, this_pass_only=True)
     after = cache.stats()
     return after["bytes_read"] - before["bytes_read"], {k: after[k] - before[k] for k in
                                                         ("expert_hits", "c_hits", "s_hits", "e_hits", "expert_misses")}
@@ -67,10 +70,11 @@ def test_experts_are_dispatched_by_rank_and_a_pool_hit_reads_only_what_it_lacks(
     assert pools["F"]["experts"] == 2 and [pools[p]["experts"] for p in "CSE"] == [2, 2, 2]
     sm, e = sizes[0, 0]
     assert pools["S"]["entry_bytes"] >= sm and pools["C"]["entry_bytes"] >= sm + e
-    # one ubatch: equal counts, ranks by id -> 0 to F, 1 to C, 2 to S, 3 to E, 4 nowhere
-    read, d = read_by(cache, 0, [[0, 1, 2, 3, 4]])
+    # one ubatch: equal counts, ranks by id -> 0 to F, 1 to C, 2 to S, 3 to E, 4 nowhere; five
+    # experts in passes of the four working slots
+    assert cache.lib.ggml_zipmoe_cache_n_passes(cache.handle, 0, 5) == 2
+    read, d = read_by(cache, 0, [[0, 1, 2, 3, 4]], experts)
     assert d["expert_misses"] == 5 and read == sum(sum(sizes[0, x]) for x in range(5))
-    assert_resident(cache, experts, 0, [[0, 1, 2, 3, 4]], cache.fetch(0, [[0, 1, 2, 3, 4]])[1])
     # push layer 0's working slots out with layer 1's experts (F keeps 0 of layer 0)
     read_by(cache, 1, [[0, 1, 2, 3, 4]])
     read_by(cache, 1, [[5, 6, 7]])
@@ -144,11 +148,37 @@ def test_in_place_recovery_is_exact_on_every_recovery_path(make, model, impl):
         _, experts, _ = model
         cache = make(5, (1, 1, 1, 1))
         for ids in ([[0, 1, 2, 3]], [[4, 5, 6, 7]], [[1, 2, 3]], [[0, 7]]):
-            status, slots = cache.fetch(0, ids, nth=2)
-            assert status == 0
-            assert_resident(cache, experts, 0, ids, slots)
+            computed = np.zeros(np.size(ids), int)
+            for status, slots in cache.fetch_passes(0, ids, nth=2):
+                assert status == 0
+                assert_resident(cache, experts, 0, ids, slots, this_pass_only=True)
+                computed += slots.reshape(-1) >= 0
+            assert (computed == 1).all()  # each selection in exactly one pass
     finally:
         lib.ggml_zipmoe_set_recover_impl(None)
+
+
+def test_a_wide_ubatch_runs_in_passes_of_the_working_slots_and_keeps_every_f_expert(make, model):
+    _, experts, _ = model
+    # F 2 per layer (4 slots), 2 working slots; C holds the rest of each layer
+    cache = make(6, (2, 6, 0, 0))
+    for layer in (0, 1):
+        read_by(cache, layer, [[0, 1]], experts)
+    assert cache.lib.ggml_zipmoe_cache_n_passes(cache.handle, 0, 8) == 4
+    assert cache.lib.ggml_zipmoe_cache_n_passes(cache.handle, 0, 2) == 1
+    # a prompt-like ubatch of layer 0 selecting all 8 experts: 4 passes, every row computed once
+    ids = np.array([[0, 1], [2, 3], [4, 5], [6, 7], [7, 2]])
+    computed, n_passes = np.zeros(ids.size, int), 0
+    for status, slots in cache.fetch_passes(0, ids):
+        assert status == 0
+        assert_resident(cache, experts, 0, ids, slots, this_pass_only=True)
+        computed += slots.reshape(-1) >= 0
+        n_passes += 1
+    assert n_passes == 4 and (computed == 1).all()
+    # no expert of F was evicted for it: both layers' F experts are still hits, nothing read
+    for layer in (0, 1):
+        read, d = read_by(cache, layer, [[0, 1]], experts)
+        assert (read, d["expert_hits"]) == (0, 2)
 
 
 def test_pool_configurations_that_cannot_work_are_refused(model):

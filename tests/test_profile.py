@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from zipmoe_py import plan_cli, plan_files, profile
+from zipmoe_py import ZipMoEError, plan_cli, plan_files, profile
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Mixture of experts models route each token",
            "1 2 3 4 5 6 7 8 9 10 11 12", "Once upon a time", "SELECT * FROM"]
@@ -70,6 +70,16 @@ def test_profile_counts_each_decode_ubatch_and_plan_reads_it(zipmoe_qwen, tiny_g
     for pool in "FCSE":
         assert stats["pools"][pool]["experts"] == result.capacities.get(pool, 0) * doc["n_layer_moe"]
     assert stats["n_slots"] == result.capacities["F"] * doc["n_layer_moe"] + 4
+
+    # a plan made for another model, or not a plan at all, is refused before loading
+    other = json.loads(plan.read_text())
+    other["n_layer_moe"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ZipMoEError, match=f"was planned for {doc['n_layer_moe'] + 1} MoE layers of {n_expert} "
+                                          f"experts, but .* has {doc['n_layer_moe']} of {n_expert}"):
+        load(zipmoe_qwen, zipmoe_plan=tmp_path / "other.json")
+    with pytest.raises(ZipMoEError, match="not a plan file \\(binary, not JSON text\\)"):
+        load(zipmoe_qwen, zipmoe_plan=zipmoe_qwen)
 
 
 def test_profile_errors_name_what_is_wrong(zipmoe_qwen, tiny_gguf, tmp_path, capsys):

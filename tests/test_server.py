@@ -172,6 +172,9 @@ def test_concurrent_clients_get_the_answers_they_get_alone(server):
     (b'{"messages": "hello"}', "messages"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}', "max_tokens"),
     (b'[1, 2]', None),
+    (b'{"messages": [{"role": "user", "content": null}]}', "messages.0.content"),
+    (b'{"messages": []}', "messages"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -3}', "temperature"),
 ])
 def test_malformed_requests_get_a_400_and_serving_goes_on(server, body, field):
     status, reply = server.post("/v1/chat/completions", body)

@@ -6,10 +6,10 @@ converter and other tools work without loading the library.
 """
 from __future__ import annotations
 
-from .errors import ZipMoEError
+from .errors import ZipMoEError, ZipMoELoadError
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "ZipMoEError", "__version__"]
+__all__ = ["Llama", "ZipMoEError", "ZipMoELoadError", "__version__"]
 
 
 def __getattr__(name: str):

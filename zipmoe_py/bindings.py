@@ -8,12 +8,14 @@ process, so we refuse with an error that says how to fix it. The zipmoe_* keywor
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+import threading
 from pathlib import Path
 
 from . import _lib, _paths
-from .errors import ZipMoEError
+from .errors import ZipMoEError, ZipMoELoadError
 from .gguf_file import GGUF_MAGIC
 from .options import check_budget, zipmoe_overrides
 
@@ -58,6 +60,98 @@ def _buddy_kwargs(kwargs: dict, pop: bool = False) -> dict:
 
     get = kwargs.pop if pop else kwargs.get
     return {name: get(f"zipmoe_buddy_{name}", None) for name in BUDDY_PARAMETERS}
+
+
+# the zipmoe_* keyword arguments of Llama: any other zipmoe_ name is a typo, not an option to ignore
+ZIPMOE_KWARGS = ("zipmoe_budget", "zipmoe_direct_io", "zipmoe_threads", "zipmoe_eviction", "zipmoe_rank_delta",
+                 "zipmoe_pools", "zipmoe_work_slots", "zipmoe_plan", "zipmoe_mem_limit", "zipmoe_preload",
+                 "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha", "zipmoe_buddy_profile",
+                 "zipmoe_auto_pools")
+
+
+def _check_kwarg_names(kwargs: dict) -> None:
+    from .options import BUDDY_PARAMETERS
+
+    known = set(ZIPMOE_KWARGS) | {f"zipmoe_buddy_{name}" for name in BUDDY_PARAMETERS}
+    unknown = sorted(k for k in kwargs if k.startswith("zipmoe_") and k not in known)
+    if unknown:
+        raise ZipMoEError(f"unknown option(s) {', '.join(unknown)}; ZipMoE's options are {', '.join(sorted(known))}")
+
+
+def _effective_substitution(kwargs: dict) -> tuple[str | None, str]:
+    """The substitution policy a load will use, and where it comes from: the keyword, else the KV
+    override, else $ZIPMOE_SUBSTITUTION (the loader's order)."""
+    if kwargs.get("zipmoe_substitution") is not None:
+        return kwargs["zipmoe_substitution"], "zipmoe_substitution"
+    overrides = kwargs.get("kv_overrides") or {}
+    if overrides.get("zipmoe.substitution") is not None:
+        return str(overrides["zipmoe.substitution"]), "kv_overrides['zipmoe.substitution']"
+    env = os.environ.get("ZIPMOE_SUBSTITUTION")
+    return (env.strip().lower() if env else None), "ZIPMOE_SUBSTITUTION (environment)"
+
+
+def _check_plan_matches(plan_path: Path, model_path: Path) -> None:
+    """A zipmoe-plan file made for another model (other MoE layer or expert counts) is refused."""
+    from . import format as zformat
+    from .plan_files import load_plan
+
+    result, _ = load_plan(plan_path)
+    try:
+        zf = zformat.ZipMoEFile(model_path)
+    except ZipMoEError:
+        return  # not a ZipMoE GGUF: the plan does not apply
+    with zf:
+        layers = zf.moe_layers()
+        n_expert = max(zf.shape(zf.tensors[t])[2] for tensors in layers.values() for t in tensors)
+    if (result.n_layer_moe, result.n_expert) != (len(layers), n_expert):
+        raise ZipMoEError(f"{plan_path} was planned for {result.n_layer_moe} MoE layers of {result.n_expert} experts, "
+                          f"but {model_path} has {len(layers)} of {n_expert}: make a plan for this model "
+                          "(zipmoe-profile, then zipmoe-plan)")
+
+
+_load_lock = threading.Lock()
+
+
+class _LoaderErrors:
+    """llama.cpp's error lines while a model and its context are made. llama-cpp-python's
+    exceptions there ("Failed to load model from file") do not carry them, and verbose=False
+    silences them; the loader's lines name the option, file or tensor at fault. One load at a
+    time: the log callback is the process's."""
+
+    _ERROR, _CONT = 4, 5  # ggml.h ggml_log_level (llama_cpp._logger maps an older numbering)
+
+    def __enter__(self):
+        from llama_cpp import _logger
+
+        _load_lock.acquire()
+        self.lines: list[str] = []
+        self._forward = _logger.llama_log_callback
+        in_error = [False]
+
+        @llama_cpp.llama_log_callback
+        def capture(level, text, user_data):
+            in_error[0] = level == self._ERROR or (level == self._CONT and in_error[0])
+            if in_error[0]:
+                self.lines.append(text.decode("utf-8", "replace"))
+            self._forward(level, text, user_data)
+
+        self._capture = capture  # kept alive while llama.cpp holds it
+        llama_cpp.llama_log_set(capture, ctypes.c_void_p(0))
+        return self
+
+    def __exit__(self, *exc):
+        llama_cpp.llama_log_set(self._forward, ctypes.c_void_p(0))
+        _load_lock.release()
+
+    def reason(self) -> str:
+        """The loader's own words: what follows "error loading model: " or "failed to initialize
+        the context: " where a line has it, else every error line, without function-name prefixes."""
+        lines = [line.strip() for line in "".join(self.lines).splitlines() if line.strip()]
+        markers = ("error loading model: ", "failed to initialize the context: ")
+        specific = [line.split(m, 1)[1] for line in lines for m in markers if m in line]
+        chosen = specific or [line.split(": ", 1)[1] if line.split(": ", 1)[0].isidentifier() and ": " in line
+                              else line for line in lines]
+        return "; ".join(dict.fromkeys(chosen))  # once each, in order
 
 
 def check_model_file(model_path: str | os.PathLike) -> Path:
@@ -146,8 +240,11 @@ class Llama(llama_cpp.Llama):
         zipmoe_buddy_eta:  priority q (1 + eta z) by the token's own scores (default 0: the list's order)
     """
 
-    def __new__(cls, model_path: str, *args, **kwargs):
+    def __new__(cls, model_path: str | None = None, *args, **kwargs):
+        if model_path is None:
+            return super().__new__(cls)  # unpickling and copy: __setstate__ calls __init__, which checks
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
+        _check_kwarg_names(kwargs)
         check_model_file(model_path)
         options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
                                    kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
@@ -159,8 +256,9 @@ class Llama(llama_cpp.Llama):
                                    auto_pools=kwargs.get("zipmoe_auto_pools"))
         if kwargs.get("zipmoe_buddy_profile") is not None and kwargs.get("zipmoe_substitution") != "buddy":
             raise ZipMoEError("zipmoe_buddy_profile is BuddyMoE's: give it with zipmoe_substitution='buddy'")
-        if kwargs.get("zipmoe_substitution") == "buddy" and kwargs.get("zipmoe_buddy_profile") is None:
-            raise ZipMoEError("zipmoe_substitution='buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
+        substitution, source = _effective_substitution(kwargs)
+        if substitution == "buddy" and kwargs.get("zipmoe_buddy_profile") is None:
+            raise ZipMoEError(f"{source} = 'buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
                               "(make one with zipmoe-buddies)")
         if kwargs.get("zipmoe_buddy_profile") is not None:
             from .buddies import load_profile
@@ -168,6 +266,8 @@ class Llama(llama_cpp.Llama):
             load_profile(Path(kwargs["zipmoe_buddy_profile"]), Path(model_path))
         if "zipmoe.budget" in options:
             check_budget(Path(model_path), options["zipmoe.budget"])
+        if kwargs.get("zipmoe_plan") is not None:
+            _check_plan_matches(Path(kwargs["zipmoe_plan"]), Path(model_path))
         return super().__new__(cls)
 
     def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
@@ -177,7 +277,10 @@ class Llama(llama_cpp.Llama):
                  zipmoe_prefetch: bool | None = None, zipmoe_substitution: str | None = None,
                  zipmoe_smoe_alpha: float | None = None, zipmoe_buddy_profile=None,
                  zipmoe_auto_pools: bool | None = None, **kwargs):
+        _check_kwarg_names(kwargs)  # again: __setstate__ comes here without __new__'s checks
+        check_model_file(model_path)
         buddy = _buddy_kwargs(kwargs, pop=True)
+        self._zipmoe_buddy_profile = zipmoe_buddy_profile
         profile = None
         if zipmoe_buddy_profile is not None:
             from .buddies import load_profile
@@ -190,16 +293,46 @@ class Llama(llama_cpp.Llama):
                                           zipmoe_smoe_alpha, buddy, auto_pools=zipmoe_auto_pools))
         if overrides:
             kwargs["kv_overrides"] = overrides
-        super().__init__(model_path, *args, **kwargs)
+        with _LoaderErrors() as errors:
+            try:
+                super().__init__(model_path, *args, **kwargs)
+            except ValueError as e:
+                reason = errors.reason()
+                if not reason:
+                    raise
+                what = "load" if "load model" in str(e) else "make a context for"
+                raise ZipMoELoadError(f"cannot {what} {model_path}: {reason}") from e
         if profile is not None:
             from .buddies import apply_profile
 
             apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
 
+    def __getstate__(self):
+        state = super().__getstate__()  # the zipmoe_* options travel in its kv_overrides
+        if getattr(self, "_zipmoe_buddy_profile", None) is not None:
+            state["zipmoe_buddy_profile"] = self._zipmoe_buddy_profile
+        return state
+
+    def _check_open(self) -> None:
+        # llama-cpp-python's closed object crashes the process on use (its context is freed)
+        if getattr(self, "_ctx", None) is None or self._ctx.ctx is None:
+            raise ZipMoEError(f"this Llama ({self.model_path}) was closed; make a new one")
+
+    # llama-cpp-python's entry points that reach the freed model first: completions, chat and
+    # embeddings tokenize before anything else
+    def tokenize(self, *args, **kwargs):
+        self._check_open()
+        return super().tokenize(*args, **kwargs)
+
+    def detokenize(self, *args, **kwargs):
+        self._check_open()
+        return super().detokenize(*args, **kwargs)
+
     def eval(self, tokens):
         """llama-cpp-python's eval; an expert that cannot be fetched (I/O error, checksum mismatch,
         corrupt chunk) raises ZipMoEError naming layer, tensor, expert and chunk. The model and this
         object stay usable: the failed batch leaves nothing in the KV cache."""
+        self._check_open()
         try:
             return super().eval(tokens)
         except RuntimeError as e:
@@ -211,6 +344,7 @@ class Llama(llama_cpp.Llama):
 
     def zipmoe_stats(self) -> dict | None:
         """Cumulative expert-cache statistics, or None for a model that is not a ZipMoE GGUF."""
+        self._check_open()
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
         if not cache:
             return None
@@ -219,6 +353,7 @@ class Llama(llama_cpp.Llama):
         return stats
 
     def zipmoe_reset_stats(self) -> None:
+        self._check_open()
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
         if cache:
             _lib.lib().ggml_zipmoe_cache_reset_stats(cache)

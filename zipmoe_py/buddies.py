@@ -186,7 +186,7 @@ def load_profile(path: Path, model: Path) -> dict:
         doc = json.loads(path.read_text())
     except OSError as e:
         raise ZipMoEError(f"cannot read buddy profile {path}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ZipMoEError(f"buddy profile {path} is not JSON: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ZipMoEError(f"{path} is not a buddy profile (its format is not {FORMAT!r}; make one with zipmoe-buddies)")
@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="down-weight each layer's first N traced tokens linearly (default: %(default)s)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
     args = ap.parse_args(argv)
+    if not args.output.parent.is_dir():  # before the run, not after it
+        ap.error(f"the folder of -o {args.output} does not exist")
     try:
         cft = [float(v) for v in args.cft.split(",")]
     except ValueError:

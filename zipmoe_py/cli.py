@@ -116,18 +116,33 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
     return now
 
 
+class ContextFull(Exception):
+    """The conversation (or the one prompt) does not fit the context window."""
+
+
 def _stream_reply(llm, messages: list[dict], args) -> str:
     parts = []
     before = llm.zipmoe_stats() if args.stats else None
     n_tokens = 0
-    for chunk in llm.create_chat_completion(messages=messages, stream=True, temperature=args.temp,
-                                            max_tokens=args.n_predict if args.n_predict > 0 else None):
-        text = chunk["choices"][0]["delta"].get("content") or ""
-        n_tokens += 1
-        if text:
-            parts.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
+    try:
+        for chunk in llm.create_chat_completion(messages=messages, stream=True, temperature=args.temp,
+                                                max_tokens=args.n_predict if args.n_predict > 0 else None):
+            delta = chunk["choices"][0]["delta"]
+            n_tokens += "content" in delta  # the first chunk carries the role, the last the finish reason
+            text = delta.get("content") or ""
+            if text:
+                parts.append(text)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    except ValueError as e:
+        # llama-cpp-python's words for a prompt longer than the context ("Requested tokens (319)
+        # exceed context window of 256") or a context that fills up ("could not broadcast ...")
+        if "context window" not in str(e) and "broadcast" not in str(e):
+            raise
+        if parts:
+            sys.stdout.write("\n")
+        raise ContextFull(f"the conversation does not fit the context of {llm.n_ctx()} tokens (-c); "
+                          f"llama-cpp-python: {e}") from None
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
@@ -192,6 +207,11 @@ def chat(args) -> int:
             continue
         except ZipMoEError as e:  # an expert could not be read: this turn is lost, the chat goes on
             print(f"\nzipmoe-chat: error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        except ContextFull as e:  # this turn is dropped; /clear or a larger -c makes room
+            print(f"zipmoe-chat: error: {e}; this turn is dropped: /clear starts over, or restart with a larger -c",
+                  file=sys.stderr)
             history.pop()
             continue
         history.append({"role": "assistant", "content": reply})
@@ -323,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--buddy-{(buddy_given or ['profile'])[0]} needs --substitution buddy")
     if args.substitution == "buddy" and args.buddy_profile is None:
         ap.error("--substitution buddy needs --buddy-profile (make one with zipmoe-buddies)")
-    if args.temp < 0:
+    if not args.temp >= 0:  # NaN too
         ap.error(f"--temp must be >= 0, got {args.temp}")
     try:
         return chat(args)
-    except ZipMoEError as e:
+    except (ZipMoEError, ContextFull) as e:
         print(f"zipmoe-chat: error: {e}", file=sys.stderr)
         return 1
 

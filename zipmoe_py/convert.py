@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    problem = _outputs_overwrite_inputs(args.source, args.outfile, args.keep_bf16)
+    if problem:
+        ap.error(problem)
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     previous_sigint = signal.signal(signal.SIGINT, _interrupt)
     try:
@@ -215,6 +218,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         signal.signal(signal.SIGINT, previous_sigint)
+
+
+def _outputs_overwrite_inputs(source: Path, outfile: Path, keep_bf16: Path | None) -> str | None:
+    """Why the outputs would destroy the input (or each other), or None: a conversion replaces
+    its output file, so an output that is the source, or lies inside a checkpoint folder, loses it."""
+    if not outfile.name or outfile.is_dir():
+        return f"-o {str(outfile)!r} must name a file, not a folder"
+    if keep_bf16 is not None and (not keep_bf16.name or keep_bf16.is_dir()):
+        return f"--keep-bf16 {str(keep_bf16)!r} must name a file, not a folder"
+    src = source.resolve()
+    for flag, path in (("-o", outfile), ("--keep-bf16", keep_bf16)):
+        if path is None:
+            continue
+        target = path.resolve()
+        if target == src:
+            return f"{flag} {path} is the input {source}: it would be overwritten; write elsewhere"
+        if source.is_dir() and src in target.parents:
+            return f"{flag} {path} lies inside the checkpoint folder {source}: write it elsewhere"
+    if keep_bf16 is not None and keep_bf16.resolve() == outfile.resolve():
+        return f"--keep-bf16 and -o are the same file ({outfile}): the ZipMoE GGUF would replace the BF16 one"
+    return None
 
 
 class Interrupted(BaseException):

@@ -28,17 +28,33 @@ def parse_size(value, what: str = "zipmoe_budget") -> int:
         unit = text[len(number):]
         try:
             n = int(float(number) * _SIZE_UNITS[unit])
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, OverflowError):  # OverflowError: "inf"
             raise ZipMoEError(f"{what} must be a size in bytes or like '4G', '512M', '1.5GiB'; got {value!r}") from None
     if n <= 0:
         raise ZipMoEError(f"{what} must be positive, got {value!r}")
+    if n > MAX_SIZE:
+        raise ZipMoEError(f"{what} of {value!r} is beyond any machine's memory (at most {MAX_SIZE} bytes)")
     return n
 
 
-def parse_count(value, what: str) -> int:
-    """A whole number >= 0 (zipmoe_threads: 0 means all of the graph's threads; zipmoe_rank_delta)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ZipMoEError(f"{what} must be a whole number >= 0; got {value!r}")
+# the loader's KV overrides are int64, and its counts int32 with these bounds (llama-zipmoe.cpp)
+MAX_SIZE = (1 << 63) - 1
+MAX_THREADS = 4096
+MAX_SLOTS = 1 << 20
+
+
+def parse_count(value, what: str, high: int = MAX_SLOTS, low: int = 0) -> int:
+    """A whole number from low to high (zipmoe_threads: 0 means all of the graph's threads;
+    zipmoe_rank_delta; zipmoe_work_slots)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ZipMoEError(f"{what} must be a whole number from {low} to {high}; got {value!r}")
+    return value
+
+
+def parse_flag(value, what: str) -> bool:
+    """True or False, nothing else: bool("no") would be True."""
+    if not isinstance(value, bool):
+        raise ZipMoEError(f"{what} must be True or False; got {value!r}")
     return value
 
 
@@ -56,13 +72,13 @@ def pool_overrides(value, what: str = "zipmoe_pools") -> dict:
     for item in items:
         name, count = (item + [None])[:2] if isinstance(item, list) else item
         name = str(name).upper()
-        try:
+        if isinstance(count, str) and count.isdigit():
             count = int(count)
-        except (TypeError, ValueError):
-            count = -1
-        if name not in names or name in pools or count < 0:
+        if isinstance(count, bool) or not isinstance(count, int):
+            count = -1  # 2.7 experts, "x", None
+        if name not in names or name in pools or not 0 <= count <= MAX_SLOTS:
             raise ZipMoEError(f"{what}: {value!r} must name each of the pools {', '.join(names)} at most once with a "
-                              "count >= 0 of experts per MoE layer, like 'F=4,C=8,E=2'")
+                              f"whole number from 0 to {MAX_SLOTS} of experts per MoE layer, like 'F=4,C=8,E=2'")
         pools[name] = count
     if not pools or not any(pools.values()):
         raise ZipMoEError(f"{what}: {value!r} holds no expert; give e.g. 'F=4,C=8,E=2'")
@@ -95,9 +111,7 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
     if pools is not None:
         out.update(pool_overrides(pools))
     if work_slots is not None:
-        if isinstance(work_slots, bool) or not isinstance(work_slots, int) or work_slots < 1:
-            raise ZipMoEError(f"zipmoe_work_slots must be a whole number >= 1; got {work_slots!r}")
-        out["zipmoe.work_slots"] = work_slots
+        out["zipmoe.work_slots"] = parse_count(work_slots, "zipmoe_work_slots", low=1)
     if any(key.startswith("zipmoe.pool_") for key in out) and eviction not in (None, "rank"):
         raise ZipMoEError(f"pools dispatch experts by rank: zipmoe_eviction={eviction!r} cannot be used with them")
     if eviction is not None:
@@ -112,23 +126,18 @@ def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, e
     if mem_limit is not None:
         out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
     if direct_io is not None:
-        out["zipmoe.direct_io"] = bool(direct_io)
+        out["zipmoe.direct_io"] = parse_flag(direct_io, "zipmoe_direct_io")
     if preload is not None:
-        if not isinstance(preload, bool):
-            raise ZipMoEError(f"zipmoe_preload must be True or False; got {preload!r}")
-        out["zipmoe.preload"] = preload
+        out["zipmoe.preload"] = parse_flag(preload, "zipmoe_preload")
     if auto_pools is not None:
-        if not isinstance(auto_pools, bool):
-            raise ZipMoEError(f"zipmoe_auto_pools must be True or False; got {auto_pools!r}")
+        parse_flag(auto_pools, "zipmoe_auto_pools")
         if auto_pools and any(key.startswith("zipmoe.pool_") for key in out):
             raise ZipMoEError("zipmoe_auto_pools=True picks the pools: give it or zipmoe_pools/zipmoe_plan, not both")
         out["zipmoe.auto_pools"] = auto_pools
     if prefetch is not None:
-        if not isinstance(prefetch, bool):
-            raise ZipMoEError(f"zipmoe_prefetch must be True or False; got {prefetch!r}")
-        out["zipmoe.prefetch"] = prefetch
+        out["zipmoe.prefetch"] = parse_flag(prefetch, "zipmoe_prefetch")
     if threads is not None:
-        out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads")
+        out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads", MAX_THREADS)
     out.update(substitution_overrides(substitution, smoe_alpha, buddy))
     return out
 

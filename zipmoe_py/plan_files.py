@@ -63,6 +63,8 @@ def _read_json(path: Path, kind: str, expected_format: str) -> dict:
         raise ZipMoEError(f"{kind} file not found: {path}") from None
     except OSError as e:
         raise ZipMoEError(f"cannot read {kind} file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ZipMoEError(f"{path}: not a {kind} file (binary, not JSON text)") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

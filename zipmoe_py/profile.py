@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--batch-sizes must be positive, got {args.batch_sizes!r}")
     if args.tokens <= 0:
         ap.error(f"--tokens must be positive, got {args.tokens}")
+    for flag, out in (("-o", args.output), ("--costs", args.costs)):
+        if out is not None and not out.parent.is_dir():  # before the run, not after it
+            ap.error(f"the folder of {flag} {out} does not exist")
     if args.threads is not None and args.threads <= 0:
         ap.error(f"--threads must be positive, got {args.threads}")
     try:

@@ -189,6 +189,23 @@ def _invalid_request(message: str, param: str | None = None) -> JSONResponse:
                                    "code": None}}, status_code=400)
 
 
+def _semantic_problem(path: str, request: dict) -> tuple[str, str] | None:
+    """(message, field) for what the request models let through but generation cannot take (the
+    stock server then fails with a 500): a chat without messages, a user or system message without
+    text, a negative temperature."""
+    temperature = request.get("temperature")
+    if isinstance(temperature, (int, float)) and not temperature >= 0:
+        return f"temperature must be >= 0, got {temperature}", "temperature"
+    if path.endswith("/chat/completions"):
+        messages = request.get("messages")
+        if not messages:
+            return "messages: a chat completion needs at least one message", "messages"
+        for i, message in enumerate(messages):
+            if isinstance(message, dict) and message.get("role") in ("system", "user") and message.get("content") is None:
+                return f"messages.{i}.content: a {message['role']} message needs content", f"messages.{i}.content"
+    return None
+
+
 class RequestValidation:
     """ASGI middleware: a POST body that is not JSON, or not the route's request model, gets a 400
     naming the field at fault. (The stock routes' error handler turns both into 500 internal errors,
@@ -214,7 +231,11 @@ class RequestValidation:
                 break
         response = None
         try:
-            model.model_validate(json.loads(body))
+            request = json.loads(body)
+            model.model_validate(request)
+            problem = _semantic_problem(path, request)
+            if problem is not None:
+                response = _invalid_request(*problem)
         except json.JSONDecodeError as e:
             response = _invalid_request(f"the request body is not JSON: {e}")
         except ValidationError as e:

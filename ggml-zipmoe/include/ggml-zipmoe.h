@@ -227,9 +227,10 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_r
 // The caller owns three slot tensors (gate, up, down), each [ne0, ne1, n_slots] BF16, shared by
 // all layers. For a layer's top-k choice, a fetch makes the chosen experts full in slots and
 // returns slot ids to use in place of expert ids in ggml_mul_mat_id. When a ubatch selects more
-// distinct experts than there are slots, the work is split in passes of at most n_slots experts
-// each (experts in ascending id order); ggml_zipmoe_cache_merge_pass then picks every row from
-// its own pass. The slots are filled bit-exactly, so the product is bit-identical to using the
+// distinct experts than a pass holds, the work is split in passes (experts in ascending id order);
+// ggml_zipmoe_cache_merge_pass then picks every row from its own pass. A pass holds as many
+// experts as there are slots with one F pool, and as many as there are working slots with pools,
+// so that a wide ubatch (a prompt, parallel sequences) never evicts F's experts. The slots are filled bit-exactly, so the product is bit-identical to using the
 // experts in place.
 //
 // Pools (ZipMoE paper §3.2-3.4). Without pool capacities every slot belongs to one F pool and the
@@ -464,7 +465,8 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_resident_base(struct ggml_zipmoe_cache
 // routed experts of the layer (n_expert)
 GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cache * cache, int layer);
 
-// passes a graph needs for a ubatch of n_ids expert selections in this layer
+// passes a graph needs for a ubatch of n_ids expert selections in this layer (see above: with
+// pools, passes of as many experts as there are working slots)
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * cache, int layer, int64_t n_ids);
 
 // the slot id of a selection that a pass does not compute (see ggml_zipmoe_cache_fetch_begin)

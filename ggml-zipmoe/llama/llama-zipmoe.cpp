@@ -78,14 +78,14 @@ const option_desc k_options[] = {
     { "zipmoe.preload",    "ZIPMOE_PRELOAD",    option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.threads",    "ZIPMOE_THREADS",    option_type::integer, "0 (all of the graph's threads) or a number of threads up to 4096" },
     { "zipmoe.eviction",   "ZIPMOE_EVICTION",   option_type::string,  "one of lru, fifo, marking, lfu, rank, score" },
-    { "zipmoe.rank_delta", "ZIPMOE_RANK_DELTA", option_type::integer, "a whole number >= 0" },
-    { "zipmoe.pool_f",     "ZIPMOE_POOL_F",     option_type::integer, "a number of experts per MoE layer >= 0" },
-    { "zipmoe.pool_c",     "ZIPMOE_POOL_C",     option_type::integer, "a number of experts per MoE layer >= 0" },
-    { "zipmoe.pool_s",     "ZIPMOE_POOL_S",     option_type::integer, "a number of experts per MoE layer >= 0" },
-    { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer >= 0" },
-    { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots >= 1" },
+    { "zipmoe.rank_delta", "ZIPMOE_RANK_DELTA", option_type::integer, "a whole number from 0 to 1048576" },
+    { "zipmoe.pool_f",     "ZIPMOE_POOL_F",     option_type::integer, "a number of experts per MoE layer from 0 to 1048576" },
+    { "zipmoe.pool_c",     "ZIPMOE_POOL_C",     option_type::integer, "a number of experts per MoE layer from 0 to 1048576" },
+    { "zipmoe.pool_s",     "ZIPMOE_POOL_S",     option_type::integer, "a number of experts per MoE layer from 0 to 1048576" },
+    { "zipmoe.pool_e",     "ZIPMOE_POOL_E",     option_type::integer, "a number of experts per MoE layer from 0 to 1048576" },
+    { "zipmoe.work_slots", "ZIPMOE_WORK_SLOTS", option_type::integer, "a number of slots from 1 to 1048576" },
     { "zipmoe.auto_pools", "ZIPMOE_AUTO_POOLS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
-    { "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS", option_type::integer, "a number of tokens >= 0 (0: never)" },
+    { "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS", option_type::integer, "a number of tokens from 0 (never) to 1073741824" },
     { "zipmoe.prefetch",   "ZIPMOE_PREFETCH",   option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS", option_type::boolean, "true or false (1/0, yes/no, on/off)" },
     { "zipmoe.substitution", "ZIPMOE_SUBSTITUTION", option_type::string, "one of none, smoe, buddy (smoe and buddy are lossy)" },
@@ -557,6 +557,22 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
         n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != nullptr;
     }
     const int32_t all_slots = std::max<int32_t>(1, slots_for(all_experts));
+    if (opt.with_pools()) {
+        // pools hold experts per MoE layer: more than a layer has is a mistake (a slot count?), and
+        // would reserve memory no expert ever uses
+        int32_t most = 0;
+        for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+            int64_t s[3];
+            ggml_zipmoe_file_tensor_shape(file, i, s);
+            most = std::max<int32_t>(most, (int32_t) s[2]);
+        }
+        const int64_t held = (int64_t) opt.pools[0] + opt.pools[1] + opt.pools[2] + opt.pools[3];
+        if (held > most) {
+            throw std::runtime_error(format("zipmoe.pool_f/c/s/e (F %d, C %d, S %d, E %d) hold %lld experts per MoE "
+                                            "layer, more than the %d a layer of %s has", opt.pools[0], opt.pools[1],
+                                            opt.pools[2], opt.pools[3], (long long) held, most, fname.c_str()));
+        }
+    }
 
     // the slots the tensors hold; how many are in use is decided per context (attach)
     int32_t capacity;
@@ -1301,9 +1317,11 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
     if (cache == nullptr) {
         return 0;
     }
-    // the fewest slots resize ever leaves in use: a graph reserved now stays big enough after it
+    // the narrowest pass resize ever makes (the fewest slots in use with one F pool, the working
+    // slots with pools): a graph reserved now stays big enough after it
     const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
-    const int64_t fewest   = opt.with_pools() ? capacity : std::min(capacity, n_expert_used);
+    const int64_t fewest   = std::min<int64_t>(opt.with_pools() ? capacity : std::min(capacity, n_expert_used),
+                                               std::max(1, opt.work_slots));
     uint32_t total = 0;
     for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
         if (strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_down_exps") == nullptr) {

@@ -293,6 +293,13 @@ static inline size_t zipmoe_cache_n_keys(const struct ggml_zipmoe_cache * c) {
            (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
 }
 
+// experts one pass may hold: with pools, the working slots, so that a pass never evicts an expert
+// of F (nor of another layer's F) to make room; with one F pool, every slot in use
+static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c) {
+    const int32_t n_used = __atomic_load_n(&c->slots.n_used, __ATOMIC_RELAXED);
+    return c->pools.f_capacity < n_used ? n_used - c->pools.f_capacity : n_used;
+}
+
 // zipmoe-residency.c
 uint64_t zipmoe_cache_e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert); // its K E-chunks, stored
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);

@@ -548,8 +548,8 @@ int32_t ggml_zipmoe_cache_n_expert(const struct ggml_zipmoe_cache * c, int layer
 int ggml_zipmoe_cache_n_passes(const struct ggml_zipmoe_cache * c, int layer, int64_t n_ids) {
     const int64_t n_expert = ggml_zipmoe_cache_n_expert(c, layer);
     const int64_t distinct = n_ids < n_expert ? n_ids : n_expert;
-    const int64_t n_slots  = ggml_zipmoe_cache_n_slots(c);
-    return distinct <= 0 ? 1 : (int) ((distinct + n_slots - 1) / n_slots);
+    const int64_t width    = zipmoe_cache_pass_width(c);
+    return distinct <= 0 ? 1 : (int) ((distinct + width - 1) / width);
 }
 
 size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_threads) {
@@ -590,14 +590,10 @@ static void * preload_worker_main(void * arg) {
     return NULL;
 }
 
-// one preload fetch of n experts of a layer, decoded on n_threads threads (the caller one of them)
-static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n, int n_threads) {
-    int32_t slot_ids_small[256];
-    int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
-    if (slot_ids == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
-    }
-    const int status = ggml_zipmoe_cache_fetch_begin(c, layer, 0, ids, n, 1, n, slot_ids);
+// one pass of a preload fetch
+static int preload_fetch_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int32_t n,
+                              int n_threads, int32_t * slot_ids) {
+    const int status = ggml_zipmoe_cache_fetch_begin(c, layer, pass, ids, n, 1, n, slot_ids);
     pthread_t threads[ZIPMOE_MAX_THREADS];
     struct preload_worker workers[ZIPMOE_MAX_THREADS];
     atomic_int nth;
@@ -615,10 +611,26 @@ static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t 
     for (int t = 1; t <= started; t++) {
         pthread_join(threads[t], NULL);
     }
+    return status != GGML_ZIPMOE_OK ? status : end_status;
+}
+
+// one preload fetch of n experts of a layer, in as many passes as it takes, each decoded on
+// n_threads threads (the caller one of them)
+static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n, int n_threads) {
+    int32_t slot_ids_small[256];
+    int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
+    if (slot_ids == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    int status = GGML_ZIPMOE_OK;
+    const int n_passes = ggml_zipmoe_cache_n_passes(c, layer, n);
+    for (int pass = 0; pass < n_passes && status == GGML_ZIPMOE_OK; pass++) {
+        status = preload_fetch_pass(c, layer, pass, ids, n, n_threads, slot_ids);
+    }
     if (slot_ids != slot_ids_small) {
         free(slot_ids);
     }
-    return status != GGML_ZIPMOE_OK ? status : end_status;
+    return status;
 }
 
 int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32_t * n_loaded) {
@@ -693,8 +705,8 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
 int ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, const void * acc,
                                  const void * pass_out, void * out, size_t row_bytes, size_t nb1, size_t nb2) {
-    // the pass of a selection is its expert's rank among the distinct experts, / n_slots; it is
-    // recomputed here from the ids alone (no state shared with the fetch)
+    // the pass of a selection is its expert's rank among the distinct experts, / the pass width; it
+    // is recomputed here from the ids alone (no state shared with the fetch)
     const int32_t n_expert = ggml_zipmoe_cache_n_expert(c, layer);
     if (n_expert <= 0 || ids == NULL || pass_out == NULL || out == NULL) {
         return GGML_ZIPMOE_ERR_ARG;
@@ -723,11 +735,11 @@ int ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, 
             rank[e] = -1;
         }
     }
-    const int32_t n_slots = ggml_zipmoe_cache_n_slots(c);
+    const int32_t width = zipmoe_cache_pass_width(c);
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int64_t k = 0; k < n_used; k++) {
             const int32_t e     = ids[t * ids_stride + k];
-            const int     mine  = e >= 0 && e < n_expert && rank[e] >= 0 && rank[e] / n_slots == pass;
+            const int     mine  = e >= 0 && e < n_expert && rank[e] >= 0 && rank[e] / width == pass;
             const size_t  off   = (size_t) t * nb2 + (size_t) k * nb1;
             const void *  src   = mine || acc == NULL ? (const uint8_t *) pass_out + off : (const uint8_t *) acc + off;
             memcpy((uint8_t *) out + off, src, row_bytes);

@@ -412,8 +412,9 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
                  c->layout.layer_n_expert[layer] - 1);
         return GGML_ZIPMOE_ERR_ARG;
     }
-    const int first = pass * c->slots.n_used;
-    const int last  = first + c->slots.n_used < n_unique ? first + c->slots.n_used : n_unique;
+    const int width = zipmoe_cache_pass_width(c);
+    const int first = pass * width;
+    const int last  = first + width < n_unique ? first + width : n_unique;
     const uint64_t serial = ++c->policy.call_serial;
     const int64_t base = (int64_t) layer * c->layout.max_expert;
     if (pass == 0 && !c->preloading) {
