@@ -62,17 +62,15 @@ def _buddy_kwargs(kwargs: dict, pop: bool = False) -> dict:
     return {name: get(f"zipmoe_buddy_{name}", None) for name in BUDDY_PARAMETERS}
 
 
-# the zipmoe_* keyword arguments of Llama: any other zipmoe_ name is a typo, not an option to ignore
-ZIPMOE_KWARGS = ("zipmoe_budget", "zipmoe_direct_io", "zipmoe_threads", "zipmoe_eviction", "zipmoe_rank_delta",
-                 "zipmoe_pools", "zipmoe_work_slots", "zipmoe_plan", "zipmoe_mem_limit", "zipmoe_preload",
-                 "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha", "zipmoe_buddy_profile",
-                 "zipmoe_auto_pools")
-
-
 def _check_kwarg_names(kwargs: dict) -> None:
+    """Any zipmoe_ name that is not one of Llama.__init__'s zipmoe_* parameters or BuddyMoE's
+    zipmoe_buddy_NAME is a typo, not an option to ignore."""
+    import inspect
+
     from .options import BUDDY_PARAMETERS
 
-    known = set(ZIPMOE_KWARGS) | {f"zipmoe_buddy_{name}" for name in BUDDY_PARAMETERS}
+    known = {name for name in inspect.signature(Llama.__init__).parameters if name.startswith("zipmoe_")}
+    known |= {f"zipmoe_buddy_{name}" for name in BUDDY_PARAMETERS}
     unknown = sorted(k for k in kwargs if k.startswith("zipmoe_") and k not in known)
     if unknown:
         raise ZipMoEError(f"unknown option(s) {', '.join(unknown)}; ZipMoE's options are {', '.join(sorted(known))}")

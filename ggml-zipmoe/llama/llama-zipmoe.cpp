@@ -550,22 +550,18 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
         ggml_zipmoe_file_tensor_shape(file, tk, kind_ne[k]);
         expert_bytes += (size_t) kind_ne[k][0] * kind_ne[k][1] * sizeof(uint16_t);
     }
+    int32_t most = 0; // experts of the largest MoE layer
     for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
         int64_t s[3];
         ggml_zipmoe_file_tensor_shape(file, i, s);
         all_experts += (uint64_t) s[0] * s[1] * s[2] * sizeof(uint16_t);
         n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != nullptr;
+        most = std::max<int32_t>(most, (int32_t) s[2]);
     }
     const int32_t all_slots = std::max<int32_t>(1, slots_for(all_experts));
     if (opt.with_pools()) {
         // pools hold experts per MoE layer: more than a layer has is a mistake (a slot count?), and
         // would reserve memory no expert ever uses
-        int32_t most = 0;
-        for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
-            int64_t s[3];
-            ggml_zipmoe_file_tensor_shape(file, i, s);
-            most = std::max<int32_t>(most, (int32_t) s[2]);
-        }
         const int64_t held = (int64_t) opt.pools[0] + opt.pools[1] + opt.pools[2] + opt.pools[3];
         if (held > most) {
             throw std::runtime_error(format("zipmoe.pool_f/c/s/e (F %d, C %d, S %d, E %d) hold %lld experts per MoE "
@@ -604,11 +600,7 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
         size_t free_bytes = 0, total_bytes = 0;
         ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
         // zero slots beyond the cache's: the rows a pass does not compute (absent_slot)
-        for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
-            int64_t s[3];
-            ggml_zipmoe_file_tensor_shape(file, i, s);
-            gpu_zero_slots = std::max<int32_t>(gpu_zero_slots, (int32_t) s[2]);
-        }
+        gpu_zero_slots = most;
         // the non-expert weights, KV cache and compute buffers, cuBLAS' workspace, the zero slots
         const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) gpu_zero_slots * expert_bytes;
         const int32_t fit = slots_for(free_bytes > reserve ? free_bytes - reserve : 0);
