@@ -148,7 +148,7 @@ def test_the_fork_cli_exits_with_the_message_not_a_signal(models, tmp_path):
     assert b"ZipMoE: " in proc.stderr and b"layer 1, tensor blk.1.ffn_gate_exps.weight, expert " in proc.stderr
     assert b"E-chunk (shard 2)" in proc.stderr
     assert b"GGML_ABORT" not in proc.stderr and b"backtrace" not in proc.stderr.lower()
-    # llama-perplexity too: the run stops with the message and a failing exit status (patch 0009)
+    # llama-perplexity too: the run stops with the message and a failing exit status (patch 0013)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     proc = run([_paths.program("llama-perplexity"), "-m", bad, "-f", text, "-c", 64, "-b", 64, "--chunks", 2,

@@ -12,7 +12,7 @@ patches are kept as they are and applied, and only the last one touching the fil
 A kept patch's change to a file no later patch touches must match the edited tree, or the tool
 stops: such a change cannot be told apart from the edits meant for a later patch.
 
---add makes a new patch NAME (e.g. 0007-context-zipmoe-sizing.patch) of the given files (paths
+--add makes a new patch NAME (e.g. 0014-graph-moe-ffn-something.patch) of the given files (paths
 relative to the tree). Without --pristine the pinned sdist is extracted without patches into a
 temporary folder.
 """
