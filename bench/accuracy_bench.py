@@ -42,18 +42,21 @@ def parse_config(name: str, buddy_profile: Path | None = None) -> dict:
     if name == "lossless":
         return {}
     if name == "buddy" or name.startswith("buddy:"):
-        from zipmoe_py.options import BUDDY_PARAMETERS
+        from zipmoe_py import options
+        from zipmoe_py.errors import ZipMoEError
 
+        buddy = [o.name[len("buddy_"):] for o in options.python_options()
+                 if o.name.startswith("buddy_") and o.name != "buddy_profile"]
         out = {"zipmoe_substitution": "buddy", "zipmoe_buddy_profile": str(buddy_profile) if buddy_profile else None}
         for item in name.split(":")[1:]:
             key, _, value = item.partition("=")
-            if key not in BUDDY_PARAMETERS:
+            if key not in buddy:
                 raise ValueError(f"unknown configuration {name!r}: {key!r} is not a BuddyMoE parameter "
-                                 f"({', '.join(BUDDY_PARAMETERS)})")
+                                 f"({', '.join(buddy)})")
             try:
-                out[f"zipmoe_buddy_{key}"] = BUDDY_PARAMETERS[key][1](value)
-            except ValueError:
-                raise ValueError(f"unknown configuration {name!r}: {key}={value!r} is not a number") from None
+                out[f"zipmoe_buddy_{key}"] = options.parse_value(options.find(f"buddy_{key}"), value)
+            except ZipMoEError as e:
+                raise ValueError(f"unknown configuration {name!r}: {e}") from None
         return out
     if name.startswith("smoe:"):
         try:

@@ -180,7 +180,7 @@ def test_auto_pools_is_checked_against_the_other_pool_options(zipmoe_gguf):
 
     with pytest.raises(ZipMoEError, match="zipmoe_auto_pools must be True or False"):
         zipmoe_overrides(auto_pools="yes")
-    with pytest.raises(ZipMoEError, match="zipmoe_auto_pools=True picks the pools"):
+    with pytest.raises(ZipMoEError, match="zipmoe_auto_pools is for the default pools"):
         zipmoe_overrides(pools="F=2,C=4", auto_pools=True)
     assert zipmoe_overrides(auto_pools=False) == {"zipmoe.auto_pools": False}
 
@@ -195,7 +195,7 @@ def test_chat_stats_say_which_pools_and_why(zipmoe_gguf):
     assert "[stats] pools per MoE layer: F " in err and "C 16" in err
     assert "every compressed expert fits" in err
     out = run([zipmoe_command("zipmoe-chat"), str(path), "--no-auto-pools", "--pools", "F=1,C=2", "-p", "Hi"])
-    assert out.returncode != 0 and "--no-auto-pools is for the default pools" in out.stderr.decode(errors="replace")
+    assert out.returncode != 0 and "--auto-pools is for the default pools" in out.stderr.decode(errors="replace")
 
 
 def test_set_pools_names_what_is_wrong(zipmoe_gguf):

@@ -128,7 +128,7 @@ def test_zipmoe_chat_on_a_zipmoe_gguf_under_a_budget_answers_like_bf16(tiny_gguf
     assert got.stdout == want.stdout
     assert b"[stats] this reply" in got.stderr and b"misses" in got.stderr and b"per token" in got.stderr
     bad = _chat(model, "-p", "Hello", "--budget", "lots")
-    assert bad.returncode == 1 and b"zipmoe_budget must be a size" in bad.stderr
+    assert bad.returncode == 2 and b"argument --budget: must be a size in bytes" in bad.stderr  # before loading
     pooled = _chat(model, "-p", "Hello", "--pools", "C=2,E=4", "--work-slots", "4", "--stats")
     assert pooled.returncode == 0, pooled.stderr.decode()[-2000:]
     assert pooled.stdout == want.stdout and b"from pools C/S/E" in pooled.stderr

@@ -89,9 +89,9 @@ def test_environment_reaches_llama_perplexity_which_matches_the_bf16_gguf(model,
     ("ZIPMOE_BUDGET", "lots", "ZIPMOE_BUDGET (environment) must be a size in bytes, or like 4G, 512M, 1.5GiB; got 'lots'"),
     ("ZIPMOE_BUDGET", "-2G", "ZIPMOE_BUDGET (environment) must be a size"),
     ("ZIPMOE_DIRECT_IO", "maybe", "ZIPMOE_DIRECT_IO (environment) must be true or false"),
-    ("ZIPMOE_THREADS", "two", "ZIPMOE_THREADS (environment) must be 0"),
-    ("ZIPMOE_POOL_C", "-1", "ZIPMOE_POOL_C (environment) must be a number of experts per MoE layer from 0 to 1048576"),
-    ("ZIPMOE_WORK_SLOTS", "0", "ZIPMOE_WORK_SLOTS (environment) must be a number of slots from 1 to 1048576"),
+    ("ZIPMOE_THREADS", "two", "ZIPMOE_THREADS (environment) must be a whole number of threads from 0 to 4096"),
+    ("ZIPMOE_POOL_C", "-1", "ZIPMOE_POOL_C (environment) must be a whole number of experts per MoE layer from 0 to 1048576"),
+    ("ZIPMOE_WORK_SLOTS", "0", "ZIPMOE_WORK_SLOTS (environment) must be a whole number of slots from 1 to 1048576"),
 ])
 def test_bad_environment_values_are_named(model, variable, value, message):
     path, _ = model
@@ -113,7 +113,7 @@ def test_bad_overrides_are_named(model):
     assert proc.returncode != 0
     assert b"--override-kv zipmoe.substitution must be one of none, smoe, buddy (smoe and buddy are lossy); got 'buddy-ish'" in proc.stderr
     proc = completion(path, "--override-kv", "zipmoe.pool_f=int:2", environment=env(ZIPMOE_EVICTION="lru"))
-    assert proc.returncode != 0 and b"zipmoe.eviction must be rank" in proc.stderr
+    assert proc.returncode != 0 and b"zipmoe.pool_f needs zipmoe.eviction=rank" in proc.stderr
 
 
 def test_python_arguments_override_the_environment_which_overrides_the_default(model):
@@ -147,7 +147,7 @@ def test_option_names_are_the_c_librarys():
     assert _lib.eviction_names() == ("lru", "fifo", "marking", "lfu", "rank", "score")
     assert _lib.eviction_names()[_lib.EVICT_RANK] == "rank"
     assert _lib.pool_names() == ("F", "C", "S", "E")
-    eviction = next(action for action in cli.build_parser()._actions if action.dest == "eviction")
+    eviction = next(action for action in cli.build_parser()._actions if action.dest == "zipmoe_eviction")
     assert tuple(eviction.choices) == _lib.eviction_names()
     assert options.pool_overrides("e=2,F=1") == {"zipmoe.pool_f": 1, "zipmoe.pool_e": 2}
     with pytest.raises(ZipMoEError, match="zipmoe_eviction must be one of lru, fifo, marking, lfu, rank, score; got 'x'"):
@@ -176,13 +176,13 @@ def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(zipmoe_threads=10000), "zipmoe_threads must be a whole number from 0 to 4096; got 10000"),
+    (dict(zipmoe_threads=10000), "zipmoe_threads must be a whole number of threads from 0 to 4096 .*got 10000"),
     (dict(zipmoe_rank_delta=2 ** 40), "zipmoe_rank_delta must be a whole number from 0 to 1048576"),
-    (dict(zipmoe_work_slots=0), "zipmoe_work_slots must be a whole number from 1 to 1048576; got 0"),
-    (dict(zipmoe_pools={"F": 2.7}), "zipmoe_pools: .* whole number from 0 to 1048576"),
+    (dict(zipmoe_work_slots=0), "zipmoe_work_slots must be a whole number of slots from 1 to 1048576; got 0"),
+    (dict(zipmoe_pools={"F": 2.7}), "zipmoe_pools: F must be a whole number of experts per MoE layer from 0 to 1048576"),
     (dict(zipmoe_pools="F=2.7"), "zipmoe_pools: .* whole number"),
     (dict(zipmoe_direct_io="no"), "zipmoe_direct_io must be True or False; got 'no'"),
-    (dict(zipmoe_budget=2 ** 70), "zipmoe_budget of .* is beyond any machine's memory"),
+    (dict(zipmoe_budget=2 ** 70), "zipmoe_budget must be a size in bytes.*got 1180591620717411303424"),
     (dict(zipmoe_budget="inf"), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_budget=float("inf")), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_bugdet="1M"), "unknown option\\(s\\) zipmoe_bugdet; ZipMoE's options are zipmoe_auto_pools"),
@@ -245,4 +245,16 @@ def test_a_closed_llama_raises_instead_of_crashing(model, tmp_path):
             "        raise SystemExit('no error')\n"
             "print('ok')\n")
     proc = run([VENV_BIN / "python", "-c", code], cwd=tmp_path)  # not the source tree's zipmoe_py
+    assert proc.returncode == 0 and proc.stdout.strip() == b"ok", proc.stderr.decode()[-2000:]
+
+
+def test_importing_zipmoe_py_first_gives_llama_cpp_our_library(tmp_path):
+    """`import zipmoe_py, llama_cpp` (the order the docs give) loads ZipMoE's libllama, and Llama works after."""
+    code = ("import zipmoe_py, llama_cpp\n"
+            "from pathlib import Path\n"
+            "from zipmoe_py import _paths, Llama\n"
+            "assert Path(llama_cpp.llama_cpp._lib._name).resolve() == _paths.shared_library('llama').resolve()\n"
+            "print('ok')\n")
+    environment = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    proc = run([VENV_BIN / "python", "-c", code], cwd=tmp_path, env=environment)  # not the source tree
     assert proc.returncode == 0 and proc.stdout.strip() == b"ok", proc.stderr.decode()[-2000:]

@@ -432,7 +432,7 @@ def test_buddy_profiles_are_checked_against_their_model(buddy_profile, zipmoe_gg
         load(other, zipmoe_substitution="buddy", zipmoe_buddy_profile=str(profile))
     with pytest.raises(ZipMoEError, match="needs zipmoe_buddy_profile"):
         load(path, zipmoe_substitution="buddy")
-    with pytest.raises(ZipMoEError, match="zipmoe_buddy_rho must be a whole number from 0 to 64"):
+    with pytest.raises(ZipMoEError, match="zipmoe_buddy_rho must be a whole number of replacements per token from 0 to 64"):
         load(path, zipmoe_substitution="buddy", zipmoe_buddy_profile=str(profile), zipmoe_buddy_rho=1.5)
     bad = dict(doc)
     bad["layers"] = {**doc["layers"], "0": {**doc["layers"]["0"], "buddies": [[99]] * 16}}

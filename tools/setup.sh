@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install ZipMoE and everything it needs into ./.venv, from scratch or incrementally.
 #
-#   bash tools/setup.sh          # runtime: the fork, its bindings, converter and server dependencies
+#   bash tools/setup.sh          # the fork, its bindings, the server and the Hugging Face converter (zipmoe[server,convert])
 #   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs, nvcc if absent
 #   bash tools/setup.sh --cuda   # with CUDA: ggml's CUDA backend, expert slots in GPU memory
 #                                # (needs the CUDA toolkit; architectures: the GPU found, else 90;
@@ -71,10 +71,10 @@ if [ "$dev" = 1 ] && ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/
         "nvidia-cuda-runtime==13.5.37"
 fi
 
-extras="[server]"   # zipmoe-server (llama-cpp-python's server dependencies)
+extras="[server,convert]"   # zipmoe-server; Hugging Face checkpoints and the tiny demo model (torch, transformers)
 cmake_args=()
 if [ "$dev" = 1 ]; then
-    extras="[server,test]"
+    extras="[server,convert,test]"
     cmake_args=(-C cmake.define.ZIPMOE_BUILD_UPSTREAM_TESTS=ON)
 fi
 if [ "$cuda" = 1 ]; then

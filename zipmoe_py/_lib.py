@@ -125,6 +125,29 @@ class SchedResult(ctypes.Structure):
                 ("n_order", ctypes.c_int32), ("n_blocks", ctypes.c_int32)]
 
 
+# ggml-zipmoe-options.h: enum ggml_zipmoe_option_type, ggml_zipmoe_option_surface, ggml_zipmoe_option_given
+TYPE_SIZE, TYPE_BOOL, TYPE_INT, TYPE_REAL, TYPE_NAME, TYPE_POOLS, TYPE_PATH = range(7)
+SURFACE_LOADER, SURFACE_PYTHON = 1, 2
+GIVEN_TEXT, GIVEN_INT, GIVEN_REAL, GIVEN_BOOL = range(4)
+
+
+class OptionDesc(ctypes.Structure):
+    """struct ggml_zipmoe_option: one row of the option table."""
+    _fields_ = [("name", ctypes.c_char_p), ("key", ctypes.c_char_p), ("env", ctypes.c_char_p),
+                ("type", ctypes.c_int32), ("surfaces", ctypes.c_int32), ("min", ctypes.c_double),
+                ("max", ctypes.c_double), ("also", ctypes.c_double), ("value", ctypes.c_double),
+                ("unit", ctypes.c_char_p), ("note", ctypes.c_char_p), ("default_text", ctypes.c_char_p),
+                ("help", ctypes.c_char_p), ("requires", ctypes.c_int32), ("requires_value", ctypes.c_int32)]
+
+
+class OptionInput(ctypes.Structure):
+    _fields_ = [("given", ctypes.c_int32), ("text", ctypes.c_char_p), ("i", ctypes.c_int64), ("f", ctypes.c_double)]
+
+
+class OptionValue(ctypes.Structure):
+    _fields_ = [("i", ctypes.c_int64), ("f", ctypes.c_double)]
+
+
 _PROTOTYPES = {
     "ggml_zipmoe_version": (ctypes.c_char_p, []),
     "ggml_zipmoe_version_number": (ctypes.c_int, []),
@@ -148,6 +171,15 @@ _PROTOTYPES = {
     "ggml_zipmoe_decode_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32),
                                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
                                                  ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
+    "ggml_zipmoe_option_count": (ctypes.c_int, []),
+    "ggml_zipmoe_option_at": (ctypes.POINTER(OptionDesc), [ctypes.c_int]),
+    "ggml_zipmoe_option_find": (ctypes.c_int, [ctypes.c_char_p]),
+    "ggml_zipmoe_option_choice": (ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_option_expects": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_option_parse": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(OptionInput),
+                                                ctypes.POINTER(OptionValue)]),
+    "ggml_zipmoe_options_check": (ctypes.c_int, [ctypes.POINTER(OptionValue), ctypes.POINTER(ctypes.c_bool),
+                                                 ctypes.c_bool, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_eviction_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_pool_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_substitution_name": (ctypes.c_char_p, [ctypes.c_int]),
@@ -285,7 +317,7 @@ def _enum_names(name_of) -> tuple[str, ...]:
 
 @functools.cache
 def substitution_names() -> tuple[str, ...]:
-    """The expert substitution policies by enum value (ggml_zipmoe_substitution_name): none, smoe."""
+    """The expert substitution policies by enum value (ggml_zipmoe_substitution_name): none, smoe, buddy."""
     return _enum_names(lib().ggml_zipmoe_substitution_name)
 
 

@@ -54,26 +54,17 @@ def _import_llama_cpp():
 llama_cpp = _import_llama_cpp()
 
 
-def _buddy_kwargs(kwargs: dict, pop: bool = False) -> dict:
-    """The zipmoe_buddy_NAME keyword arguments (BuddyMoE's parameters) as {NAME: value}."""
-    from .options import BUDDY_PARAMETERS
+def _zipmoe_kwargs(kwargs: dict, pop: bool = False) -> dict:
+    """The zipmoe_* keyword arguments given, as {name: value} of the option table; a zipmoe_ name the
+    table does not have is a typo, not an option to ignore."""
+    from .options import python_options
 
-    get = kwargs.pop if pop else kwargs.get
-    return {name: get(f"zipmoe_buddy_{name}", None) for name in BUDDY_PARAMETERS}
-
-
-def _check_kwarg_names(kwargs: dict) -> None:
-    """Any zipmoe_ name that is not one of Llama.__init__'s zipmoe_* parameters or BuddyMoE's
-    zipmoe_buddy_NAME is a typo, not an option to ignore."""
-    import inspect
-
-    from .options import BUDDY_PARAMETERS
-
-    known = {name for name in inspect.signature(Llama.__init__).parameters if name.startswith("zipmoe_")}
-    known |= {f"zipmoe_buddy_{name}" for name in BUDDY_PARAMETERS}
+    known = {o.kwarg: o.name for o in python_options()}
     unknown = sorted(k for k in kwargs if k.startswith("zipmoe_") and k not in known)
     if unknown:
         raise ZipMoEError(f"unknown option(s) {', '.join(unknown)}; ZipMoE's options are {', '.join(sorted(known))}")
+    get = kwargs.pop if pop else kwargs.get
+    return {known[k]: get(k) for k in list(kwargs) if k in known}
 
 
 def _effective_substitution(kwargs: dict) -> tuple[str | None, str]:
@@ -171,124 +162,40 @@ def check_model_file(model_path: str | os.PathLike) -> Path:
 
 
 class Llama(llama_cpp.Llama):
-    """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
-
-    Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwise). An option not
-    given is taken from its environment variable (ZIPMOE_BUDGET, ZIPMOE_MEM_LIMIT, ZIPMOE_DIRECT_IO,
-    ZIPMOE_THREADS, ZIPMOE_EVICTION, ZIPMOE_RANK_DELTA, ZIPMOE_POOL_F/C/S/E, ZIPMOE_WORK_SLOTS), else
-    its default:
-      zipmoe_budget:    bytes (or "4G", "512M") of expert slots; default: what the process may use
-                        (its cgroup limits and MemAvailable) minus the non-expert weights, every
-                        context's KV cache and compute buffers, the cache's own buffers and a margin,
-                        at most every expert and at least one token's experts of a layer; sized
-                        again whenever a context is made or freed. A budget that does not fit is
-                        reduced, with a warning giving the numbers
-      zipmoe_mem_limit: memory this process may use in all (bytes or "16G"), when it must share the
-                        machine below what its cgroup and MemAvailable allow
-      zipmoe_preload:   fill the expert slots when the first context is made, as a memory-mapped
-                        model's populate does (default True; statistics do not count it)
-      zipmoe_direct_io: True: read expert chunks with O_DIRECT (an error where the filesystem cannot);
-                        False: through the page cache; default: O_DIRECT where the filesystem supports it
-      zipmoe_threads:   how many of the graph's threads (n_threads) decode fetched experts; default
-                        all (0). Reads run on the cache's own I/O thread either way.
-      zipmoe_eviction:  which resident expert a miss replaces: "rank" (default; ZipMoE's rank
-                        dispatch: experts ranked beyond their layer's share of the cache go first,
-                        then the least often chosen), "lru", "fifo", "marking" (randomized
-                        marking), "lfu" (least often chosen)
-      zipmoe_rank_delta: the "rank" dispatch's tolerance margin delta (default 0, or the plan's)
-      zipmoe_pools:     the hierarchical pools (ZipMoE §3.2), experts per MoE layer kept full (F),
-                        compressed (C: SM + E-chunks), as SM-chunks (S) or as E-chunks (E), e.g.
-                        "F=4,C=8,E=2" or {"F": 4, "C": 8}; default: zipmoe_auto_pools
-      zipmoe_auto_pools: with no pools given (default True), the pools for the memory left: one F pool
-                        when every expert fits full; when every compressed expert fits, all of them in C
-                        and as many as room allows in F too (nothing is read after warm-up); otherwise
-                        the planner's pools for a uniform profile (ZipMoE Alg. 4), if it expects them to
-                        beat one F pool; after 16 one-token decode steps (KV zipmoe.replan_tokens, 0:
-                        never) planned once more from the routing seen.
-                        zipmoe_stats()["memory"]["pools_why"] says which and why.
-                        False: one F pool of the whole budget
-      zipmoe_plan:      a zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools)
-      zipmoe_work_slots: with pools, the slots beyond F's where other experts are made full for a
-                        pass (default 8; a ubatch choosing more distinct experts per layer than the
-                        free slots runs in several passes)
-      zipmoe_prefetch:  read ahead, while a layer computes, the chunks of the experts the next layer's
-                        router is predicted to choose (its gate applied to this layer's FFN input);
-                        lossless: routing and arithmetic are unchanged (default False: on the
-                        random-weight bench models it did not pay for itself)
-      zipmoe_substitution: "none" (default, lossless) or "smoe": LOSSY, opt-in. SMoE's expert-cache
-                        router replaces some low-score experts the router chose, when they are not
-                        resident, with resident experts of nearly the same score, so that fewer are
-                        read; outputs then differ from the model's (zipmoe_stats()["substitution"]
-                        counts the replacements, labelled lossy)
-      zipmoe_smoe_alpha: SMoE's alpha in [0, 1] (default 0.1): a chosen expert scoring below (1 + alpha)
-                        beta may be replaced by one scoring in [(1 - alpha) beta, beta), beta being the
-                        (k+1)-th score; 0 replaces nothing
-      zipmoe_substitution="buddy": LOSSY, opt-in. BuddyMoE: a chosen expert that is not resident is
-                        replaced with a resident "buddy" (an expert that often co-activates with it, from
-                        zipmoe_buddy_profile, a zipmoe-buddies file made for this model), when the token's
-                        routing entropy passes the gate, the batch's share of missing experts is below
-                        beta, and the token's budget rho is not spent. Parameters (KV zipmoe.buddy_NAME):
-        zipmoe_buddy_tau:  TAE gate, in [0, 1]; default -1: each layer's tau from the profile
-        zipmoe_buddy_rho:  replacements per token at most (default 3; 0 replaces nothing)
-        zipmoe_buddy_beta: no replacement in a batch whose share of missing experts is >= beta (default 1)
-        zipmoe_buddy_search: H, buddies searched per missing expert (default 16)
-        zipmoe_buddy_gamma: margin gate: none when the top-1 minus top-2 renormalized score >= gamma
-                           (default 1: off)
-        zipmoe_buddy_temperature: T of the TAE (default 1; use the profile's)
-        zipmoe_buddy_eta:  priority q (1 + eta z) by the token's own scores (default 0: the list's order)
-    """
-
+    # __doc__ and __init__'s signature: _document_options, from the option table
     def __new__(cls, model_path: str | None = None, *args, **kwargs):
         if model_path is None:
             return super().__new__(cls)  # unpickling and copy: __setstate__ calls __init__, which checks
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
-        _check_kwarg_names(kwargs)
+        given = _zipmoe_kwargs(kwargs)
         check_model_file(model_path)
-        options = zipmoe_overrides(kwargs.get("zipmoe_budget"), kwargs.get("zipmoe_direct_io"),
-                                   kwargs.get("zipmoe_threads"), kwargs.get("zipmoe_eviction"),
-                                   kwargs.get("zipmoe_rank_delta"), kwargs.get("zipmoe_pools"),
-                                   kwargs.get("zipmoe_work_slots"), kwargs.get("zipmoe_plan"),
-                                   kwargs.get("zipmoe_mem_limit"), kwargs.get("zipmoe_preload"),
-                                   kwargs.get("zipmoe_prefetch"), kwargs.get("zipmoe_substitution"),
-                                   kwargs.get("zipmoe_smoe_alpha"), _buddy_kwargs(kwargs),
-                                   auto_pools=kwargs.get("zipmoe_auto_pools"))
-        if kwargs.get("zipmoe_buddy_profile") is not None and kwargs.get("zipmoe_substitution") != "buddy":
-            raise ZipMoEError("zipmoe_buddy_profile is BuddyMoE's: give it with zipmoe_substitution='buddy'")
+        options = zipmoe_overrides(given)
+        profile = given.get("buddy_profile")
         substitution, source = _effective_substitution(kwargs)
-        if substitution == "buddy" and kwargs.get("zipmoe_buddy_profile") is None:
+        if substitution == "buddy" and profile is None:
             raise ZipMoEError(f"{source} = 'buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
                               "(make one with zipmoe-buddies)")
-        if kwargs.get("zipmoe_buddy_profile") is not None:
+        if profile is not None:
             from .buddies import load_profile
 
-            load_profile(Path(kwargs["zipmoe_buddy_profile"]), Path(model_path))
+            load_profile(Path(profile), Path(model_path))
         if "zipmoe.budget" in options:
             check_budget(Path(model_path), options["zipmoe.budget"])
-        if kwargs.get("zipmoe_plan") is not None:
-            _check_plan_matches(Path(kwargs["zipmoe_plan"]), Path(model_path))
+        if given.get("plan") is not None:
+            _check_plan_matches(Path(given["plan"]), Path(model_path))
         return super().__new__(cls)
 
-    def __init__(self, model_path: str, *args, zipmoe_budget=None, zipmoe_direct_io: bool | None = None,
-                 zipmoe_threads: int | None = None, zipmoe_eviction: str | None = None,
-                 zipmoe_rank_delta: int | None = None, zipmoe_pools=None, zipmoe_work_slots: int | None = None,
-                 zipmoe_plan=None, zipmoe_mem_limit=None, zipmoe_preload: bool | None = None,
-                 zipmoe_prefetch: bool | None = None, zipmoe_substitution: str | None = None,
-                 zipmoe_smoe_alpha: float | None = None, zipmoe_buddy_profile=None,
-                 zipmoe_auto_pools: bool | None = None, **kwargs):
-        _check_kwarg_names(kwargs)  # again: __setstate__ comes here without __new__'s checks
+    def __init__(self, model_path: str, *args, **kwargs):
+        given = _zipmoe_kwargs(kwargs, pop=True)  # again: __setstate__ comes here without __new__'s checks
         check_model_file(model_path)
-        buddy = _buddy_kwargs(kwargs, pop=True)
-        self._zipmoe_buddy_profile = zipmoe_buddy_profile
+        self._zipmoe_buddy_profile = given.get("buddy_profile")
         profile = None
-        if zipmoe_buddy_profile is not None:
+        if self._zipmoe_buddy_profile is not None:
             from .buddies import load_profile
 
-            profile = load_profile(Path(zipmoe_buddy_profile), Path(model_path))
+            profile = load_profile(Path(self._zipmoe_buddy_profile), Path(model_path))
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
-        overrides.update(zipmoe_overrides(zipmoe_budget, zipmoe_direct_io, zipmoe_threads, zipmoe_eviction,
-                                          zipmoe_rank_delta, zipmoe_pools, zipmoe_work_slots, zipmoe_plan,
-                                          zipmoe_mem_limit, zipmoe_preload, zipmoe_prefetch, zipmoe_substitution,
-                                          zipmoe_smoe_alpha, buddy, auto_pools=zipmoe_auto_pools))
+        overrides.update(zipmoe_overrides(given))
         if overrides:
             kwargs["kv_overrides"] = overrides
         with _LoaderErrors() as errors:
@@ -355,3 +262,33 @@ class Llama(llama_cpp.Llama):
         cache = _lib.llama_model_zipmoe_cache(self._model.model)
         if cache:
             _lib.lib().ggml_zipmoe_cache_reset_stats(cache)
+
+
+_LLAMA_DOC = """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
+
+Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwise). An option not
+given is taken from its environment variable, else its default (a kv_overrides entry zipmoe.NAME
+comes before both). Bad values raise ZipMoEError naming the option; errors of the loader raise
+ZipMoELoadError with its reason. See README.md for memory sizing, pools and the lossy modes.
+
+{options}
+"""
+
+
+def _document_options(cls) -> None:
+    """cls's docstring and __init__'s signature list the option table's zipmoe_* keyword arguments."""
+    import inspect
+
+    from .options import python_docstring, python_options
+
+    cls.__doc__ = _LLAMA_DOC.format(options=python_docstring())
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model_path", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+              inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
+    params += [inspect.Parameter(o.kwarg, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                 annotation=f"{o.python_type} | None") for o in python_options()]
+    params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    cls.__init__.__signature__ = inspect.Signature(params)
+
+
+_document_options(Llama)

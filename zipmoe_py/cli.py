@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import _lib
 from .errors import ZipMoEError
-from .options import BUDDY_PARAMETERS
+from .options import chat_flag, python_options, zipmoe_overrides
 
 HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this"
 
@@ -154,21 +154,15 @@ def chat(args) -> int:
     from .bindings import Llama
 
     model = args.model if args.model is not None else demo_model_path()
-    budget = args.budget
+    options = {o.kwarg: getattr(args, o.kwarg) for o in python_options()}
     if args.model is None:
         print(f"zipmoe-chat: demo model {model} has random weights: expect gibberish", file=sys.stderr)
-        if budget is None:
-            budget = max(1, experts_bytes(model) // 4)
-            print(f"zipmoe-chat: expert-cache budget {budget / 1024:.0f} KiB (a quarter of the demo's experts)",
-                  file=sys.stderr)
+        if options["zipmoe_budget"] is None:
+            options["zipmoe_budget"] = max(1, experts_bytes(model) // 4)
+            print(f"zipmoe-chat: expert-cache budget {options['zipmoe_budget'] / 1024:.0f} KiB (a quarter of the "
+                  "demo's experts)", file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, zipmoe_budget=budget, zipmoe_direct_io=args.direct_io,
-                zipmoe_threads=args.zipmoe_threads, zipmoe_eviction=args.eviction, zipmoe_plan=args.plan,
-                zipmoe_pools=args.pools, zipmoe_work_slots=args.work_slots, zipmoe_mem_limit=args.mem_limit,
-                zipmoe_preload=None if args.preload else False, zipmoe_prefetch=args.prefetch,
-                zipmoe_substitution=args.substitution, zipmoe_smoe_alpha=args.smoe_alpha,
-                zipmoe_buddy_profile=args.buddy_profile, zipmoe_auto_pools=False if args.no_auto_pools else None,
-                **{f"zipmoe_buddy_{name}": getattr(args, f"buddy_{name}") for name in BUDDY_PARAMETERS})
+                n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
@@ -218,6 +212,33 @@ def chat(args) -> int:
     return 0
 
 
+def add_option_flag(ap: argparse.ArgumentParser, option) -> None:
+    """option's flag (options.chat_flag), its type, checks and help from the option table."""
+    from .options import chat_flag, parse_value
+
+    flag = chat_flag(option)
+    help_text = f"ZipMoE GGUFs: {option.help} (default: {option.default_text}"
+    help_text += f"; ${option.env})" if option.env else ")"
+    if option.type == _lib.TYPE_BOOL:
+        ap.add_argument(flag, dest=option.kwarg, action=argparse.BooleanOptionalAction, default=None,
+                        help=help_text.replace("%", "%%"))
+        return
+
+    def checked(text: str):
+        if option.type in (_lib.TYPE_POOLS, _lib.TYPE_PATH):
+            return text  # read by zipmoe_overrides / Llama, which name the flag in their errors
+        try:
+            return parse_value(option, text, flag)
+        except ZipMoEError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
+
+    checked.__name__ = option.name
+    metavar = {_lib.TYPE_SIZE: "SIZE", _lib.TYPE_INT: "N", _lib.TYPE_REAL: "X", _lib.TYPE_POOLS: "F=N,C=N,S=N,E=N",
+               _lib.TYPE_PATH: "FILE"}.get(option.type)
+    ap.add_argument(flag, dest=option.kwarg, type=checked, default=None, metavar=metavar,
+                    choices=option.choices or None, help=help_text.replace("%", "%%"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="zipmoe-chat",
@@ -241,77 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "MoE layers offloaded, ZipMoE's expert slots are in GPU memory and --budget is VRAM for "
                          "them (docs/CUDA.md). Default: %(default)s, everything on the CPU")
     ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
-    ap.add_argument("-b", "--budget", default=None, metavar="SIZE",
-                    help="ZipMoE GGUFs: memory for the expert slots, in bytes or like 4G, 512M (default: "
-                         "$ZIPMOE_BUDGET, else what this process may use, from its cgroup limits and "
-                         "MemAvailable, minus the non-expert weights, the context's buffers and a margin; "
-                         "the demo model uses a quarter of its experts). A budget that does not fit is "
-                         "reduced, with a warning")
-    ap.add_argument("--mem-limit", default=None, metavar="SIZE",
-                    help="ZipMoE GGUFs: memory this process may use in all, when it must leave room for "
-                         "others below its cgroup limit and MemAvailable (default: $ZIPMOE_MEM_LIMIT, else none)")
-    ap.add_argument("--no-preload", dest="preload", action="store_false",
-                    help="ZipMoE GGUFs: do not fill the expert slots when the model is loaded (by default they are, "
-                         "as a memory-mapped model's populate does; $ZIPMOE_PRELOAD=0 does the same)")
-    ap.add_argument("--prefetch", action="store_const", const=True, default=None,
-                    help="ZipMoE GGUFs: while a layer computes, read the chunks of the experts the next layer's "
-                         "router is predicted to choose (lossless; off by default: on the random-weight bench "
-                         "models it did not pay for itself; $ZIPMOE_PREFETCH=1 does the same)")
-    io = ap.add_mutually_exclusive_group()
-    io.add_argument("--direct-io", dest="direct_io", action="store_const", const=True, default=None,
-                    help="ZipMoE GGUFs: read expert chunks with O_DIRECT, bypassing the page cache, and fail where "
-                         "the filesystem cannot (default: O_DIRECT where the filesystem supports it)")
-    io.add_argument("--no-direct-io", dest="direct_io", action="store_const", const=False,
-                    help="ZipMoE GGUFs: read expert chunks through the page cache")
-    ap.add_argument("--eviction", choices=_lib.eviction_names(), default=None,
-                    help="ZipMoE GGUFs: which cached expert a miss replaces: rank (default; ZipMoE: experts "
-                         "ranked beyond their layer's share of the cache go first, then the least often chosen), "
-                         "lru, fifo, marking (randomized marking), lfu (least often chosen)")
-    ap.add_argument("--plan", type=Path, default=None, metavar="PLAN.json",
-                    help="ZipMoE GGUFs: use the hierarchical cache pools of a zipmoe-plan file (made by "
-                         "zipmoe-profile then zipmoe-plan for this model and a budget)")
-    ap.add_argument("--pools", default=None, metavar="F=N,C=N,S=N,E=N",
-                    help="ZipMoE GGUFs: hierarchical cache pools by hand, experts per MoE layer kept full (F), "
-                         "compressed (C), as sign+mantissa chunks (S) or as exponent chunks (E); an expert goes "
-                         "to the first pool whose cumulative size exceeds its activation rank (instead of --plan)")
-    ap.add_argument("--no-auto-pools", action="store_true",
-                    help="ZipMoE GGUFs without --plan/--pools: one pool of full experts for the whole budget. By "
-                         "default the pools follow the memory left: every expert full if all fit; every "
-                         "compressed expert kept (and some full) if those fit, so nothing is read after warm-up; "
-                         "else the planner's pools for a uniform profile when it expects them to beat one full "
-                         "pool. --stats says which and why")
-    ap.add_argument("--work-slots", type=int, default=None, metavar="N",
-                    help="ZipMoE GGUFs with pools: slots beyond F's where experts from C, S, E or disk are made "
-                         "full for use (default: 8)")
-    ap.add_argument("--zipmoe-threads", type=int, default=None, metavar="N",
-                    help="ZipMoE GGUFs: how many of the generation threads decode fetched experts "
-                         "(default: all; reads run on the cache's own I/O thread)")
-    ap.add_argument("--substitution", choices=_lib.substitution_names(), default=None,
-                    help="ZipMoE GGUFs: expert substitution, LOSSY and off by default (none). smoe: SMoE's "
-                         "expert-cache router replaces some low-score experts the router chose, when they are not "
-                         "cached, with cached experts of nearly the same score; buddy: BuddyMoE replaces a chosen "
-                         "expert that is not cached with a cached expert that often co-activates with it "
-                         "(--buddy-profile); fewer are read, and replies differ from the model's "
-                         "($ZIPMOE_SUBSTITUTION does the same)")
-    ap.add_argument("--smoe-alpha", type=float, default=None, metavar="A",
-                    help="with --substitution smoe: SMoE's alpha in [0, 1] (default 0.1); a chosen expert scoring "
-                         "below (1+A) beta may be replaced by one scoring in [(1-A) beta, beta), beta being the "
-                         "(k+1)-th score; 0 replaces nothing")
-    ap.add_argument("--buddy-profile", type=Path, default=None, metavar="BUDDIES.json",
-                    help="with --substitution buddy: the buddy profile zipmoe-buddies made for this model")
-    buddy_help = {
-        "tau": "TAE gate: replace only for tokens whose routing entropy exceeds it, in [0, 1] "
-               "(default: each layer's calibrated tau from the profile)",
-        "rho": "replacements per token at most (default 3; 0 replaces nothing)",
-        "beta": "no replacement in a batch whose share of missing experts is >= it, in [0, 1] (default 1)",
-        "search": "H: buddies searched per missing expert (default 16)",
-        "gamma": "margin gate: no replacement when the top-1 minus top-2 renormalized score >= it (default 1: off)",
-        "temperature": "temperature T of the entropy (default 1; the profile's)",
-        "eta": "buddy priority q (1 + eta z) by the token's own router scores (default 0: the list's order)",
-    }
-    for name, (_, kind, _, _) in BUDDY_PARAMETERS.items():
-        ap.add_argument(f"--buddy-{name}", type=kind, default=None, metavar="N" if kind is int else "X",
-                        help=f"with --substitution buddy: {buddy_help[name]}")
+    for option in python_options():
+        add_option_flag(ap, option)
     ap.add_argument("--stats", action="store_true",
                     help="after each reply, print expert-cache statistics (hits, misses, bytes read, I/O, "
                          "decode and recover time), for the reply, per token and in total")
@@ -322,26 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.plan is not None and args.pools is not None:
-        ap.error("give --plan or --pools, not both (a plan sets the pools)")
-    if args.no_auto_pools and (args.plan is not None or args.pools is not None):
-        ap.error("--no-auto-pools is for the default pools: --plan and --pools set them anyway")
-    if args.work_slots is not None and args.work_slots < 1:
-        ap.error(f"--work-slots must be >= 1, got {args.work_slots}")
-    if args.zipmoe_threads is not None and args.zipmoe_threads < 0:
-        ap.error(f"--zipmoe-threads must be >= 0, got {args.zipmoe_threads}")
     for name in ("threads", "ctx_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.smoe_alpha is not None and not 0 <= args.smoe_alpha <= 1:
-        ap.error(f"--smoe-alpha must be from 0 to 1, got {args.smoe_alpha}")
-    if args.smoe_alpha is not None and args.substitution != "smoe":
-        ap.error("--smoe-alpha needs --substitution smoe")
-    buddy_given = [name for name in BUDDY_PARAMETERS if getattr(args, f"buddy_{name}") is not None]
-    if (buddy_given or args.buddy_profile is not None) and args.substitution != "buddy":
-        ap.error(f"--buddy-{(buddy_given or ['profile'])[0]} needs --substitution buddy")
-    if args.substitution == "buddy" and args.buddy_profile is None:
+    try:  # the rules between options (a plan or pools, SMoE's alpha with smoe, ...), named by their flags
+        zipmoe_overrides({o.name: getattr(args, o.kwarg) for o in python_options()}, name_of=chat_flag)
+    except ZipMoEError as e:
+        ap.error(str(e))
+    if args.zipmoe_substitution == "buddy" and args.zipmoe_buddy_profile is None:
         ap.error("--substitution buddy needs --buddy-profile (make one with zipmoe-buddies)")
     if not args.temp >= 0:  # NaN too
         ap.error(f"--temp must be >= 0, got {args.temp}")

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from . import _paths
-from .errors import ZipMoEError
+from .errors import ZipMoEError, require_extra
 
 # HF architecture -> what users call it
 SUPPORTED_ARCHITECTURES = {
@@ -71,6 +71,7 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     """
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     check_checkpoint(hf_dir)
+    require_extra("convert", "converting a Hugging Face checkpoint")
     if out_path.is_dir():
         raise ZipMoEError(f"output {out_path} is a folder; give a file name such as {out_path / 'model.gguf'}")
     if not out_path.parent.exists():

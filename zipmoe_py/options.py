@@ -1,61 +1,129 @@
-"""ZipMoE's options (budget, pools, eviction, ...) parsed into the KV overrides of the fork's model loader.
+"""ZipMoE's options, read from ggml-zipmoe's option table (ggml-zipmoe-options.h), and parsed into the
+KV overrides of the fork's model loader.
 
-Pure option logic, shared by `Llama(...)` (bindings), zipmoe-chat and zipmoe-plan: it imports neither
-llama_cpp (zipmoe_py.bindings) nor the planner, so parsing an option never loads libllama. The names C
-owns (eviction policies, pools) come from libggml-zipmoe (_lib), loaded on first use.
+The table is the single source: names, KV keys, environment variables, types, ranges, defaults and
+help come from C, and values are checked by C (ggml_zipmoe_option_parse, ggml_zipmoe_options_check).
+From it come Llama's zipmoe_* keyword arguments and docstring (bindings), zipmoe-chat's flags (cli),
+zipmoe-server's flags and config fields (server) and README.md's options table (markdown_table).
+Parsing an option never loads libllama: this module imports neither llama_cpp nor the planner.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import _lib
 from .errors import ZipMoEError
 
-_SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-               "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40,
-               "TIB": 1 << 40}
+
+@dataclass(frozen=True)
+class Option:
+    """One row of the option table (struct ggml_zipmoe_option)."""
+
+    id: int
+    name: str                 # "budget"
+    key: str | None           # "zipmoe.budget": the loader's KV override, None if it does not read it
+    env: str | None           # "ZIPMOE_BUDGET"
+    type: int                 # _lib.TYPE_*
+    surfaces: int             # _lib.SURFACE_* or'ed
+    default_text: str
+    help: str
+    requires: tuple[str, str] | None  # (option, value) this one needs
+    choices: tuple[str, ...]  # a NAME option's
+
+    @property
+    def kwarg(self) -> str:
+        """Its keyword argument of Llama and its zipmoe-server flag (without --)."""
+        return f"zipmoe_{self.name}"
+
+    @property
+    def in_python(self) -> bool:
+        """Given as Llama's keyword argument, zipmoe-chat's flag and zipmoe-server's flag."""
+        return bool(self.surfaces & _lib.SURFACE_PYTHON)
+
+    @property
+    def expects(self) -> str:
+        """What a value must be, in words (ggml_zipmoe_option_expects)."""
+        buf = ctypes.create_string_buffer(512)
+        _lib.lib().ggml_zipmoe_option_expects(self.id, buf, len(buf))
+        return buf.value.decode()
+
+    @property
+    def python_type(self) -> str:
+        return {_lib.TYPE_SIZE: "int | str", _lib.TYPE_BOOL: "bool", _lib.TYPE_INT: "int", _lib.TYPE_REAL: "float",
+                _lib.TYPE_NAME: "str", _lib.TYPE_POOLS: "str | dict", _lib.TYPE_PATH: "str | os.PathLike"}[self.type]
+
+
+@functools.cache
+def table() -> tuple[Option, ...]:
+    """Every option, in the table's order."""
+    lib = _lib.lib()
+    rows = []
+    for i in range(lib.ggml_zipmoe_option_count()):
+        o = lib.ggml_zipmoe_option_at(i).contents
+        text = lambda b: b.decode() if b is not None else None  # noqa: E731
+        choices = []
+        while (choice := lib.ggml_zipmoe_option_choice(i, len(choices))) is not None:
+            choices.append(choice.decode())
+        requires = None
+        if o.requires >= 0:
+            needed = lib.ggml_zipmoe_option_at(o.requires).contents
+            requires = (needed.name.decode(), lib.ggml_zipmoe_option_choice(o.requires, o.requires_value).decode())
+        rows.append(Option(i, text(o.name), text(o.key), text(o.env), o.type, o.surfaces, text(o.default_text),
+                           text(o.help), requires, tuple(choices)))
+    return tuple(rows)
+
+
+def python_options() -> tuple[Option, ...]:
+    """The options Llama, zipmoe-chat and zipmoe-server take."""
+    return tuple(o for o in table() if o.in_python)
+
+
+# zipmoe-chat's own flags that an option's flag would shadow (llama.cpp's -t/--threads): those get a
+# zipmoe- prefix
+CHAT_OWN_FLAGS = ("threads",)
+
+
+def chat_flag(option: Option) -> str:
+    """Its zipmoe-chat flag: --budget, --zipmoe-threads (a boolean also has --no-NAME)."""
+    return f"--{'zipmoe-' if option.name in CHAT_OWN_FLAGS else ''}{option.name.replace('_', '-')}"
+
+
+def find(name: str) -> Option:
+    """The option named name ("budget"), or its keyword argument ("zipmoe_budget")."""
+    for o in table():
+        if name in (o.name, o.kwarg):
+            return o
+    raise KeyError(name)
+
+
+def parse_value(option: Option, value, what: str | None = None):
+    """value checked by the C library against option's type and range, as the loader's KV override
+    takes it (bytes, a whole number, a number, True/False, a name). what: how the caller names the
+    option in errors (default: its keyword argument)."""
+    what = what or option.kwarg
+    if option.type == _lib.TYPE_BOOL:
+        if not isinstance(value, bool):  # bool("no") would be True: a bool or nothing
+            raise ZipMoEError(f"{what} must be True or False; got {value!r}")
+        return value
+    text = str(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or "\0" in text:
+        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    parsed = _lib.OptionValue()
+    given = _lib.OptionInput(_lib.GIVEN_TEXT, text.encode(), 0, 0.0)
+    if _lib.lib().ggml_zipmoe_option_parse(option.id, ctypes.byref(given), ctypes.byref(parsed)) != _lib.OK:
+        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    if option.type == _lib.TYPE_REAL:
+        return parsed.f
+    return option.choices[parsed.i] if option.type == _lib.TYPE_NAME else parsed.i
 
 
 def parse_size(value, what: str = "zipmoe_budget") -> int:
     """Bytes from an int or a string like "4G", "512M", "1.5GiB" (binary units)."""
-    if isinstance(value, bool):
-        raise ZipMoEError(f"{what} must be a size in bytes or like '4G', not {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        text = str(value).strip().upper().replace(" ", "")
-        number = text.rstrip("KMGTIB")
-        unit = text[len(number):]
-        try:
-            n = int(float(number) * _SIZE_UNITS[unit])
-        except (ValueError, KeyError, OverflowError):  # OverflowError: "inf"
-            raise ZipMoEError(f"{what} must be a size in bytes or like '4G', '512M', '1.5GiB'; got {value!r}") from None
-    if n <= 0:
-        raise ZipMoEError(f"{what} must be positive, got {value!r}")
-    if n > MAX_SIZE:
-        raise ZipMoEError(f"{what} of {value!r} is beyond any machine's memory (at most {MAX_SIZE} bytes)")
-    return n
-
-
-# the loader's KV overrides are int64, and its counts int32 with these bounds (llama-zipmoe.cpp)
-MAX_SIZE = (1 << 63) - 1
-MAX_THREADS = 4096
-MAX_SLOTS = 1 << 20
-
-
-def parse_count(value, what: str, high: int = MAX_SLOTS, low: int = 0) -> int:
-    """A whole number from low to high (zipmoe_threads: 0 means all of the graph's threads;
-    zipmoe_rank_delta; zipmoe_work_slots)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ZipMoEError(f"{what} must be a whole number from {low} to {high}; got {value!r}")
-    return value
-
-
-def parse_flag(value, what: str) -> bool:
-    """True or False, nothing else: bool("no") would be True."""
-    if not isinstance(value, bool):
-        raise ZipMoEError(f"{what} must be True or False; got {value!r}")
-    return value
+    return parse_value(find("budget"), value, what)
 
 
 def pool_overrides(value, what: str = "zipmoe_pools") -> dict:
@@ -66,21 +134,18 @@ def pool_overrides(value, what: str = "zipmoe_pools") -> dict:
     elif isinstance(value, dict):
         items = list(value.items())
     else:
-        raise ZipMoEError(f"{what} must be like 'F=4,C=8,E=2' or {{'F': 4, 'C': 8}}; got {value!r}")
+        raise ZipMoEError(f"{what} must be {find('pools').expects}; got {value!r}")
     names = _lib.pool_names()
     pools = {}
     for item in items:
         name, count = (item + [None])[:2] if isinstance(item, list) else item
         name = str(name).upper()
-        if isinstance(count, str) and count.isdigit():
-            count = int(count)
-        if isinstance(count, bool) or not isinstance(count, int):
-            count = -1  # 2.7 experts, "x", None
-        if name not in names or name in pools or not 0 <= count <= MAX_SLOTS:
-            raise ZipMoEError(f"{what}: {value!r} must name each of the pools {', '.join(names)} at most once with a "
-                              f"whole number from 0 to {MAX_SLOTS} of experts per MoE layer, like 'F=4,C=8,E=2'")
-        pools[name] = count
-    if not pools or not any(pools.values()):
+        option = find(f"pool_{name.lower()}") if name in names else None
+        if option is None or name in pools or count is None:
+            raise ZipMoEError(f"{what}: {value!r} must name each of the pools {', '.join(names)} at most once, "
+                              f"like 'F=4,C=8,E=2'")
+        pools[name] = parse_value(option, count, f"{what}: {name}")
+    if not any(pools.values()):
         raise ZipMoEError(f"{what}: {value!r} holds no expert; give e.g. 'F=4,C=8,E=2'")
     return {f"zipmoe.pool_{p.lower()}": pools[p] for p in names if p in pools}
 
@@ -97,93 +162,68 @@ def plan_overrides(plan_path) -> dict:
             "zipmoe.rank_delta": int(result.delta)}
 
 
-def zipmoe_overrides(budget=None, direct_io: bool | None = None, threads=None, eviction=None,
-                     rank_delta=None, pools=None, work_slots=None, plan=None, mem_limit=None,
-                     preload: bool | None = None, prefetch: bool | None = None, substitution=None,
-                     smoe_alpha=None, buddy: dict | None = None, auto_pools: bool | None = None) -> dict:
-    """The KV overrides that carry ZipMoE options to the fork's model loader (an option left None is
-    not overridden: the loader then takes its ZIPMOE_* environment variable, else its default)."""
-    out = {}
-    if plan is not None and pools is not None:
-        raise ZipMoEError("give zipmoe_plan or zipmoe_pools, not both (a plan sets the pools)")
-    if plan is not None:
-        out.update(plan_overrides(plan))
-    if pools is not None:
-        out.update(pool_overrides(pools))
-    if work_slots is not None:
-        out["zipmoe.work_slots"] = parse_count(work_slots, "zipmoe_work_slots", low=1)
-    if any(key.startswith("zipmoe.pool_") for key in out) and eviction not in (None, "rank"):
-        raise ZipMoEError(f"pools dispatch experts by rank: zipmoe_eviction={eviction!r} cannot be used with them")
-    if eviction is not None:
-        policies = _lib.eviction_names()
-        if eviction not in policies:
-            raise ZipMoEError(f"zipmoe_eviction must be one of {', '.join(policies)}; got {eviction!r}")
-        out["zipmoe.eviction"] = eviction
-    if rank_delta is not None:
-        out["zipmoe.rank_delta"] = parse_count(rank_delta, "zipmoe_rank_delta")
-    if budget is not None:
-        out["zipmoe.budget"] = parse_size(budget)
-    if mem_limit is not None:
-        out["zipmoe.mem_limit"] = parse_size(mem_limit, "zipmoe_mem_limit")
-    if direct_io is not None:
-        out["zipmoe.direct_io"] = parse_flag(direct_io, "zipmoe_direct_io")
-    if preload is not None:
-        out["zipmoe.preload"] = parse_flag(preload, "zipmoe_preload")
-    if auto_pools is not None:
-        parse_flag(auto_pools, "zipmoe_auto_pools")
-        if auto_pools and any(key.startswith("zipmoe.pool_") for key in out):
-            raise ZipMoEError("zipmoe_auto_pools=True picks the pools: give it or zipmoe_pools/zipmoe_plan, not both")
-        out["zipmoe.auto_pools"] = auto_pools
-    if prefetch is not None:
-        out["zipmoe.prefetch"] = parse_flag(prefetch, "zipmoe_prefetch")
-    if threads is not None:
-        out["zipmoe.threads"] = parse_count(threads, "zipmoe_threads", MAX_THREADS)
-    out.update(substitution_overrides(substitution, smoe_alpha, buddy))
+def zipmoe_overrides(given: dict | None = None, name_of=None, **named) -> dict:
+    """The KV overrides that carry ZipMoE options to the fork's model loader, from {name: value}
+    (names as in the table, "budget", or keyword arguments, "zipmoe_budget"; None values are left out:
+    the loader then takes the option's ZIPMOE_* environment variable, else its default). Paths
+    (buddy_profile) are checked but give no override. name_of(option) names an option in errors
+    (default: its keyword argument; zipmoe-chat gives its flags)."""
+    name_of = name_of or (lambda o: o.kwarg)
+    options = {}
+    for name, value in {**(given or {}), **named}.items():
+        try:
+            option = find(name)
+        except KeyError:
+            raise ZipMoEError(f"unknown ZipMoE option {name!r}; known are "
+                              f"{', '.join(o.name for o in python_options())}") from None
+        if value is not None:
+            options[option.name] = (option, value)
+    if "plan" in options and "pools" in options:
+        raise ZipMoEError(f"give {name_of(find('plan'))} or {name_of(find('pools'))}, not both (a plan sets the pools)")
+    if "auto_pools" in options and ("plan" in options or "pools" in options):
+        raise ZipMoEError(f"{name_of(find('auto_pools'))} is for the default pools: {name_of(find('pools'))} and "
+                          f"{name_of(find('plan'))} set the pools")
+    out, values = {}, (_lib.OptionValue * len(table()))()
+    flags = (ctypes.c_bool * len(table()))()
+    for option, value in options.values():
+        if option.name == "plan":
+            out.update(plan_overrides(value))
+            flags[find("pools").id] = True  # a plan sets the pools: their rules apply
+        elif option.type == _lib.TYPE_POOLS:
+            out.update(pool_overrides(value, name_of(option)))
+        elif option.type != _lib.TYPE_PATH:
+            out[option.key] = parse_value(option, value, name_of(option))
+            parsed = out[option.key]
+            values[option.id].i = option.choices.index(parsed) if option.choices else int(parsed)
+            values[option.id].f = float(parsed) if not option.choices else 0.0
+        flags[option.id] = True
+    err = ctypes.create_string_buffer(512)
+    if _lib.lib().ggml_zipmoe_options_check(values, flags, True, b"zipmoe_", err, len(err)) != _lib.OK:
+        raise ZipMoEError(re.sub(r"zipmoe_(\w+)", lambda m: name_of(find(m.group(1))), err.value.decode()))
     return out
 
 
-# BuddyMoE's parameters: keyword (zipmoe_buddy_NAME), KV override, kind and range
-BUDDY_PARAMETERS = {
-    "tau": ("zipmoe.buddy_tau", float, -1.0, 1.0),
-    "temperature": ("zipmoe.buddy_temperature", float, 0.05, 20.0),
-    "gamma": ("zipmoe.buddy_gamma", float, 0.0, 1.0),
-    "beta": ("zipmoe.buddy_beta", float, 0.0, 1.0),
-    "rho": ("zipmoe.buddy_rho", int, 0, 64),
-    "search": ("zipmoe.buddy_search", int, 0, 1024),
-    "eta": ("zipmoe.buddy_eta", float, 0.0, 10.0),
-}
+def python_docstring() -> str:
+    """The zipmoe_* keyword arguments of Llama, one paragraph each, from the table."""
+    lines = []
+    for o in python_options():
+        env = f"; environment {o.env}" if o.env else ""
+        lines.append(f"  {o.kwarg} ({o.python_type}): {o.help}. Takes {o.expects}. Default: {o.default_text}{env}.")
+    return "\n".join(lines)
 
 
-def substitution_overrides(substitution=None, smoe_alpha=None, buddy: dict | None = None) -> dict:
-    """zipmoe.substitution, zipmoe.smoe_alpha and zipmoe.buddy_*: the opt-in LOSSY expert substitution.
-    buddy: {NAME: value} of BUDDY_PARAMETERS (None values left out)."""
-    out = {}
-    if substitution is not None:
-        names = _lib.substitution_names()
-        if substitution not in names:
-            raise ZipMoEError(f"zipmoe_substitution must be one of {', '.join(names)} (all but none are lossy); "
-                              f"got {substitution!r}")
-        out["zipmoe.substitution"] = substitution
-    if smoe_alpha is not None:
-        if isinstance(smoe_alpha, bool) or not isinstance(smoe_alpha, (int, float)) or not 0 <= smoe_alpha <= 1:
-            raise ZipMoEError(f"zipmoe_smoe_alpha must be a number from 0 to 1; got {smoe_alpha!r}")
-        if substitution not in (None, "smoe"):  # None: ZIPMOE_SUBSTITUTION may set it; the loader checks
-            raise ZipMoEError("zipmoe_smoe_alpha is SMoE's parameter: give it with zipmoe_substitution='smoe'")
-        out["zipmoe.smoe_alpha"] = float(smoe_alpha)
-    for name, value in (buddy or {}).items():
-        if value is None:
-            continue
-        key, kind, lo, hi = BUDDY_PARAMETERS[name]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or
-                                                                                      isinstance(value, int))
-        if not number or not lo <= value <= hi or (name == "tau" and -1 < value < 0):
-            what = "a whole number" if kind is int else "a number"
-            extra = ", or -1 (the profile's calibrated tau)" if name == "tau" else ""
-            raise ZipMoEError(f"zipmoe_buddy_{name} must be {what} from {lo:g} to {hi:g}{extra}; got {value!r}")
-        if substitution not in (None, "buddy") and name != "temperature":
-            raise ZipMoEError(f"zipmoe_buddy_{name} is BuddyMoE's parameter: give it with zipmoe_substitution='buddy'")
-        out[key] = kind(value)
-    return out
+def markdown_table() -> str:
+    """README.md's options table (tests/test_options_table.py compares it with the README)."""
+    rows = ["| Python `Llama(...)` / `zipmoe-server` | `zipmoe-chat` | `--override-kv` key / environment | default | what |",
+            "| --- | --- | --- | --- | --- |"]
+    for o in table():
+        python = f"`{o.kwarg}`" if o.in_python else ""
+        chat = f"`{chat_flag(o)}`" if o.in_python else ""
+        if o.in_python and o.type == _lib.TYPE_BOOL:
+            chat = f"`{chat_flag(o)}`, `--no-{chat_flag(o)[2:]}`"
+        loader = f"`{o.key}` / `{o.env}`" if o.key else "(Python only)"
+        rows.append(f"| {python} | {chat} | {loader} | {o.default_text} | {o.help} |")
+    return "\n".join(rows)
 
 
 def check_budget(model_path: Path, budget: int) -> None:
@@ -199,3 +239,7 @@ def check_budget(model_path: Path, budget: int) -> None:
     if budget < one:
         raise ZipMoEError(f"zipmoe_budget of {budget} bytes cannot hold one expert of {Path(model_path).name} "
                           f"({one} bytes: gate + up + down); give at least that, better a layer's top-k experts")
+
+
+if __name__ == "__main__":  # python -m zipmoe_py.options: README.md's options table
+    print(markdown_table())

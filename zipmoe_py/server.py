@@ -27,7 +27,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from . import bindings  # first: points llama_cpp at the fork's libllama
 
@@ -40,73 +40,42 @@ try:
     from llama_cpp.server.settings import ModelSettings, ServerSettings
     from llama_cpp.server.types import (CreateChatCompletionRequest, CreateCompletionRequest,
                                         CreateEmbeddingRequest, DetokenizeInputRequest, TokenizeInputRequest)
-    from pydantic import Field, ValidationError
+    from pydantic import Field, ValidationError, create_model
     from starlette.responses import JSONResponse
 except ImportError as e:  # the server's dependencies are an extra
     raise ImportError(f"zipmoe-server needs the server extra: pip install \".[server]\" ({e})") from e
 
+from . import _lib, options
 from .errors import ZipMoEError
 
-# the zipmoe_py.Llama keyword arguments that are also server settings (see its docstring)
-ZIPMOE_OPTIONS = ("zipmoe_budget", "zipmoe_mem_limit", "zipmoe_direct_io", "zipmoe_preload", "zipmoe_threads",
-                  "zipmoe_eviction", "zipmoe_rank_delta", "zipmoe_pools", "zipmoe_plan", "zipmoe_work_slots",
-                  "zipmoe_prefetch", "zipmoe_substitution", "zipmoe_smoe_alpha", "zipmoe_buddy_profile",
-                  "zipmoe_buddy_tau", "zipmoe_buddy_rho", "zipmoe_buddy_beta", "zipmoe_buddy_search", "zipmoe_buddy_gamma",
-                  "zipmoe_buddy_temperature", "zipmoe_buddy_eta")
+def _option_field(option):
+    """A settings field for one option of the option table: its type, help and default in words."""
+    kind = {_lib.TYPE_BOOL: bool, _lib.TYPE_INT: int, _lib.TYPE_REAL: float,
+            _lib.TYPE_SIZE: Union[int, str]}.get(option.type, str)
+    text = f"{option.help} (default: {option.default_text}"
+    text += f"; ${option.env})." if option.env else ")."
+    return Optional[kind], Field(default=None, description=text)
 
 
-class ZipMoEModelSettings(ModelSettings):
-    """llama-cpp-python's model settings plus zipmoe_py.Llama's options (None: its environment
-    variable, then its default)."""
+class _ZipMoEFields(ModelSettings):
+    """llama-cpp-python's model settings, with mlock off by default."""
 
     # llama-cpp-python's server locks the model by default; a lock of a ZipMoE file would read and pin
     # the expert chunks the budget keeps on disk (the fork's loader then ignores it, with a warning)
     use_mlock: bool = Field(default=False, description="Use mlock (default false; never applied to a ZipMoE model).")
-    zipmoe_budget: Optional[str] = Field(
-        default=None, description="Bytes of expert slots (e.g. 4G, 512M); default: sized from the memory this "
-        "process may use (cgroup limits, MemAvailable) minus the rest of the model, KV caches and buffers.")
-    zipmoe_mem_limit: Optional[str] = Field(
-        default=None, description="Memory this process may use in all (e.g. 16G), when it must share the "
-        "machine below what its cgroup and MemAvailable allow.")
-    zipmoe_direct_io: Optional[bool] = Field(
-        default=None, description="Read expert chunks with O_DIRECT (true) or through the page cache "
-        "(false); default: O_DIRECT where the filesystem supports it.")
-    zipmoe_preload: Optional[bool] = Field(
-        default=None, description="Fill the expert slots when the model's first context is made (default true).")
-    zipmoe_threads: Optional[int] = Field(
-        default=None, description="Graph threads that decode fetched experts (default 0: all).")
-    zipmoe_eviction: Optional[str] = Field(
-        default=None, description="Which resident expert a miss replaces: rank (default), lru, fifo, marking, lfu.")
-    zipmoe_rank_delta: Optional[int] = Field(
-        default=None, description="The rank dispatch's tolerance margin delta (default 0, or the plan's).")
-    zipmoe_pools: Optional[str] = Field(
-        default=None, description="Hierarchical pools, experts per MoE layer, e.g. F=4,C=8,E=2 "
-        "(default: one F pool of the whole budget).")
-    zipmoe_plan: Optional[str] = Field(
-        default=None, description="A zipmoe-plan PLAN file: its pool capacities and delta (instead of zipmoe_pools).")
-    zipmoe_work_slots: Optional[int] = Field(
-        default=None, description="With pools, the slots beyond F's where other experts are made full (default 8).")
-    zipmoe_prefetch: Optional[bool] = Field(
-        default=None, description="Read ahead the chunks of the experts the next layer is predicted to choose "
-        "(lossless; default false).")
-    zipmoe_substitution: Optional[str] = Field(
-        default=None, description="Expert substitution: none (default, lossless), smoe or buddy (LOSSY: SMoE's "
-        "expert-cache router or BuddyMoE replace some experts with cached ones; outputs differ from the model's).")
-    zipmoe_smoe_alpha: Optional[float] = Field(
-        default=None, description="With zipmoe_substitution=smoe: SMoE's alpha in [0, 1] (default 0.1).")
-    zipmoe_buddy_profile: Optional[str] = Field(
-        default=None, description="With zipmoe_substitution=buddy (LOSSY): the zipmoe-buddies profile of this model.")
-    zipmoe_buddy_tau: Optional[float] = Field(default=None, description="BuddyMoE's TAE gate (default: calibrated).")
-    zipmoe_buddy_rho: Optional[int] = Field(default=None, description="BuddyMoE's replacements per token (default 3).")
-    zipmoe_buddy_beta: Optional[float] = Field(default=None, description="BuddyMoE's distribution gate (default 1).")
-    zipmoe_buddy_search: Optional[int] = Field(default=None, description="BuddyMoE's search limit H (default 16).")
-    zipmoe_buddy_gamma: Optional[float] = Field(default=None, description="BuddyMoE's margin gate (default 1: off).")
-    zipmoe_buddy_temperature: Optional[float] = Field(default=None, description="BuddyMoE's TAE temperature (default 1).")
-    zipmoe_buddy_eta: Optional[float] = Field(default=None, description="BuddyMoE's priority weight eta (default 0).")
 
-    def zipmoe_kwargs(self) -> dict:
-        """The zipmoe_* keyword arguments given, for zipmoe_py.Llama."""
-        return {name: getattr(self, name) for name in ZIPMOE_OPTIONS if getattr(self, name) is not None}
+
+# llama-cpp-python's model settings plus zipmoe_py.Llama's options, zipmoe_NAME for each option of the
+# table (None: its environment variable, then its default)
+ZipMoEModelSettings = create_model(
+    "ZipMoEModelSettings", __base__=_ZipMoEFields,
+    **{o.kwarg: _option_field(o) for o in options.python_options()})
+
+
+def zipmoe_kwargs(settings) -> dict:
+    """The zipmoe_* keyword arguments a model's settings give, for zipmoe_py.Llama."""
+    names = (o.kwarg for o in options.python_options())
+    return {name: getattr(settings, name) for name in names if getattr(settings, name, None) is not None}
 
 
 class ZipMoESettings(ServerSettings, ZipMoEModelSettings):
@@ -154,8 +123,7 @@ class ZipMoELlamaProxy(server_model.LlamaProxy):
         if settings.hf_model_repo_id is not None:
             raise ZipMoEError(f"model {settings.model}: hf_model_repo_id is not supported by zipmoe-server; "
                               "download and convert the checkpoint with zipmoe-convert, then give --model")
-        options = settings.zipmoe_kwargs() if isinstance(settings, ZipMoEModelSettings) else {}
-        factory = functools.partial(bindings.Llama, **options)
+        factory = functools.partial(bindings.Llama, **zipmoe_kwargs(settings))
         with _module_name(server_model, "llama_cpp", _LlamaCppView(server_model.llama_cpp, factory)):
             return server_model.LlamaProxy.load_llama_from_model_settings(settings)
 
@@ -296,6 +264,25 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, List[ZipMoE
     return ServerSettings.model_validate(config.model_dump(exclude={"models"})), config.models
 
 
+def _checked_flag(option, kind):
+    """A zipmoe flag's argparse type: the value checked by the option table, the error saying what it must be
+    (llama-cpp-python's own boolean flags say "invalid _parse_bool_arg value")."""
+    def checked(text: str):
+        value = text
+        if option.type == _lib.TYPE_BOOL:
+            value = {"1": True, "true": True, "yes": True, "on": True,
+                     "0": False, "false": False, "no": False, "off": False}.get(text.strip().lower(), text)
+        try:
+            if option.type not in (_lib.TYPE_POOLS, _lib.TYPE_PATH):
+                options.parse_value(option, value)
+        except ZipMoEError:
+            raise argparse.ArgumentTypeError(f"must be {option.expects}; got {text!r}") from None
+        return kind(value) if option.type in (_lib.TYPE_INT, _lib.TYPE_REAL) else value
+
+    checked.__name__ = option.kwarg
+    return checked
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zipmoe-server", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -306,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                "api_key, ...) in a JSON/YAML --config_file, which then replaces the flags. zipmoe_* options not "
                "given fall back to their ZIPMOE_* environment variables.")
     add_args_from_model(parser, ZipMoESettings)
+    for action in parser._actions:
+        if action.dest.startswith("zipmoe_"):
+            action.type = _checked_flag(options.find(action.dest), action.type)
     parser.add_argument("--config_file", type=str, help="Path to a config file (JSON or YAML) to load.")
     return parser
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from . import _paths
-from .errors import ZipMoEError
+from .errors import ZipMoEError, require_extra
 from .gguf_file import read_metadata
 
 # DeepSeek-V2-Lite's config.json, as published (auto_map names the remote code the real
@@ -318,6 +318,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     router: "random" (weights as drawn) or "uniform" (near-uniform, memoryless routing; see ROUTERS)."""
     if arch not in ARCHITECTURES:
         raise ZipMoEError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    require_extra("convert", "making a tiny checkpoint")
     if router not in ROUTERS:
         raise ZipMoEError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
     vocab_file, _, _ = ARCHITECTURES[arch]

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ZipMoEError
+from .errors import ZipMoEError, require_extra
 from .tiny import ARCHITECTURES, make_tiny, tiny_config
 
 TRAIN_FORMAT = 1  # bump when the training recipe changes in a way the cache key does not see
@@ -466,6 +466,7 @@ def train(arch: str, out_dir, corpus: str = "python-docs", steps: int | None = N
     """Train a tiny `arch` model on `corpus` and write the checkpoint, training.json and routing.json
     into out_dir. Returns the report (training.json's content, plus "from_cache": whether it was
     copied from the cache rather than trained)."""
+    require_extra("convert", "training a tiny checkpoint")
     steps = DEFAULT_STEPS.get(arch, 1) if steps is None else steps
     _check_options(arch, corpus, steps, seq_len, batch, lr, balance, threads, eval_tokens, routing_tokens)
     out_dir = Path(out_dir)

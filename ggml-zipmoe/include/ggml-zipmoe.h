@@ -101,7 +101,7 @@ enum ggml_zipmoe_codec {
     GGML_ZIPMOE_CODEC_COUNT,
 };
 
-// codec name ("raw", "zstd", "lz4", "lz4hc", "huf", "fhuf"), or NULL for an unknown codec
+// codec name ("raw", "zstd", "lz4", "lz4hc", "huf", "fhuf", "ghuf"), or NULL for an unknown codec
 GGML_ZIPMOE_API const char * ggml_zipmoe_codec_name(int codec);
 
 // worst-case compressed size of n input bytes (0 for an unknown codec)
@@ -292,7 +292,7 @@ enum ggml_zipmoe_rate {
 };
 
 // names and defaults the library owns; the llama.cpp glue and the Python layer read them from here
-GGML_ZIPMOE_API const char * ggml_zipmoe_eviction_name(int eviction); // "lru", "fifo", "marking", "lfu", "rank"; NULL if unknown
+GGML_ZIPMOE_API const char * ggml_zipmoe_eviction_name(int eviction); // "lru", "fifo", "marking", "lfu", "rank", "score"; NULL
 GGML_ZIPMOE_API const char * ggml_zipmoe_pool_name(int pool);         // "F", "C", "S", "E"; NULL if unknown
 GGML_ZIPMOE_API double       ggml_zipmoe_default_rate(int rate);      // enum ggml_zipmoe_rate: bytes per second; 0 if unknown
 
@@ -578,7 +578,7 @@ GGML_ZIPMOE_API int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expe
 // p^(1/T) renormalized over them, in [0, 1] (0 for one expert)
 GGML_ZIPMOE_API float ggml_zipmoe_buddy_tae(const float * chosen_scores, int64_t n_used, float temperature);
 
-// a layer's buddy profile (zipmoe-profile --coactivation): buddies and q as in ggml_zipmoe_buddy_route,
+// a layer's buddy profile (zipmoe-buddies): buddies and q as in ggml_zipmoe_buddy_route,
 // copied; tau: the layer's calibrated TAE threshold. OK or ERR_ARG (a layer not served, an id out of
 // range) or ERR_NOMEM. Without a profile a layer replaces nothing.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_set_buddies(struct ggml_zipmoe_cache * cache, int layer, const int32_t * buddies,

@@ -47,41 +47,28 @@ struct ggml_zipmoe_cache;
 struct llama_context;
 struct llama_model;
 
-// every ZipMoE option: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else the environment
-// variable (ZIPMOE_NAME), else the default
+// every ZipMoE option, as the loader uses it: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else
+// the environment variable (ZIPMOE_NAME), else the default. Names, ranges, defaults and help are
+// ggml-zipmoe's option table (ggml-zipmoe-options.h); parse fills every field from it.
 struct llama_zipmoe_options {
-    uint64_t    budget     = 0;     // zipmoe.budget / ZIPMOE_BUDGET: bytes of expert slots (0: from memory)
-    uint64_t    mem_limit  = 0;     // zipmoe.mem_limit / ZIPMOE_MEM_LIMIT: memory the process may use in all
-                                    // (0: its cgroup limits and MemAvailable)
-    int         direct_io  = -1;    // zipmoe.direct_io / ZIPMOE_DIRECT_IO: 1, 0, -1: where the filesystem supports it
-    bool        preload    = true;  // zipmoe.preload / ZIPMOE_PRELOAD: fill the slots when the first context is made
-    int32_t     threads    = 0;     // zipmoe.threads / ZIPMOE_THREADS: graph threads that decode (0: all)
-    int32_t     eviction   = 4;     // zipmoe.eviction / ZIPMOE_EVICTION (enum ggml_zipmoe_eviction; 4: rank)
-    bool        eviction_set = false;
-    int32_t     rank_delta = 0;     // zipmoe.rank_delta / ZIPMOE_RANK_DELTA
-    int32_t     pools[4]   = { 0, 0, 0, 0 }; // zipmoe.pool_f..pool_e / ZIPMOE_POOL_F..E: experts per MoE layer
-    int32_t     work_slots = 8;     // zipmoe.work_slots / ZIPMOE_WORK_SLOTS: slots beyond F's with pools
-    bool        auto_pools = true;  // zipmoe.auto_pools / ZIPMOE_AUTO_POOLS: with no pools given, host slots and
-                                    // rank eviction, the pools ggml_zipmoe_cache_default_pools picks for the
-                                    // memory left (off: one F pool of every slot that fits)
-    int32_t     replan_tokens = 16; // zipmoe.replan_tokens / ZIPMOE_REPLAN_TOKENS: after this many decode steps,
-                                    // the default pools are planned again from the routing seen (0: never)
-    bool        prefetch   = false; // zipmoe.prefetch / ZIPMOE_PREFETCH: read ahead for the next layer's
-                                    // predicted experts (ggml_zipmoe_cache_prefetch); off: it did not win
-                                    // on the bench models (docs/benchmarks/BENCHMARKS.md)
-
-    int         resident_views = -1; // zipmoe.resident_views / ZIPMOE_RESIDENT_VIEWS: once a preload left every
-                                     // expert resident, in order, the products use the slots in place with
-                                     // no fetch op (1, 0; -1: with slots in GPU memory only)
-
-    int32_t     substitution = 0;   // zipmoe.substitution / ZIPMOE_SUBSTITUTION (enum ggml_zipmoe_substitution):
-                                    // none (lossless, the default) or smoe (LOSSY, opt-in)
-    float       smoe_alpha   = 0.1f; // zipmoe.smoe_alpha / ZIPMOE_SMOE_ALPHA: SMoE's alpha, in [0, 1]
-    bool        smoe_alpha_set = false;
-    ggml_zipmoe_buddy_params buddy = ggml_zipmoe_buddy_default_params(); // zipmoe.buddy_* / ZIPMOE_BUDDY_*
-    bool        buddy_set    = false;
-    bool        trace_routing = false; // zipmoe.trace_routing / ZIPMOE_TRACE_ROUTING: record co-activations
-                                       // (zipmoe-profile --coactivation)
+    uint64_t    budget         = 0;     // bytes of expert slots (0: from memory)
+    uint64_t    mem_limit      = 0;     // memory the process may use in all (0: its cgroup limits and MemAvailable)
+    int         direct_io      = -1;    // 1, 0, -1: where the filesystem supports it
+    bool        preload        = true;  // fill the slots when the first context is made
+    int32_t     threads        = 0;     // graph threads that decode (0: all)
+    int32_t     eviction       = 0;     // enum ggml_zipmoe_eviction
+    int32_t     rank_delta     = 0;
+    int32_t     pools[4]       = { 0, 0, 0, 0 }; // experts per MoE layer of F, C, S, E
+    int32_t     work_slots     = 0;     // slots beyond F's with pools
+    bool        auto_pools     = true;  // with no pools given, host slots and rank eviction: the pools
+                                        // ggml_zipmoe_cache_default_pools picks for the memory left
+    int32_t     replan_tokens  = 0;     // decode steps before the default pools are planned again (0: never)
+    bool        prefetch       = false; // read ahead for the next layer's predicted experts
+    int         resident_views = -1;    // 1, 0; -1: with slots in GPU memory only
+    int32_t     substitution   = 0;     // enum ggml_zipmoe_substitution (LOSSY unless none)
+    float       smoe_alpha     = 0;     // SMoE's alpha
+    ggml_zipmoe_buddy_params buddy = {}; // BuddyMoE's parameters
+    bool        trace_routing  = false; // record co-activations (zipmoe-buddies)
 
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 

@@ -1,7 +1,7 @@
 // BuddyMoE (opt-in, lossy): a chosen expert that is not resident is replaced with a resident expert
 // that often co-activates with it (its "buddy", from an offline profile), behind the paper's gates:
 // the token's routing entropy (TAE), the batch's share of missing experts and a per-token budget.
-// Also the routing trace that such profiles are made from (zipmoe-profile --coactivation).
+// Also the routing trace that such profiles are made from (zipmoe-buddies).
 
 #include "zipmoe-cache-impl.h"
 

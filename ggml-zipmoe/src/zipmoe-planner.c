@@ -4,7 +4,7 @@
 // with the modified IPF); this file runs the same grid search on given selection probabilities,
 // so that a model loaded with no options gets the planner's pools for the memory it has, from a
 // built-in uniform profile (q_r = k / N: every expert equally likely, the worst case for a cache).
-// tests/test_planner_c.py holds the two to the same choices.
+// tests/test_default_pools.py holds the two to the same choices.
 
 #include "zipmoe-cache-impl.h"
 
