@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from zipmoe_py import _paths  # noqa: F401  (fails early, clearly, without an installed build)
-from zipmoe_py.tiny import make_tiny
+from zipmoe_py.devtools.tiny import make_tiny
 
 
 def evict(path: Path) -> None:

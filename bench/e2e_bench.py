@@ -180,7 +180,7 @@ def take_profile(zipmoe_path: Path, args, work_slots: int) -> dict:
 
 def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: dict | None, one_expert: int) -> dict:
     """Llama keyword arguments of a ZipMoE variant under an expert-cache budget (pools + working slots)."""
-    from zipmoe_py import _lib, plan_files, planner, profile as zprofile
+    from zipmoe_py import _lib, plan_files, plan_math, profile as zprofile
 
     opts = {"zipmoe_budget": budget, "zipmoe_direct_io": bool(args.direct_io)}
     if _is_lossy_variant(variant):  # LOSSY: smoe:ALPHA or buddy[:NAME=VALUE...], rank eviction
@@ -200,12 +200,12 @@ def zipmoe_options(variant: str, budget: int, args, work_slots: int, profile: di
         caps = {p: max(0, pool_budget // len(pools) // (bytes_by_state[p] * n_moe)) for p in pools}
         return {**opts, "zipmoe_pools": caps, "zipmoe_work_slots": work_slots}
     counts = np.array(profile["batches"][str(args.batch)]["counts"])
-    f = planner.rank_inclusion_probabilities(counts, profile["batches"][str(args.batch)]["n_ubatches"])
-    f, k = planner.round_to_subset_size(f)
+    f = plan_math.rank_inclusion_probabilities(counts, profile["batches"][str(args.batch)]["n_ubatches"])
+    f, k = plan_math.round_to_subset_size(f)
     c = profile["costs"]
     costs = plan_files.Costs(u_s=c["u_s"], v_s=c["v_s"], c_s=c["c_s"])
-    result = planner.plan(f, k, pool_budget, bytes_by_state, _lib.pool_names(), costs, args.threads,
-                          profile["n_shards"], profile["n_tensors_per_expert"], n_moe)
+    result = plan_math.plan(f, k, pool_budget, bytes_by_state, _lib.pool_names(), costs, args.threads,
+                            profile["n_shards"], profile["n_tensors_per_expert"], n_moe)
     print(f"plan for {pool_budget / 1e9:.2f} GB of pools: capacities {result.capacities} (per layer), "
           f"expected makespan {result.expected_makespan_s * 1e3:.2f} ms", flush=True)
     return {**opts, "zipmoe_pools": dict(result.capacities), "zipmoe_rank_delta": result.delta,

@@ -13,7 +13,7 @@ from the BF16 GGUF.
 --router uniform makes the worst case for every expert cache: near-uniform, memoryless routing
 (random weights alone route to a small, stable set of experts per layer). Same draws otherwise;
 attention output projections are scaled down and the routers' rows made orthonormal, see
-zipmoe_py/tiny.py ROUTERS; bench/prefetch_recall.py measures the routing of either.
+zipmoe_py/devtools/tiny.py ROUTERS; bench/prefetch_recall.py measures the routing of either.
 
     .venv/bin/python bench/make_bench_model.py qwen2moe --layers 6 --router uniform -o bench/work/qwen6-uniform.gguf
 """
@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("-o", "--out", type=Path, required=True, help="BF16 GGUF to write")
     args = ap.parse_args()
 
-    from zipmoe_py.tiny import make_tiny
+    from zipmoe_py.devtools.tiny import make_tiny
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".hf-") as tmp:

@@ -35,7 +35,7 @@ that follows the token alone is then as uniform as it can be, while on text the 
     .venv/bin/python bench/prefetch_recall.py --arch qwen2moe --real-widths --layers 3
     .venv/bin/python bench/prefetch_recall.py --checkpoint ~/models/Qwen1.5-MoE-A2.7B --text README.md
 
---arch makes a random-weight checkpoint with zipmoe_py.tiny.make_tiny in a temporary folder
+--arch makes a random-weight checkpoint with zipmoe_py.devtools.tiny.make_tiny in a temporary folder
 (small widths unless --real-widths; --router uniform needs a zipmoe_py that has make_tiny's
 router parameter). Small widths take ~10 s; qwen2moe --real-widths --layers 3 about a minute and
 10.7 GB of memory in float32 (--dtype bfloat16 halves it). Under --router uniform the attention
@@ -264,7 +264,7 @@ def print_table(result: dict, title: str) -> None:
 
 def make_checkpoint(arch: str, out_dir: Path, layers: int | None, real_widths: bool, router: str,
                     seed: int) -> Path:
-    from zipmoe_py.tiny import ARCHITECTURES, make_tiny
+    from zipmoe_py.devtools.tiny import ARCHITECTURES, make_tiny
 
     kwargs = {"seed": seed}
     if router != "random":  # only passed when asked: an older zipmoe_py has no such parameter

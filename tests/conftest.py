@@ -50,7 +50,7 @@ def tiny_hf(models_dir):
 
     def get(arch: str) -> Path:
         if arch not in made:
-            from zipmoe_py.tiny import make_tiny
+            from zipmoe_py.devtools.tiny import make_tiny
 
             made[arch] = make_tiny(arch, models_dir / f"hf-{arch}", seed=1234)
         return made[arch]

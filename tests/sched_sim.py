@@ -1,7 +1,7 @@
 """Reference model of ZipMoE's cache-affinity scheduling (paper §3.3, Appendices A and B), for tests.
 
-The model (the one ggml-zipmoe.h documents for ggml_zipmoe_schedule): a task is one expert tensor
-in a compression state; one I/O thread reads chunks back to back (SM-chunk: u, E-chunk: rho*u/K);
+The model (the one ggml-zipmoe-policy.h documents for ggml_zipmoe_schedule): a task is one expert
+tensor in a compression state; one I/O thread reads chunks back to back (SM-chunk: u, E-chunk: rho*u/K);
 L identical workers decompress shards (c each; shard s needs E-chunk s in memory); a task is done
 when its SM-chunk is in memory and its K shards are decompressed, an expert when all its tasks
 are; one execution stream runs the done experts one at a time (p each), earliest first; the
@@ -397,7 +397,7 @@ def optimal(inst: Instance, upper: float = math.inf) -> float:
 
 
 #
-# Algorithm 1, read as zipmoe-sched.c reads it (documented in ggml-zipmoe.h)
+# Algorithm 1, read as zipmoe-sched.c reads it (documented in ggml-zipmoe-policy.h)
 #
 
 def _block_ops(inst: Instance, blk):

@@ -228,7 +228,7 @@ def _nvcc() -> str:
 def test_cuda_sources_compile_with_nvcc(arch, tmp_path):
     """The full ggml-cuda build is too slow for CI's 2 cores; ZipMoE's own CUDA source is compiled
     here, for the default architecture and the Jetson option (docs/CUDA.md: the GPU run)."""
-    src = REPO / "ggml-zipmoe" / "src" / "zipmoe-cuda.cu"
+    src = REPO / "ggml-zipmoe" / "src" / "gpu" / "zipmoe-cuda.cu"
     proc = subprocess.run([_nvcc(), "-std=c++17", f"-arch=sm_{arch}", "-Xcompiler", "-fPIC,-Wall",
                            "-I", str(REPO / "ggml-zipmoe" / "include"), "-I", str(REPO / "ggml-zipmoe" / "src"),
                            "-DGGML_ZIPMOE_BUILD", "-c", str(src), "-o", str(tmp_path / "zipmoe-cuda.o")],

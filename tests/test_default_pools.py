@@ -1,6 +1,6 @@
 """Default pools (issue 13, deliverable 4): the runtime's planner and the pools a model gets with no options.
 
-- ggml_zipmoe_plan_pools (C, what the runtime runs) makes the same choice as zipmoe_py.planner.plan
+- ggml_zipmoe_plan_pools (C, what the runtime runs) makes the same choice as tests/planner.py's plan
   (the reference) on uniform and on fitted, skewed selection probabilities.
 - Loaded with no pool options, a ZipMoE model gets one F pool when every expert fits full; every
   expert in C (and some in F too) when the compressed ones fit, and then reads nothing after the
@@ -14,8 +14,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from zipmoe_py import ZipMoEError, _lib, planner
+import planner  # the reference, tests/planner.py
+from zipmoe_py import ZipMoEError, _lib
 from zipmoe_py.plan_files import Costs
+from zipmoe_py.plan_math import round_to_subset_size
 
 from conftest import run, zipmoe_command
 from test_serve import PROMPTS, expert_geometry, load, logits_trace
@@ -50,7 +52,7 @@ def test_the_runtimes_planner_chooses_as_the_reference_does(n_expert, k, skew, b
         q = f  # uniform marginals are their own selection probabilities
     else:
         weights = np.random.default_rng(n_expert).gamma(skew, size=n_expert)
-        f, _ = planner.round_to_subset_size(k * weights / weights.sum())
+        f, _ = round_to_subset_size(k * weights / weights.sum())
         q = planner.ipf(f, k).selection_probabilities
     costs = Costs(u_s=4.1e-3, v_s=0.28e-3, c_s=0.36e-3)
     entry = {p: SIZES[p] for p in pools}
@@ -66,7 +68,7 @@ def test_the_runtimes_planner_chooses_as_the_reference_does(n_expert, k, skew, b
 @pytest.mark.parametrize("n,k,skew", [(8, 2, 0.5), (60, 4, 0.3), (64, 6, 2.0), (16, 4, 0.15)])
 def test_the_runtimes_ipf_fits_as_the_reference_does(n, k, skew):
     weights = np.sort(np.random.default_rng(n + k).gamma(skew, size=n))[::-1]
-    f, _ = planner.round_to_subset_size(k * weights / weights.sum())
+    f, _ = round_to_subset_size(k * weights / weights.sum())
     want = planner.ipf(f, k).selection_probabilities
     got = (ctypes.c_double * n)()
     assert _lib.lib().ggml_zipmoe_plan_fit((ctypes.c_double * n)(*f), n, k, got) == 0

@@ -67,7 +67,7 @@ def test_zipmoe_chat_runs_a_zipmoe_gguf_without_torch(light_venv, zipmoe_gguf, t
 
 def test_a_command_that_needs_the_convert_extra_names_it(light_venv, tmp_path):
     python = light_venv / "bin" / "python"
-    for module, args in (("zipmoe_py.tiny", ["qwen2moe", tmp_path / "tiny"]), ("zipmoe_py.cli", ["-p", "Hi"])):
+    for module, args in (("zipmoe_py.devtools.tiny", ["qwen2moe", tmp_path / "tiny"]), ("zipmoe_py.cli", ["-p", "Hi"])):
         proc = run([python, "-m", module, *args], cwd=tmp_path, stdin=subprocess.DEVNULL,
                    env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
         assert proc.returncode == 1, proc.stderr.decode()[-2000:]

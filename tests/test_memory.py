@@ -323,7 +323,7 @@ def test_default_budget_follows_a_real_memory_limit(tmp_path_factory):
     limit (not from the machine's MemAvailable) and the process is neither killed nor over it: a real
     memory cgroup where this machine lets the tests make one, else zipmoe.mem_limit standing for it."""
     from zipmoe_py.convert import convert_to_bf16_gguf
-    from zipmoe_py.tiny import make_tiny
+    from zipmoe_py.devtools.tiny import make_tiny
 
     work = tmp_path_factory.mktemp("limit")
     make_tiny("qwen2moe", work / "hf", sizes={"moe_intermediate_size": 1408, "num_experts": 60})

@@ -131,6 +131,31 @@ def test_zipmoe_server_has_a_flag_and_a_config_field_for_each_option_of_the_tabl
     assert server.zipmoe_kwargs(settings) == {"zipmoe_budget": 1 << 30}
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("1", True), ("Yes", True), (" on ", True), ("false", False), ("0", False), ("NO", False),
+    ("off", False), ("t", None), ("y", None), ("n", None), ("", None), ("maybe", None), ("2", None)])
+def test_boolean_text_takes_the_tables_words(text, expected, capsys):
+    """A boolean given as text (zipmoe-server's flags, like the loader's ZIPMOE_* variables) takes the C
+    table's words, not llama-cpp-python's (which would take t, y, n); Llama's keyword argument takes a
+    Python bool only."""
+    from zipmoe_py import server
+
+    option = options.find("auto_pools")
+    parser = server.build_parser()
+    argv = ["--model", "m.gguf", "--zipmoe_auto_pools", text]
+    if expected is None:
+        with pytest.raises(ZipMoEError, match=re.escape(f"zipmoe_auto_pools must be {option.expects}")):
+            options.parse_text(option, text)
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        assert f"argument --zipmoe_auto_pools: must be {option.expects}; got {text!r}" in capsys.readouterr().err
+    else:
+        assert options.parse_text(option, text) is expected
+        assert parser.parse_args(argv).zipmoe_auto_pools is expected
+    with pytest.raises(ZipMoEError, match="zipmoe_auto_pools must be True or False"):
+        options.parse_value(option, text)
+
+
 @pytest.mark.parametrize("program, flag", [("zipmoe-server", "--zipmoe_prefetch"), ("zipmoe-chat", "--budget")])
 def test_a_bad_flag_value_says_what_it_must_be(program, flag):
     proc = run([VENV_BIN / program, flag, "maybe"], stdin=subprocess.DEVNULL)

@@ -1,8 +1,10 @@
-"""The cache planner (zipmoe_py/planner.py) against brute force: the IPF against the
+"""The cache planner. The reference (tests/planner.py) against brute force: the IPF against the
 maximum-entropy distribution over k-sets, Algorithm 2 against enumeration, Algorithm 3 by hand,
-Algorithm 4's vectorised sum against its literal loops and an exhaustive grid search; its files
-(zipmoe_py/plan_files.py), the zipmoe-plan CLI (zipmoe_py/plan_cli.py), and that none of them
-loads llama_cpp."""
+Algorithm 4's vectorised sum against its literal loops and an exhaustive grid search. The runtime's
+planner (C, through zipmoe_py/plan_math.py) against the reference: the same plans, from zipmoe-plan
+too. The profile helpers (plan_math), the files (zipmoe_py/plan_files.py), the zipmoe-plan CLI
+(zipmoe_py/plan_cli.py), that none of them loads llama_cpp and that no runtime module imports the
+reference."""
 from __future__ import annotations
 
 import itertools
@@ -16,8 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zipmoe_py import ZipMoEError, _lib, plan_cli, plan_files, planner
+import planner  # the reference, tests/planner.py
+from zipmoe_py import ZipMoEError, _lib, plan_cli, plan_files, plan_math
 from zipmoe_py.plan_files import Costs
+
+REPO = Path(__file__).resolve().parents[1]
 
 TWO_KB_EXPERT = {"F": 2000, "C": 1300, "S": 1000, "E": 300}  # C = S + E, E compressed to 0.6 of the exponents
 
@@ -237,21 +242,26 @@ def plan_kwargs(**overrides) -> dict:
 
 F8 = random_marginals(np.random.default_rng(5), 8, 2, 0.5, cap=0.9)
 
+# the properties below hold for the reference and for the runtime's planner (C) alike
+PLANNERS = [pytest.param(planner.plan, id="reference"), pytest.param(plan_math.plan, id="runtime")]
 
-def test_plan_with_one_pool_gives_it_all_memory():
-    result = planner.plan(F8, **plan_kwargs(pools=["F"], budget_bytes=10 * 2000 * 3 + 100))
+
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_plan_with_one_pool_gives_it_all_memory(plan):
+    result = plan(F8, **plan_kwargs(pools=["F"], budget_bytes=10 * 2000 * 3 + 100))
     assert result.ratios == {"F": 1.0}
     assert result.capacities == {"F": 8}  # 10 fit, capped at the 8 experts of a layer
     assert result.thresholds == {"F": 8}
-    result = planner.plan(F8, **plan_kwargs(pools=["F"], budget_bytes=5 * 2000 * 3 - 1, delta=2))
+    result = plan(F8, **plan_kwargs(pools=["F"], budget_bytes=5 * 2000 * 3 - 1, delta=2))
     assert result.capacities == {"F": 4} and result.thresholds == {"F": 6} and result.delta == 2
 
 
+@pytest.mark.parametrize("plan", PLANNERS)
 @pytest.mark.parametrize("pools", ["FCSE", "FC", "CSE", "SE"])
 @pytest.mark.parametrize("budget_experts", [1, 3, 6])
-def test_plan_ratios_sum_to_one_within_budget(pools, budget_experts):
+def test_plan_ratios_sum_to_one_within_budget(plan, pools, budget_experts):
     budget = budget_experts * 2000 * 3
-    result = planner.plan(F8, **plan_kwargs(pools=pools, budget_bytes=budget))
+    result = plan(F8, **plan_kwargs(pools=pools, budget_bytes=budget))
     assert result.pools == tuple(pools)
     assert sum(result.ratios.values()) == pytest.approx(1.0)
     assert sum(result.memory_bytes.values()) <= budget
@@ -262,10 +272,11 @@ def test_plan_ratios_sum_to_one_within_budget(pools, budget_experts):
     assert list(result.thresholds.values()) == list(itertools.accumulate(result.capacities[p] for p in pools))
 
 
-def test_plan_is_the_minimum_over_the_grid():
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_plan_is_the_minimum_over_the_grid(plan):
     """Algorithm 4 against an exhaustive search with the literal nested loops."""
     kwargs = plan_kwargs(budget_bytes=3 * 2000 * 3)
-    result = planner.plan(F8, **kwargs)
+    result = plan(F8, **kwargs)
     q = planner.ipf(F8, 2).selection_probabilities
     best = math.inf
     for shares in itertools.product(range(5), repeat=4):
@@ -276,58 +287,95 @@ def test_plan_is_the_minimum_over_the_grid():
             capacities[pool] = min(int(share / 4 * kwargs["budget_bytes"] // (TWO_KB_EXPERT[pool] * 3)), free)
             free -= capacities[pool]
         best = min(best, planner.expected_makespan_nested(q, capacities, 2, kwargs["costs"], 4, 5, 3))
-    assert result.expected_makespan_s == pytest.approx(best, rel=1e-12)
+    rel = 1e-12 if plan is planner.plan else 1e-9  # C sums in another order, on its own fit of q
+    assert result.expected_makespan_s == pytest.approx(best, rel=rel)
     assert result.expected_makespan_s == pytest.approx(
-        planner.expected_makespan_nested(q, result.capacities, 2, kwargs["costs"], 4, 5, 3), rel=1e-12)
+        planner.expected_makespan_nested(q, result.capacities, 2, kwargs["costs"], 4, 5, 3), rel=rel)
 
 
-def test_slow_disk_prefers_compressed_experts():
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_slow_disk_prefers_compressed_experts(plan):
     """Reads dominate and decompression is cheap: caching 1.5 compressed experts per full one wins."""
     costs = Costs(u_s=10e-3, v_s=2e-3, c_s=1e-5)
-    result = planner.plan(F8, **plan_kwargs(pools="FC", costs=costs, threads=8, budget_bytes=4 * 2000 * 3))
+    result = plan(F8, **plan_kwargs(pools="FC", costs=costs, threads=8, budget_bytes=4 * 2000 * 3))
     assert result.ratios == {"F": 0.0, "C": 1.0} and result.capacities == {"F": 0, "C": 6}
 
 
-def test_fast_disk_slow_decompression_prefers_full_experts():
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_fast_disk_slow_decompression_prefers_full_experts(plan):
     """Decompressing costs more than reading: only full experts help."""
     costs = Costs(u_s=1e-5, v_s=1e-6, c_s=5e-3)
-    result = planner.plan(F8, **plan_kwargs(pools="FCSE", costs=costs, threads=1, budget_bytes=4 * 2000 * 3))
+    result = plan(F8, **plan_kwargs(pools="FCSE", costs=costs, threads=1, budget_bytes=4 * 2000 * 3))
     assert result.ratios == {"F": 1.0, "C": 0.0, "S": 0.0, "E": 0.0} and result.capacities["F"] == 4
 
 
-def test_plan_is_fast_for_64_experts():
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_plan_is_fast_for_64_experts(plan):
     import time
 
     f = random_marginals(np.random.default_rng(64), 64, 6, 0.5)
     started = time.perf_counter()
     expert = {"F": 3 * 2048 * 1408 * 2, "S": 3 * 2048 * 1408, "E": int(3 * 2048 * 1408 * 0.32)}
     expert["C"] = expert["S"] + expert["E"]
-    result = planner.plan(f, 6, 4 << 30, expert, "FCSE", planner.default_costs(expert, 3, 5), 8, 5, 3, 26,
-                          grid=0.05)
+    result = plan(f, 6, 4 << 30, expert, "FCSE", plan_math.default_costs(expert, 3, 5), 8, 5, 3, 26, grid=0.05)
     assert time.perf_counter() - started < 5
     assert sum(result.memory_bytes.values()) <= 4 << 30
 
 
-def test_plan_rejects_bad_arguments():
+@pytest.mark.parametrize("plan", PLANNERS)
+def test_plan_rejects_bad_arguments(plan):
     with pytest.raises(ValueError, match="grid step"):
-        planner.plan(F8, **plan_kwargs(grid=0.3))
+        plan(F8, **plan_kwargs(grid=0.3))
     with pytest.raises(ValueError, match="pools"):
-        planner.plan(F8, **plan_kwargs(pools="FX"))
+        plan(F8, **plan_kwargs(pools="FX"))
+    with pytest.raises(ValueError, match="sum to 1.5"):
+        plan([0.5, 0.5, 0.5], **plan_kwargs())  # k = 2: no selection probabilities give these marginals
+
+
+@pytest.mark.parametrize("n, k, concentration, budget_experts, pools, grid, delta", [
+    (8, 2, 0.5, 3, "FCSE", 0.25, 0), (16, 4, 0.3, 7, "FCSE", 0.1, 1), (64, 6, 0.5, 20, "FCSE", 0.05, 0),
+    (64, 6, 5.0, 40, "CSE", 0.05, 2), (60, 4, 0.2, 100, "FC", 0.1, 0), (32, 3, 1.0, 500, "FCSE", 0.05, 0)])
+def test_the_runtimes_plan_is_the_references(n, k, concentration, budget_experts, pools, grid, delta):
+    """plan_math.plan (C's grid search and IPF) and the reference give the same PLAN: pools, ratios (the
+    grid point, which plan_math recovers from C's capacities), capacities, thresholds and memory
+    exactly; the makespan and q to rounding (sums in another order, an iterative fit)."""
+    f = random_marginals(np.random.default_rng(n + k), n, k, concentration, cap=0.95)
+    kwargs = plan_kwargs(k=k, budget_bytes=budget_experts * 2000 * 3, pools=pools, grid=grid, delta=delta,
+                         costs=Costs(u_s=4.1e-3, v_s=0.28e-3, c_s=0.36e-3), threads=2)
+    runtime, reference = plan_math.plan(f, **kwargs), planner.plan(f, **kwargs)
+    exact = ("pools", "ratios", "capacities", "thresholds", "delta", "memory_bytes", "budget_bytes", "n_layer_moe",
+             "n_expert", "k")
+    assert {name: getattr(runtime, name) for name in exact} == {name: getattr(reference, name) for name in exact}
+    assert runtime.expected_makespan_s == pytest.approx(reference.expected_makespan_s, rel=1e-9)
+    np.testing.assert_allclose(runtime.selection_probabilities, reference.selection_probabilities, rtol=1e-7,
+                               atol=1e-12)
+
+
+def test_grid_points_come_in_the_searchs_order():
+    assert list(planner.grid_points(1, 3)) == [(3,)]
+    assert list(planner.grid_points(2, 2)) == [(2, 0), (1, 1), (0, 2)]
+    points = list(planner.grid_points(4, 20))
+    assert len(points) == math.comb(23, 3) and points[0] == (20, 0, 0, 0) and points[-1] == (0, 0, 0, 20)
+    assert all(sum(p) == 20 for p in points) and len(set(points)) == len(points)
+    # packed in hierarchy order: half of 8 F experts' memory is 4 F; the other half fits 6 C, capped at
+    # the 4 ranks F left
+    assert planner.grid_capacities((2, 2, 0), "FCS", 4, 8 * 2000 * 3, TWO_KB_EXPERT, 3, 8) == \
+        {"F": 4, "C": 4, "S": 0}
 
 
 def test_round_to_subset_size():
-    f, k = planner.round_to_subset_size([0.98, 0.5, 0.4, 0.35, 0.3, 0.1])  # sums to 2.63
+    f, k = plan_math.round_to_subset_size([0.98, 0.5, 0.4, 0.35, 0.3, 0.1])  # sums to 2.63
     assert k == 3 and f.sum() == pytest.approx(3.0)
     # 0.98 * 3/2.63 > 1: capped, the others share the remaining 2 in proportion
     np.testing.assert_allclose(f, [1.0, *(2 / 1.65 * np.array([0.5, 0.4, 0.35, 0.3, 0.1]))])
-    f, k = planner.round_to_subset_size([0.9, 0.8, 0.6, 0.5])  # sums to 2.8: scaled up, none capped
+    f, k = plan_math.round_to_subset_size([0.9, 0.8, 0.6, 0.5])  # sums to 2.8: scaled up, none capped
     assert k == 3 and np.allclose(f, np.array([0.9, 0.8, 0.6, 0.5]) * 3 / 2.8)
 
 
 def test_default_costs_use_the_runtimes_default_rates():
     expert = {"F": 3 * 2048 * 1408 * 2, "C": 0, "S": 3 * 2048 * 1408, "E": int(3 * 2048 * 1408 * 0.32)}
     read, decode = _lib.default_rate(_lib.RATE_READ), _lib.default_rate(_lib.RATE_DECODE)
-    costs = planner.default_costs(expert, 3, 5)
+    costs = plan_math.default_costs(expert, 3, 5)
     assert costs.u_s == pytest.approx(2048 * 1408 / read)  # one tensor's SM-chunk
     assert costs.v_s == pytest.approx(int(3 * 2048 * 1408 * 0.32) / 15 / read)  # one E-chunk
     assert costs.c_s == pytest.approx(2048 * 1408 * 2 / 5 / decode)  # one E-chunk's BF16 output
@@ -337,7 +385,7 @@ def test_default_costs_use_the_runtimes_default_rates():
 
 def test_rank_inclusion_probabilities_sorts_per_layer_and_averages():
     counts = [[0, 10, 4, 6], [8, 2, 10, 0]]
-    np.testing.assert_allclose(planner.rank_inclusion_probabilities(counts, 10), [1.0, 0.7, 0.3, 0.0])
+    np.testing.assert_allclose(plan_math.rank_inclusion_probabilities(counts, 10), [1.0, 0.7, 0.3, 0.0])
 
 
 # ------------------------------------------------------------------------------------------------- files and CLI
@@ -379,6 +427,66 @@ def test_cli_writes_a_loadable_plan(tmp_path, capsys):
     assert result.thresholds["C"] == result.capacities["F"] + result.capacities["C"] + 1
 
 
+def routed_profile(path, n_expert: int, k: int, skew: float, seed: int, n_layer_moe: int = 3):
+    """A PROFILE of n_layer_moe layers routing 200 single-token ubatches (k of n_expert experts each, by
+    gamma(skew) weights: small skew, few popular experts) and 50 ubatches of 4 tokens."""
+    rng = np.random.default_rng(seed)
+    expert_bytes = {"F": 18432, "C": 12160, "S": 9216, "E": 2944}
+    batches = {}
+    for batch_size, n_ubatches in ((1, 200), (4, 50)):
+        counts = []
+        for _layer in range(n_layer_moe):
+            weights = rng.gamma(skew, size=n_expert) + 1e-3
+            row = np.zeros(n_expert, dtype=int)
+            for _ in range(n_ubatches):
+                chosen = set()
+                for _token in range(batch_size):
+                    chosen.update(rng.choice(n_expert, size=k, replace=False, p=weights / weights.sum()).tolist())
+                row[list(chosen)] += 1
+            counts.append(row.tolist())
+        batches[str(batch_size)] = {"n_ubatches": n_ubatches, "counts": counts}
+    doc = {"format": "zipmoe-profile", "version": 1, "model": "routed", "n_layer_moe": n_layer_moe,
+           "n_expert": n_expert, "n_expert_used": k, "expert_bytes": expert_bytes, "n_tensors_per_expert": 3,
+           "n_shards": 5, "batches": batches}
+    path.write_text(json.dumps(doc))
+    return doc
+
+
+@pytest.mark.parametrize("n_expert, k, skew, batch_size, budget_experts, args", [
+    (8, 2, 0.5, 1, 4, ["--grid", "0.25"]),
+    (16, 4, 0.3, 1, 9, ["--pools", "F,C,E", "--delta", "1"]),
+    (64, 6, 0.4, 1, 60, ["--grid", "0.05"]),
+    (60, 4, 2.0, 4, 90, ["--grid", "0.1", "--pools", "S,E,C"]),
+    (32, 2, 0.2, 1, 500, []),  # every expert fits full many times over: the first grid point keeps it
+])
+def test_zipmoe_plan_writes_the_references_plan(tmp_path, n_expert, k, skew, batch_size, budget_experts, args):
+    """zipmoe-plan (the runtime's C planner) chooses the pools, ratios and capacities the reference
+    planner (tests/planner.py) chooses for the same PROFILE, and writes the rest of the PLAN alike."""
+    profile = routed_profile(tmp_path / "profile.json", n_expert, k, skew, seed=n_expert + k)
+    budget = budget_experts * profile["expert_bytes"]["F"] * profile["n_layer_moe"]
+    out = tmp_path / "plan.json"
+    assert plan_cli.main([str(tmp_path / "profile.json"), "--budget", str(budget), "--threads", "2",
+                          "--batch-size", str(batch_size), *args, "-o", str(out)]) == 0
+    made, meta = plan_files.load_plan(out)
+
+    batch = profile["batches"][str(batch_size)]
+    f = plan_math.rank_inclusion_probabilities(batch["counts"], batch["n_ubatches"])
+    f, planned_k = (f, k) if batch_size == 1 else plan_math.round_to_subset_size(f)
+    given = dict(zip(args[::2], args[1::2]))
+    pools = plan_math.parse_pool_set(given.get("--pools", "F,C,S,E"))
+    costs = plan_math.default_costs(profile["expert_bytes"], 3, 5)
+    reference = planner.plan(f, planned_k, budget, profile["expert_bytes"], pools, costs, 2, 5, 3,
+                             profile["n_layer_moe"], grid=float(given.get("--grid", 0.05)),
+                             delta=int(given.get("--delta", 0)))
+    exact = ("pools", "ratios", "capacities", "thresholds", "delta", "memory_bytes", "budget_bytes", "n_layer_moe",
+             "n_expert", "k")
+    assert {name: getattr(made, name) for name in exact} == {name: getattr(reference, name) for name in exact}
+    assert made.expected_makespan_s == pytest.approx(reference.expected_makespan_s, rel=1e-9)
+    np.testing.assert_allclose(made.selection_probabilities, reference.selection_probabilities, rtol=1e-7,
+                               atol=1e-12)
+    np.testing.assert_array_equal(meta["inclusion_probabilities"], f)  # what the planner was given
+
+
 @pytest.mark.parametrize("args, overrides, needle", [
     (["--budget", "lots"], {}, "--budget"),
     (["--budget", "1M", "--pools", "F,Q"], {}, "pools"),
@@ -413,7 +521,7 @@ def test_cli_missing_or_broken_files(tmp_path, capsys):
 
 
 def test_load_plan_validates_fields(tmp_path):
-    result = planner.plan(F8, **plan_kwargs())
+    result = plan_math.plan(F8, **plan_kwargs())
     path = tmp_path / "plan.json"
     plan_files.save_plan(path, result, {"model": "tiny"})
     loaded, meta = plan_files.load_plan(path)
@@ -438,8 +546,8 @@ def test_planning_and_loading_a_plan_import_no_llama_cpp(tmp_path):
     code = f"""
 import sys
 from zipmoe_py import options, plan_files
-assert 'zipmoe_py.planner' not in sys.modules, "options or plan_files imported the planner"
-import zipmoe_py.planner
+assert 'zipmoe_py.plan_math' not in sys.modules, "options or plan_files imported the planner"
+import zipmoe_py.plan_math
 assert 'llama_cpp' not in sys.modules and 'zipmoe_py.bindings' not in sys.modules
 from zipmoe_py import _lib, plan_cli
 assert _lib.lib.cache_info().currsize == 0, "importing loaded libggml-zipmoe"
@@ -452,10 +560,23 @@ assert 'llama_cpp' not in sys.modules and 'zipmoe_py.bindings' not in sys.module
     assert proc.returncode == 0, proc.stderr
 
 
+def test_no_runtime_module_imports_the_test_references():
+    """tests/planner.py and tests/sched_sim.py are what the runtime is tested against, not part of it."""
+    import ast
+
+    for path in sorted((REPO / "zipmoe_py").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            if isinstance(node, ast.ImportFrom):
+                names.append(node.module or "")
+            assert not {name.split(".")[-1] for name in names} & {"planner", "sched_sim"}, \
+                f"{path.relative_to(REPO)}:{node.lineno} imports a test reference"
+
+
 def test_the_format_specs_examples_are_what_the_tools_read_and_write(tmp_path):
     """docs/PLAN_FORMAT.md: each example passes its reader, and the PLAN example is zipmoe-plan's output
     for the PROFILE and COSTS examples (its floats shortened)."""
-    spec = (Path(__file__).resolve().parents[1] / "docs" / "PLAN_FORMAT.md").read_text()
+    spec = (REPO / "docs" / "PLAN_FORMAT.md").read_text()
     examples = {doc["format"]: doc for doc in map(json.loads, re.findall(r"```json\n(.*?)```", spec, flags=re.S))}
     assert set(examples) == {"zipmoe-profile", "zipmoe-costs", "zipmoe-plan"}
     for kind in examples:

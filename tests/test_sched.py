@@ -182,8 +182,7 @@ def test_invalid_arguments(lib):
         dict(u=-1.0), dict(u=math.nan), dict(rho=-0.5), dict(rho=math.inf), dict(c=-1e-9), dict(c=math.nan),
         dict(K=1 << 30),  # n_tasks*(K + 1) overflows int32
         dict(misalign=True),
-    ] + [dict(null=(name,)) for name in ("tasks", "params", "work", "result", "io", "dec", "order", "block_start",
-                                         "task_block")]
+    ] + [dict(null=(name,)) for name in ("tasks", "params", "work", "result", "io", "dec")]
     for case in bad:
         kw = dict(tasks=ok, n=2, K=2, L=2)
         kw.update(case)
@@ -193,6 +192,18 @@ def test_invalid_arguments(lib):
     need = _lib.sched_work_size(2, 2, 3)
     assert call(lib, ok, 2, 2, 3, work_size=need - 1)[0] == _lib.ERR_CAPACITY
     assert call(lib, ok, 2, 2, 3, work_size=need)[0] == _lib.OK
+
+
+def test_the_block_outputs_are_optional_and_change_nothing(lib):
+    # the expert cache reads only the reads and decompressions: order, block_start and task_block NULL
+    tasks = [(0, M, 1.0), (1, S, 2.0), (2, E, 0.5), (3, F, 1.0)]
+    full_status, full = call(lib, tasks, 4, 2, 2)
+    status, bare = call(lib, tasks, 4, 2, 2, null=("order", "block_start", "task_block"))
+    assert status == full_status == _lib.OK
+    assert (bare.n_io, bare.n_dec, bare.n_order, bare.n_blocks) == (full.n_io, full.n_dec, full.n_order, full.n_blocks)
+    ops = lambda r, name, n: [(getattr(r, name)[i].task, getattr(r, name)[i].chunk) for i in range(n)]
+    assert ops(bare, "io", bare.n_io) == ops(full, "io", full.n_io)
+    assert ops(bare, "dec", bare.n_dec) == ops(full, "dec", full.n_dec)
 
 
 #

@@ -356,7 +356,7 @@ def test_resident_memory_stays_within_the_budget(tmp_path_factory):
     index, decoder tables, the I/O thread and allocator slack.
     """
     from zipmoe_py.convert import convert_to_bf16_gguf
-    from zipmoe_py.tiny import make_tiny
+    from zipmoe_py.devtools.tiny import make_tiny
 
     work = tmp_path_factory.mktemp("memory")
     make_tiny("qwen2moe", work / "hf", sizes={"moe_intermediate_size": 1408, "num_experts": 60})

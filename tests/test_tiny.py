@@ -9,7 +9,7 @@ import pytest
 from safetensors import safe_open
 
 from zipmoe_py import _paths
-from zipmoe_py.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A27B_CONFIG
+from zipmoe_py.devtools.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A27B_CONFIG
 
 from conftest import run, zipmoe_command
 
@@ -92,7 +92,7 @@ def test_streamed_weights_are_a_sharded_checkpoint_of_every_tensor(tmp_path):
     norms 1, biases 0, the other weights drawn."""
     from transformers import AutoConfig
 
-    from zipmoe_py.tiny import _write_streamed_weights, make_tiny
+    from zipmoe_py.devtools.tiny import _write_streamed_weights, make_tiny
 
     hf = make_tiny("qwen2moe", tmp_path / "hf")
     streamed = tmp_path / "streamed"
@@ -127,7 +127,7 @@ def test_uniform_router_spreads_routing_and_forgets_the_last_token(tmp_path):
     Measured with bench/prefetch_recall.py on text, where frequent words keep some experts busier."""
     import torch
 
-    from zipmoe_py.tiny import make_tiny
+    from zipmoe_py.devtools.tiny import make_tiny
 
     sys.path.insert(0, str(BENCH))
     try:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from zipmoe_py.errors import ZipMoEError
-from zipmoe_py.train_tiny import heldout_text, load_corpus, main, train
+from zipmoe_py.devtools.train_tiny import heldout_text, load_corpus, main, train
 
 from conftest import run, zipmoe_command
 

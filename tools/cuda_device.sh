@@ -40,7 +40,7 @@ prepare)
     # the tests' tiny models (as tests/conftest.py makes them) and the bench model, as headers
     tiny=$(mktemp -d)
     for a in deepseek2 qwen2moe; do
-        (cd /tmp && $REPO/.venv/bin/python -c "from zipmoe_py.tiny import make_tiny; make_tiny('$a', '$tiny/hf-$a', seed=1234)")
+        (cd /tmp && $REPO/.venv/bin/python -c "from zipmoe_py.devtools.tiny import make_tiny; make_tiny('$a', '$tiny/hf-$a', seed=1234)")
         $REPO/.venv/bin/zipmoe-convert $tiny/hf-$a -o $tiny/$a-bf16.gguf --bf16 --quiet
         (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $tiny/$a-bf16.gguf $CARRY/$a.skel.gguf)
     done

@@ -1,4 +1,5 @@
-"""ctypes declarations of ggml-zipmoe's public header (ggml-zipmoe/include/ggml-zipmoe.h), one to one."""
+"""ctypes declarations of ggml-zipmoe's public headers (ggml-zipmoe/include/: ggml-zipmoe.h, -policy.h, -serving.h,
+-options.h, -test.h): the functions the Python layer and the tests call."""
 from __future__ import annotations
 
 import ctypes
@@ -54,7 +55,7 @@ class Memory(ctypes.Structure):
 
 
 class MemoryPlan(ctypes.Structure):
-    """struct llama_zipmoe_memory_plan (llama.h of the fork)."""
+    """struct llama_zipmoe_memory_plan (llama.h of the fork), laid out as ggml_zipmoe_serving_plan."""
     _fields_ = [(name, ctypes.c_uint64) for name in ("available", "non_expert", "contexts", "cache_buffers", "margin",
                                                      "fits", "budget", "expert_bytes")] + \
                [(name, ctypes.c_int32) for name in ("n_contexts", "n_slots", "slot_capacity", "min_slots")] + \
@@ -71,7 +72,8 @@ class PlanParams(ctypes.Structure):
 
 
 class PlanResult(ctypes.Structure):
-    _fields_ = [("capacity", ctypes.c_int32 * 4), ("expected_makespan_s", ctypes.c_double)]
+    _fields_ = [("capacity", ctypes.c_int32 * 4), ("expected_makespan_s", ctypes.c_double),
+                ("grid_share", ctypes.c_int32 * 4)]
 
 
 class DefaultPools(ctypes.Structure):
@@ -99,6 +101,30 @@ class CacheParams(ctypes.Structure):
             table[3 * layer:3 * layer + 3] = list(tensors)
         self._layer_table = table
         self.n_layer, self.layer_tensors = n_layer, table
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class ServingParams(ctypes.Structure):
+    """struct ggml_zipmoe_serving_params (ggml-zipmoe-serving.h): slot sizing and the default pools."""
+    _fields_ = [("file", ctypes.c_void_p), ("layer_tensors", ctypes.POINTER(ctypes.c_int32)),
+                ("n_layer", ctypes.c_int32), ("n_expert_used", ctypes.c_int32), ("available", ctypes.c_uint64),
+                ("mem_limit", ctypes.c_uint64), ("budget", ctypes.c_uint64), ("pools", ctypes.c_int32 * 4),
+                ("work_slots", ctypes.c_int32), ("eviction", ctypes.c_int32), ("threads", ctypes.c_int32),
+                ("auto_pools", ctypes.c_int32), ("replan_tokens", ctypes.c_int32), ("log", LOG_FN),
+                ("log_data", ctypes.c_void_p)]
+
+
+class ServingInfo(ctypes.Structure):
+    _fields_ = [("expert_bytes", ctypes.c_uint64), ("all_experts", ctypes.c_uint64),
+                ("slot_ne", (ctypes.c_int64 * 2) * 3), ("n_moe_layers", ctypes.c_int32), ("max_expert", ctypes.c_int32),
+                ("capacity", ctypes.c_int32), ("fewest", ctypes.c_int32), ("with_pools", ctypes.c_int32)]
+
+
+class ServingDemand(ctypes.Structure):
+    _fields_ = [("non_expert", ctypes.c_uint64), ("contexts", ctypes.c_uint64), ("n_contexts", ctypes.c_int32),
+                ("n_threads_max", ctypes.c_int32), ("making", ctypes.c_int32)]
 
 
 # enum ggml_zipmoe_expert_state
@@ -274,6 +300,20 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_serving_new": (ctypes.c_void_p, [ctypes.POINTER(ServingParams), ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_serving_free": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_serving_get_info": (None, [ctypes.c_void_p, ctypes.POINTER(ServingInfo)]),
+    "ggml_zipmoe_serving_fit_device": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
+                                                        ctypes.c_uint64]),
+    "ggml_zipmoe_serving_reserve_host": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p * 3, ctypes.c_size_t * 3,
+                                                        ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_serving_set_cache": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
+                                                     ctypes.c_size_t]),
+    "ggml_zipmoe_serving_resize": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ServingDemand),
+                                                  ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_serving_observe": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_zipmoe_serving_get_plan": (None, [ctypes.c_void_p, ctypes.POINTER(MemoryPlan)]),
+    "ggml_zipmoe_serving_auto_pools_active": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_schedule": (ctypes.c_int, [ctypes.POINTER(SchedTask), ctypes.c_int32, ctypes.POINTER(SchedParams),
                                             ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(SchedResult)]),
 }

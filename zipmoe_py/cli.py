@@ -25,7 +25,7 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
     """Make (once) and return the tiny ZipMoE demo model used when no model is given."""
     from . import format as zformat
     from .convert import convert_to_bf16_gguf
-    from .tiny import make_tiny
+    from .devtools.tiny import make_tiny
 
     cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zipmoe" / "demo"
     gguf_path = cache_dir / "tiny-qwen2moe.zipmoe.gguf"
@@ -214,7 +214,7 @@ def chat(args) -> int:
 
 def add_option_flag(ap: argparse.ArgumentParser, option) -> None:
     """option's flag (options.chat_flag), its type, checks and help from the option table."""
-    from .options import chat_flag, parse_value
+    from .options import chat_flag, parse_text
 
     flag = chat_flag(option)
     help_text = f"ZipMoE GGUFs: {option.help} (default: {option.default_text}"
@@ -228,7 +228,7 @@ def add_option_flag(ap: argparse.ArgumentParser, option) -> None:
         if option.type in (_lib.TYPE_POOLS, _lib.TYPE_PATH):
             return text  # read by zipmoe_overrides / Llama, which name the flag in their errors
         try:
-            return parse_value(option, text, flag)
+            return parse_text(option, text, flag)
         except ZipMoEError as e:
             raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag} ")) from None
 

@@ -102,20 +102,33 @@ def find(name: str) -> Option:
 
 def parse_value(option: Option, value, what: str | None = None):
     """value checked by the C library against option's type and range, as the loader's KV override
-    takes it (bytes, a whole number, a number, True/False, a name). what: how the caller names the
-    option in errors (default: its keyword argument)."""
+    takes it (bytes, a whole number, a number, True/False, a name). A boolean option takes a Python
+    bool only (bool("no") would be True); text from a command line goes through parse_text. what: how
+    the caller names the option in errors (default: its keyword argument)."""
     what = what or option.kwarg
     if option.type == _lib.TYPE_BOOL:
-        if not isinstance(value, bool):  # bool("no") would be True: a bool or nothing
+        if not isinstance(value, bool):
             raise ZipMoEError(f"{what} must be True or False; got {value!r}")
         return value
-    text = str(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)) or "\0" in text:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    return parse_text(option, str(value), what, shown=value)
+
+
+def parse_text(option: Option, text: str, what: str | None = None, shown=None):
+    """text, as a command line or an environment variable gives it, parsed and checked by the C
+    library (ggml_zipmoe_option_parse): the words it accepts are the option table's, for a boolean
+    too (its true/false words). Returns the value as parse_value does. shown: the value to quote in
+    errors (default: text)."""
     parsed = _lib.OptionValue()
     given = _lib.OptionInput(_lib.GIVEN_TEXT, text.encode(), 0, 0.0)
-    if _lib.lib().ggml_zipmoe_option_parse(option.id, ctypes.byref(given), ctypes.byref(parsed)) != _lib.OK:
-        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    # a NUL would end the text C reads
+    if "\0" in text or _lib.lib().ggml_zipmoe_option_parse(option.id, ctypes.byref(given),
+                                                           ctypes.byref(parsed)) != _lib.OK:
+        shown = text if shown is None else shown
+        raise ZipMoEError(f"{what or option.kwarg} must be {option.expects}; got {shown!r}")
+    if option.type == _lib.TYPE_BOOL:
+        return bool(parsed.i)
     if option.type == _lib.TYPE_REAL:
         return parsed.f
     return option.choices[parsed.i] if option.type == _lib.TYPE_NAME else parsed.i

@@ -1,7 +1,8 @@
 """zipmoe-plan: plan ZipMoE's expert-cache pools for a memory budget from a zipmoe-profile PROFILE.
 
-Reads the PROFILE (and optionally a COSTS file), runs the planner (zipmoe_py/planner.py, paper
-Algorithm 4) and writes a PLAN; the three file formats are in docs/PLAN_FORMAT.md.
+Reads the PROFILE (and optionally a COSTS file), runs the runtime's planner (paper Algorithm 4, in
+C: ggml_zipmoe_plan_fit and ggml_zipmoe_plan_pools, through zipmoe_py/plan_math.py) and writes a
+PLAN; the three file formats are in docs/PLAN_FORMAT.md.
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from . import _lib
 from .errors import ZipMoEError
 from .options import parse_size
 from .plan_files import load_costs, load_profile, save_plan
-from .planner import (default_costs, grid_steps, parse_pool_set, plan, rank_inclusion_probabilities,
-                      round_to_subset_size)
+from .plan_math import (default_costs, grid_steps, parse_pool_set, plan, rank_inclusion_probabilities,
+                        round_to_subset_size)
 
 
 def _batch_marginals(profile: dict, batch_size: int, path: Path) -> tuple[np.ndarray, int]:

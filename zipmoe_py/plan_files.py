@@ -3,8 +3,8 @@
 validators and writer, and the in-memory types of COSTS and PLAN. docs/PLAN_FORMAT.md specifies
 every field. Readers raise ZipMoEError naming the file and the field at fault.
 
-Imports neither llama_cpp nor the planner's algorithms (zipmoe_py/planner.py): loading a plan is
-all a model load needs. Pool names are C's (libggml-zipmoe, loaded on first use).
+Imports neither llama_cpp nor the planner (zipmoe_py/plan_math.py): loading a plan is all a model
+load needs. Pool names are C's (libggml-zipmoe, loaded on first use).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class Costs:
-    """The delays of Algorithm 3, seconds, from a COSTS file or planner.default_costs: u (read one
+    """The delays of Algorithm 3, seconds, from a COSTS file or plan_math.default_costs: u (read one
     tensor's SM chunk), v (read one E-chunk), c (decompress and recover one E-chunk)."""
 
     u_s: float
@@ -34,7 +34,7 @@ class Costs:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """A PLAN: the cache partition planner.plan chose.
+    """A PLAN: the cache partition plan_math.plan (or the reference, tests/planner.py) chose.
 
     pools: Lambda in hierarchy order. ratios: gamma_p per pool of Lambda (sum 1). capacities:
     S_p, experts per MoE layer. thresholds: tau_p = sum_{j <= p} S_j + delta (0-based ranks).

@@ -28,7 +28,7 @@ import numpy as np
 from . import _lib
 from .errors import ZipMoEError
 from .plan_files import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT
-from .planner import rank_inclusion_probabilities
+from .plan_math import rank_inclusion_probabilities
 
 
 def expert_bytes_by_pool(path: Path) -> tuple[dict, int, int]:

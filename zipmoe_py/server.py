@@ -264,20 +264,20 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, List[ZipMoE
     return ServerSettings.model_validate(config.model_dump(exclude={"models"})), config.models
 
 
-def _checked_flag(option, kind):
-    """A zipmoe flag's argparse type: the value checked by the option table, the error saying what it must be
-    (llama-cpp-python's own boolean flags say "invalid _parse_bool_arg value")."""
+def _checked_flag(option):
+    """A zipmoe flag's argparse type: the text parsed by the option table's C parser (a boolean takes its
+    words, as ZIPMOE_* variables do), the error saying what it must be (llama-cpp-python's own boolean
+    flags say "invalid _parse_bool_arg value")."""
     def checked(text: str):
-        value = text
-        if option.type == _lib.TYPE_BOOL:
-            value = {"1": True, "true": True, "yes": True, "on": True,
-                     "0": False, "false": False, "no": False, "off": False}.get(text.strip().lower(), text)
+        if option.type in (_lib.TYPE_POOLS, _lib.TYPE_PATH):
+            return text  # checked when the model loads (a pool list's items, a file)
         try:
-            if option.type not in (_lib.TYPE_POOLS, _lib.TYPE_PATH):
-                options.parse_value(option, value)
+            value = options.parse_text(option, text)
         except ZipMoEError:
             raise argparse.ArgumentTypeError(f"must be {option.expects}; got {text!r}") from None
-        return kind(value) if option.type in (_lib.TYPE_INT, _lib.TYPE_REAL) else value
+        if option.type in (_lib.TYPE_BOOL, _lib.TYPE_INT, _lib.TYPE_REAL):
+            return value  # True/False, a whole number, a number: as the settings field holds it
+        return text  # a size or a name as given: Llama parses it again
 
     checked.__name__ = option.kwarg
     return checked
@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_args_from_model(parser, ZipMoESettings)
     for action in parser._actions:
         if action.dest.startswith("zipmoe_"):
-            action.type = _checked_flag(options.find(action.dest), action.type)
+            action.type = _checked_flag(options.find(action.dest))
     parser.add_argument("--config_file", type=str, help="Path to a config file (JSON or YAML) to load.")
     return parser
 

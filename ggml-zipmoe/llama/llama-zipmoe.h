@@ -3,16 +3,18 @@
 // ZipMoE fork: routed experts of a ZipMoE GGUF are not loaded; they are read on demand by
 // ggml-zipmoe into slot tensors shared by all layers (see ggml-zipmoe.h for the cache).
 //
-// This file and llama-zipmoe.cpp are ZipMoE's own source, compiled into libllama by the ZipMoE
-// project's CMakeLists.txt; the patch series (vendor/llama.cpp/patches) only adds the calls into
-// them from llama.cpp's loader, graph builder and context.
+// This glue is ZipMoE's own source, compiled into libllama by the ZipMoE project's CMakeLists.txt;
+// the patch series (vendor/llama.cpp/patches) only adds the calls into it from llama.cpp's loader,
+// graph builder and context. By concern:
+//   llama-zipmoe.h / .cpp       the model's expert cache: made at load, sized per context
+//   llama-zipmoe-options.cpp    the options, from KV overrides and the environment
+//   llama-zipmoe-graph.cpp      the graph's ops: fetch, merge, prefetch, substitution; errors
 //
-// Memory. The slot tensors reserve address space for every expert but take memory only for the
-// slots in use. How many are in use is decided when a context is made or freed, from what the
-// process may use (its cgroup limits and MemAvailable, ggml_zipmoe_memory_available) minus the
-// non-expert weights, every context's KV cache and compute buffers, the cache's own buffers and a
-// margin. An explicit zipmoe.budget is reduced, with a warning giving the numbers, when it does
-// not fit; pools that do not fit make context creation fail with the numbers.
+// Memory. The sizing is ggml-zipmoe's (ggml-zipmoe-serving.h): the slot tensors reserve address
+// space for every expert but take memory only for the slots in use, decided when a context is made
+// or freed, and again when zipmoe.replan_tokens decode steps re-plan the default pools. An
+// explicit zipmoe.budget is reduced, with a warning giving the numbers, when it does not fit; pools
+// that do not fit make context creation fail with the numbers.
 //
 // Concurrency. One model's graphs run one at a time (fetch through products, every layer): a
 // context's fetch cannot evict a slot another context's products still read. Graph build and
@@ -27,6 +29,8 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 #include "ggml-zipmoe.h"
+#include "ggml-zipmoe-policy.h"
+#include "ggml-zipmoe-serving.h"
 
 #include <algorithm>
 #include <atomic>
@@ -40,6 +44,9 @@
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+// the routed experts' tensors in llama.cpp's names, by enum ggml_zipmoe_expert_kind
+inline constexpr const char * k_zipmoe_kinds[3] = { "gate", "up", "down" };
 
 struct gguf_context;
 struct ggml_zipmoe_file;
@@ -86,18 +93,24 @@ struct llama_zipmoe {
     // the ZipMoE state owning slot tensor t, or nullptr (t is not a slot tensor)
     static llama_zipmoe * of(const ggml_tensor * t);
 
-    // opens the chunk index, reads the options and measures the memory this process may take
-    // (before any weight is mapped); throws on error
+    // opens the chunk index, reads the options, measures the memory this process may take (before
+    // any weight is mapped) and checks the options that size the cache; throws on error
     llama_zipmoe(const std::string & fname, const gguf_context * meta,
                  const std::unordered_map<std::string, llama_model_kv_override> & overrides);
     ~llama_zipmoe();
 
-    // the slot tensor to use for routed-expert tensor `name` (shape ne), reserving the slots on
-    // first use; nullptr if `name` is not repacked in the file. buft: where the tensor's layer puts
-    // its weights; a CUDA device's own (not host) buffer type puts the slots in its memory (a build
-    // with ZIPMOE_CUDA, docs/CUDA.md)
-    ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne,
-                        ggml_backend_buffer_type_t buft);
+    // where a layer's weights go (its buffer type list's first)
+    using layer_buft_fn = std::function<ggml_backend_buffer_type_t (int il)>;
+
+    // makes the slot tensors and the expert cache, before the model's tensors are created: the slots
+    // go where the first served layer's weights go, or where a tensor override sends its experts; a
+    // CUDA device's own (not host) buffer type puts them in its memory (a build with ZIPMOE_CUDA,
+    // docs/CUDA.md). Throws on error.
+    void make_cache(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
+
+    // the slot tensor to use for routed-expert tensor `name` (shape ne); nullptr if `name` is not
+    // repacked in the file. Throws if the shape is not the file's.
+    ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne) const;
 
     // the slot id given to selection i (of n_used per token) that a pass does not compute:
     // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in GPU memory, one of the
@@ -190,67 +203,48 @@ private:
     void build_prefetch(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp, ggml_tensor * after,
                         int64_t n_used);
     context_state & state_of(const llama_context * lctx);
+    // the slots in use sized again for the live contexts (making: the one being made)
     void resize(const llama_context * making);
-    int32_t slots_for(uint64_t budget) const;
+    void preload(llama_context * lctx);
+    // slot memory for capacity slots: a CUDA device's, or reserved host address space
+    ggml_backend_dev_t slot_device(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
+    void place_on_device(ggml_backend_dev_t dev);
+    void place_in_host();
+    void make_slot_tensors(void * const data[3]);
+    void log_substitution() const;
+    bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
 
     std::string           fname;
     llama_zipmoe_options  opt;
+    std::vector<int32_t>  layer_tensors;     // [n_layer][3] the file's tensor of each layer's gate, up, down
+    int32_t               n_expert_used = 1; // the model's top-k
+    uint64_t              file_non_expert = 0; // bytes of the file's tensors that are not expert chunks
 
-    // geometry
-    size_t   expert_bytes = 0;  // gate + up + down of one expert, BF16
-    uint64_t all_experts  = 0;  // bytes of every routed expert
-    int32_t  n_moe_layers = 0;
-    int32_t  n_expert_used = 1; // the model's top-k: the fewest slots an automatic budget keeps
-
-    // memory
-    uint64_t available_at_load = 0; // what the process could take when loading began
-    std::string memory_source;      // where that number came from, for the log
-    uint64_t non_expert_bytes = 0;  // non-expert weights in host memory a decode step reads
-    int32_t  n_threads_max = 1;     // decoding threads of the largest context (for the cache's buffers)
-    bool     preloaded     = false; // the slots were filled once (zipmoe.preload)
+    // the sizing (ggml-zipmoe-serving.h) and its view of the slots
+    ggml_zipmoe_serving *     serving = nullptr;
+    ggml_zipmoe_serving_info  info    = {};
+    uint64_t                  non_expert_bytes = 0; // non-expert weights in host memory a decode step reads
+    int32_t                   n_threads_max    = 1; // graph threads of the widest context
+    bool                      preloaded        = false; // the slots were filled once (zipmoe.preload)
+    bool                      sized            = false; // a context sized the slots (resize)
 
     // resident views: every served layer's first slot, valid for slot layout views_layout (guarded by
     // state_mutex); a layer at -1 (or views off) and every layer uses the fetch
     bool                 views_wanted = false; // a preload left every expert resident (zipmoe.resident_views)
     uint64_t             views_layout = UINT64_MAX;
     std::vector<int32_t> views_base;
-    bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
 
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;
 
     // slots in CUDA memory: all allocated when the model loads, all in use (no host memory sizing)
-    bool     on_gpu        = false;
-    int32_t  gpu_zero_slot = -1;  // the first zero slot
+    bool     on_gpu         = false;
+    int32_t  gpu_zero_slot  = -1; // the first zero slot
     int32_t  gpu_zero_slots = 0;  // as many as a layer's experts: a warmup token selects them all
-    uint64_t file_non_expert = 0; // bytes of the file's tensors that are not expert chunks
 
-    // slots: one reserved region, committed only where slots are used
-    void *                mapping       = nullptr;
-    size_t                mapping_bytes = 0;
-    size_t                section[3]    = { 0, 0, 0 }; // offset of each kind's slots in the region
-    int32_t               n_slots_used  = 0;
-    ggml_zipmoe_default_pools auto_choice = {}; // the pools resize chose (capacity all 0: one F pool)
-    bool                  auto_active   = false; // auto_choice's pools are the cache's
-    double                plan_rates[2] = { 0, 0 }; // read and decode rates the pools are planned with
-    bool                  auto_eligible = false; // the default pools apply (no pools given, host slots, rank)
-    uint64_t              auto_budget   = 0;     // the bytes and decoding threads they were last planned for
-    int32_t               auto_threads  = 1;
-    // the routing of decode steps, for planning the pools once more (observe_routing)
-    std::vector<uint64_t> seen_counts, seen_ubatches; // the cache's activation counts at the last graph
-    std::vector<uint64_t> counts, ubatches;           // and at this one
-    int32_t               n_exp_seen = 0;             // experts of the widest served layer
-    std::vector<double>   token_counts;               // [n_layer][n_expert] selections in one-token ubatches
-    uint64_t              token_steps = 0;
-    bool                  replanned   = false;
-    std::vector<double>   observed_profile;           // rank-based inclusion probabilities of those steps
-    void                  observe_routing();
-    // n slots in use with the pools (capacity all 0: one F pool; nullptr: the pools unchanged), the memory
-    // of slots given up returned to the system. Where their stores cannot be allocated the cache falls
-    // back to one F pool, and *pools says so. OK, or the cache's refusal (nothing changed)
-    int                   use_slots(int32_t n, ggml_zipmoe_default_pools * pools);
-    ggml_context *        ctx    = nullptr;
-    ggml_backend_buffer_t buf    = nullptr;
+    // the slot tensors
+    ggml_context *        ctx      = nullptr;
+    ggml_backend_buffer_t buf      = nullptr;
     ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };
 
     // graphs and contexts
@@ -261,8 +255,6 @@ private:
     std::map<const llama_context *, std::unique_ptr<context_state>> contexts;
     std::unordered_map<const ggml_cgraph *, uint64_t> built; // graph -> slot layout it was built for
     uint64_t                    layout = 0;    // bumped by every change of the slot count
-
-    llama_zipmoe_memory_plan plan = {};        // the last sizing (guarded by state_mutex)
 
     std::atomic<bool> failed { false };
     std::string       failure;

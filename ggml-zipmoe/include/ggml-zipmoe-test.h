@@ -1,0 +1,29 @@
+// ggml-zipmoe's test-only entry points: the test suite and the benchmarks call them, the runtime
+// never does, and they may change without notice.
+
+#pragma once
+
+#include "ggml-zipmoe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// test-only: force a recovery path ("avx512bw", "avx2", "scalar", or "cuda-grid": the CUDA
+// kernel's index arithmetic run on the host; NULL = best available) for the
+// whole process (tests and benchmarks compare the paths); returns GGML_ZIPMOE_ERR_ARG if the CPU
+// lacks it. Must not race with recovery on another thread.
+GGML_ZIPMOE_API int          ggml_zipmoe_set_recover_impl(const char * name);
+
+// test-only: decodes a ghuf stream as the GPU does (zipmoe-cuda.cu), on the host: its decoding table
+// built entry by entry and its segments decoded one by one, last first. OK or ERR_CORRUPT.
+GGML_ZIPMOE_API int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size, void * dst, size_t dst_size);
+
+// test-only: begin (by thread 0) and end in one call, for callers without an op between them
+GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
+                                            const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,
+                                            int32_t * slot_ids, int ith, int nth);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,342 @@
+// ZipMoE fork: the graph's side of the glue (llama-zipmoe.h): the experts' products on the slots,
+// the fetch, merge, prefetch and substitution ops, and how a failed fetch stops a graph.
+
+#include "llama-zipmoe.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+
+#include "ggml-zipmoe.h"
+
+#include <algorithm>
+#include <cstring>
+
+llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    const int64_t key = (int64_t) il << 32 | (uint32_t) pass;
+    auto it = args_index.find(key);
+    if (it != args_index.end()) {
+        return it->second;
+    }
+    args.push_back({ this, il, pass });
+    args_index[key] = &args.back();
+    return &args.back();
+}
+
+void llama_zipmoe::fail(const char * message) {
+    if (!failed.exchange(true)) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        failure = message;
+    }
+}
+
+// no correct output is possible without the expert: the graph stops (abort_callback) and the
+// message, which names the chunk at fault, reaches the caller
+static void zipmoe_check(const llama_zipmoe::op_args * a, int status) {
+    if (status != GGML_ZIPMOE_OK) {
+        a->zm->fail(ggml_zipmoe_cache_error(a->zm->cache));
+    }
+}
+
+static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a   = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    int32_t *           out = (int32_t *) dst->data;
+    // whatever happens, the products never see an out-of-range id: a failed fetch computes nothing
+    for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+        out[i] = GGML_ZIPMOE_NO_SLOT;
+    }
+    const ggml_tensor * scores = a->pass == 0 ? dst->src[1] : nullptr; // zipmoe.eviction=score
+    if (scores != nullptr) {
+        ggml_zipmoe_cache_observe_scores(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0], scores->ne[1],
+                                         scores->nb[1] / sizeof(float));
+    }
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+                                                  ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
+}
+
+// passes the slot ids on once the slots are filled, so that the products depend on it
+static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const auto * a = (const llama_zipmoe::op_args *) userdata;
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->zm->cache, ith, nth));
+    if (ith == 0) {
+        memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
+        if (a->zm->absent_slot(0, 1) != GGML_ZIPMOE_NO_SLOT) { // slots in GPU memory only
+            int32_t * ids = (int32_t *) dst->data;
+            for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->zm->absent_slot(i, dst->ne[0]) : ids[i];
+            }
+        }
+    }
+}
+
+static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a    = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids  = dst->src[0];
+    const ggml_tensor * cur  = dst->src[1];
+    const ggml_tensor * acc  = dst->src[2];
+    // build_experts made these tensors alike; a graph that breaks that stops with an error
+    if (!ggml_are_same_shape(cur, dst) || !ggml_are_same_stride(cur, dst) ||
+        (acc != nullptr && (!ggml_are_same_shape(acc, dst) || !ggml_are_same_stride(acc, dst)))) {
+        a->zm->fail(format("layer %d, pass %d: the merged products differ in shape", a->il, a->pass).c_str());
+        return;
+    }
+    const int status = ggml_zipmoe_cache_merge_pass(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+                                                    ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
+                                                    acc ? acc->data : nullptr, cur->data, dst->data,
+                                                    ggml_row_size(dst->type, dst->ne[0]), dst->nb[1], dst->nb[2]);
+    if (status != GGML_ZIPMOE_OK) {
+        a->zm->fail(format("layer %d, pass %d: merging the passes' products failed: %s", a->il, a->pass,
+                           ggml_zipmoe_status_string(status)).c_str());
+    }
+}
+
+static void zipmoe_prefetch_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    const auto *        a   = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids = dst->src[0];
+    if (ith == 0) {
+        // advisory: a prediction that cannot be read ahead (ERR_ARG) costs the fetch nothing
+        ggml_zipmoe_cache_prefetch(a->zm->cache, a->il, (const int32_t *) ids->data, ids->ne[0], ids->ne[1],
+                                   ids->nb[1] / sizeof(int32_t));
+    }
+}
+
+// the substitution hook (lossy, opt-in): the router's ids with the cache's policy applied
+static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a      = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * ids    = dst->src[0];
+    const ggml_tensor * scores = dst->src[1];
+    const int status = ggml_zipmoe_cache_substitute(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0],
+                                                    scores->nb[1] / sizeof(float), (const int32_t *) ids->data,
+                                                    ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
+                                                    (int32_t *) dst->data);
+    if (status != GGML_ZIPMOE_OK) {
+        for (int64_t i = 0; i < ggml_nelements(dst); ++i) { // in range: the graph stops (fail) before the products
+            ((int32_t *) dst->data)[i] = 0;
+        }
+        a->zm->fail(format("layer %d: expert substitution failed: %s", a->il, ggml_zipmoe_status_string(status)).c_str());
+    }
+}
+
+ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected,
+                                      ggml_tensor ** weight_ids) {
+    if ((opt.substitution == GGML_ZIPMOE_SUBST_NONE && !opt.trace_routing) || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
+        probs == nullptr || probs->type != GGML_TYPE_F32 || selected->type != GGML_TYPE_I32 ||
+        ggml_n_dims(probs) > 2 || probs->ne[0] != ggml_zipmoe_cache_n_expert(cache, il) ||
+        probs->ne[1] != selected->ne[1] || probs->nb[0] != sizeof(float) || selected->nb[0] != sizeof(int32_t)) {
+        return selected;
+    }
+    ggml_tensor * srcs[2] = { selected, probs };
+    ggml_tensor * out = ggml_custom_4d(ctx0, GGML_TYPE_I32, selected->ne[0], selected->ne[1], 1, 1, srcs, 2,
+                                       zipmoe_substitute_op, 1, args_for(il, 0));
+    ggml_format_name(out, "zipmoe_substitute-%d", il);
+    // BuddyMoE's Alg. 1 rewrites the expert indices only: a buddy computes with the weight the router
+    // gave the expert it stands in for. SMoE's router chooses its alternatives: they weigh their own scores
+    if (weight_ids != nullptr && opt.substitution == GGML_ZIPMOE_SUBST_BUDDY) {
+        *weight_ids = selected;
+    }
+    return out;
+}
+
+// SMoE's top-score prediction: the next MoE layer's router applied to this layer's FFN input, taken
+// to the next layer's FFN norm (RMS norm is per-token scale-invariant and top-k ignores a positive
+// scale, so the ratio of the two norms' weights is all that differs). The residual stream changes
+// little from one layer to the next, so the top-k of these scores mostly names the experts the next
+// router will choose. The op runs after this layer's fetch began: its reads go after the fetch's.
+void llama_zipmoe::build_prefetch(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
+                                  ggml_tensor * after, int64_t n_used) {
+    int next = il + 1;
+    while (next < (int) gate_inp.size() && gate_inp[next] == nullptr) {
+        ++next;
+    }
+    if (!opt.prefetch || next >= (int) gate_inp.size() || ffn_inp == nullptr || ffn_inp->ne[1] != 1 ||
+        !ggml_is_contiguous(ffn_inp) || gate_inp[next]->ne[0] != ffn_inp->ne[0]) {
+        return;
+    }
+    ggml_tensor * x = ggml_reshape_2d(ctx0, ffn_inp, ffn_inp->ne[0], ffn_inp->ne[2]);
+    if (ffn_norm[il] != nullptr && ffn_norm[next] != nullptr && ggml_are_same_shape(ffn_norm[il], ffn_norm[next]) &&
+        ffn_norm[il]->ne[0] == x->ne[0] && ffn_norm[il]->type == GGML_TYPE_F32 && ffn_norm[next]->type == GGML_TYPE_F32) {
+        x = ggml_mul(ctx0, x, ggml_div(ctx0, ffn_norm[next], ffn_norm[il]));
+    }
+    ggml_tensor * scores = ggml_mul_mat(ctx0, gate_inp[next], x); // [n_expert, n_tokens]
+    const int64_t k = std::min<int64_t>(n_used, scores->ne[0]);
+    ggml_tensor * predicted = ggml_argsort_top_k(ctx0, scores, (int) k);
+    ggml_tensor * srcs[2] = { predicted, after };
+    ggml_tensor * op = ggml_custom_4d(ctx0, GGML_TYPE_I32, 1, 1, 1, 1, srcs, 2, zipmoe_prefetch_op, 1, args_for(next, 0));
+    ggml_format_name(op, "zipmoe_prefetch-%d", next);
+    ggml_build_forward_expand(gf, op);
+}
+
+bool llama_zipmoe::resident_bases(std::vector<int32_t> & base) {
+    base.assign(gate_inp.size(), -1);
+    bool any = false;
+    for (int il = 0; il < (int) base.size(); ++il) {
+        if (!ggml_zipmoe_cache_has_layer(cache, il)) {
+            continue;
+        }
+        base[il] = ggml_zipmoe_cache_resident_base(cache, il);
+        if (base[il] < 0) {
+            return false; // one layer fetching could evict another's experts from under its views
+        }
+        any = true;
+    }
+    return any;
+}
+
+ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
+                                          ggml_tensor * selected_experts, ggml_tensor * probs,
+                                          const experts_fn & build) {
+    const int64_t n_used   = selected_experts->ne[0];
+    const int64_t n_tokens = selected_experts->ne[1];
+    int32_t view_base = -1;
+    {
+        std::lock_guard<std::mutex> lock(state_mutex);
+        built[gf] = layout;
+        if (views_wanted && views_layout != layout) {
+            // once per slot layout: every layer in place, or none used in place
+            if (!resident_bases(views_base)) {
+                views_base.assign(gate_inp.size(), -1);
+            }
+            views_layout = layout;
+        }
+        if (views_wanted && il < (int) views_base.size()) {
+            view_base = views_base[il];
+        }
+    }
+    if (view_base >= 0) {
+        // every expert resident, in order: stock's products on views of the slots, no fetch op (nothing
+        // is read or evicted while every layer is in place; a resize changes the layout and rebuilds)
+        const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
+        ggml_tensor * v[3];
+        for (int k = 0; k < 3; ++k) {
+            v[k] = ggml_view_3d(ctx0, slots[k], slots[k]->ne[0], slots[k]->ne[1], n_expert, slots[k]->nb[1],
+                                slots[k]->nb[2], (size_t) view_base * slots[k]->nb[2]);
+            ggml_format_name(v[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
+        }
+        return build(selected_experts, v[0], v[1], v[2]);
+    }
+    const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
+    if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {
+        probs = ggml_reshape_2d(ctx0, probs, probs->ne[1], probs->ne[2]); // build_moe_ffn's [1, n_expert, n_tokens]
+    }
+    ggml_tensor * scores = opt.eviction == GGML_ZIPMOE_EVICT_SCORE && probs != nullptr && probs->type == GGML_TYPE_F32 &&
+                           probs->ne[1] == n_tokens && probs->ne[0] == ggml_zipmoe_cache_n_expert(cache, il) ? probs : nullptr;
+
+    ggml_tensor * merged = nullptr;
+    for (int pass = 0; pass < n_passes; ++pass) {
+        // a pass's fetch must wait for the previous pass's products: they share the slots; the first
+        // takes the router's scores when the eviction policy is score's
+        ggml_tensor * second = pass > 0 ? merged : scores;
+        ggml_tensor * srcs[2] = { selected_experts, second };
+        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, second ? 2 : 1,
+                                             zipmoe_fetch_begin_op, 1, args_for(il, pass));
+        ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
+        if (pass == 0) {
+            ggml_build_forward_expand(gf, begin);
+            build_prefetch(ctx0, gf, il, ffn_inp, begin, n_used);
+        }
+        ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
+                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
+        ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
+        ggml_tensor * out = build(slot_ids, slots[0], slots[1], slots[2]);
+        if (n_passes == 1) {
+            return out;
+        }
+        ggml_tensor * msrcs[3] = { selected_experts, out, merged };
+        merged = ggml_custom_4d(ctx0, out->type, out->ne[0], out->ne[1], out->ne[2], out->ne[3], msrcs, merged ? 3 : 2,
+                                zipmoe_merge_op, 1, args_for(il, pass));
+        ggml_format_name(merged, "zipmoe_merged-%d.%d", il, pass);
+    }
+    return merged;
+}
+
+uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used_max) const {
+    if (cache == nullptr) {
+        return 0;
+    }
+    // the narrowest pass resize ever makes (the fewest slots in use with one F pool, the working
+    // slots with pools): a graph reserved now stays big enough after it
+    const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
+    const int64_t fewest   = std::min<int64_t>(opt.with_pools() ? capacity : std::min(capacity, n_expert_used),
+                                               std::max(1, opt.work_slots));
+    uint32_t total = 0;
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        if (strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_down_exps") == nullptr) {
+            continue;
+        }
+        const int     il       = ggml_zipmoe_file_tensor_layer(file, i);
+        const int64_t n_ids    = (int64_t) n_tokens * n_expert_used_max;
+        const int64_t distinct = std::min<int64_t>(n_ids, ggml_zipmoe_cache_n_expert(cache, il));
+        const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
+        // fetch begin and end + merge + the ~16 nodes of one experts block, per pass; the prefetch's
+        // reshape, norm ratio (div, mul), scores, argsort, top-k view and op
+        total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u) +
+                 (opt.substitution != GGML_ZIPMOE_SUBST_NONE || opt.trace_routing ? 1u : 0u);
+    }
+    return total;
+}
+
+std::unique_lock<std::mutex> llama_zipmoe::lock_compute() {
+    return std::unique_lock<std::mutex>(compute_mutex);
+}
+
+bool llama_zipmoe::graph_is_current(const ggml_cgraph * gf) const {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto it = built.find(gf);
+    return it != built.end() && it->second == layout;
+}
+
+ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status) {
+    // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
+    // begin) left the fetch open: its reads stop and its slots are forgotten
+    ggml_zipmoe_cache_cancel(cache);
+    context_state & st = state_of(lctx);
+    st.error.clear();
+    if (failed.load()) {
+        {
+            std::lock_guard<std::mutex> lock(failure_mutex);
+            st.error = "ZipMoE: " + failure;
+            failure.clear();
+        }
+        failed.store(false);
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, st.error.c_str());
+        return GGML_STATUS_FAILED;
+    }
+    if (status == GGML_STATUS_SUCCESS) {
+        // the routing seen may re-plan the default pools (state_mutex: memory_plan reads the sizing)
+        std::lock_guard<std::mutex> lock(state_mutex);
+        layout += ggml_zipmoe_serving_observe(serving); // graphs built for the old slots are rebuilt
+    }
+    return status;
+}
+
+bool llama_zipmoe::abort_callback(void * data) {
+    const auto * st = (const context_state *) data;
+    return st->zm->failed.load(std::memory_order_relaxed) || (st->user_callback && st->user_callback(st->user_data));
+}
+
+void * llama_zipmoe::wrap_abort_callback(llama_context * lctx, ggml_abort_callback user_callback, void * user_data) {
+    context_state & st = state_of(lctx);
+    st.user_callback = user_callback;
+    st.user_data     = user_data;
+    return &st;
+}
+
+const char * llama_zipmoe::last_error(const llama_context * lctx) {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    auto it = contexts.find(lctx);
+    return it == contexts.end() ? "" : it->second->error.c_str();
+}

@@ -1,0 +1,344 @@
+// The expert cache's state, shared by its source files (not part of the public API):
+//
+//   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge, statistics
+//   zipmoe-preload.c    the slots filled before serving
+//   zipmoe-residency.c  what is where: slots, eviction policies, rank dispatch, the C/S/E stores,
+//                       and the plan of a pass (hits, victims, one task per expert tensor to fill)
+//   zipmoe-fetch.c      how it gets there: the scheduler's order, the decoding threads (the one
+//                       decode + recover routine of zipmoe-codec.c)
+//   zipmoe-fetch-io.c   the I/O thread and the staging rings it reads into
+//   zipmoe-prefetch.c   reads ahead for predicted experts, and what a fetch takes from them
+//   zipmoe-substitution-hook.c  the public calls of the lossy policy (lossy/), forwarded to c->subst
+//   zipmoe-sched.c, zipmoe-planner.c  Algorithm 1 (the fetch's order) and Algorithms 2-4 (the pools)
+//
+// A cache is one struct of sub-structs by concern; each file owns the sub-structs named above it.
+
+#pragma once
+
+#include "ggml-zipmoe.h"
+#include "ggml-zipmoe-policy.h"
+#include "ggml-zipmoe-test.h"
+#include "gpu/zipmoe-gpu.h"
+#include "common/zipmoe-impl.h"
+#include "lossy/zipmoe-substitution.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <time.h>
+
+// a spinning waiter's hint to the core
+#if defined(__x86_64__) || defined(__i386__)
+#    include <immintrin.h>
+#    define ZIPMOE_PAUSE() _mm_pause()
+#else
+#    define ZIPMOE_PAUSE() ((void) 0)
+#endif
+
+#define ZIPMOE_MAX_THREADS   256
+#define ZIPMOE_N_STAGING     8         // buffers per ring: SM-chunks, and each task's K E-chunks
+#define ZIPMOE_DECODER_BYTES (1u << 20) // a decoder's codec state (zstd's context is the largest), rounded up
+
+// pools of the hierarchy, by index (enum ggml_zipmoe_pool); NO_POOL: not cached
+#define NO_POOL (-1)
+
+// staging buffer states
+enum { STAGE_FREE = 0, STAGE_BUSY = 1 };
+
+// where a rate of the cost model comes from
+enum { RATE_GIVEN = 0, RATE_DEFAULT = 1, RATE_MEASURED = 2 };
+
+// the shard operations of the decompression list
+enum { OP_TODO = 0, OP_CLAIMED = 1, OP_DECODED = 2, OP_DONE = 3 };
+
+// stored chunks read by the I/O thread: one task's SM-chunk, or its K E-chunks
+struct zipmoe_staging {
+    uint8_t *  mem;   // aligned for O_DIRECT
+    uint64_t   base;  // E ring: file offset at mem when the E-chunks were read in one span, else UINT64_MAX
+    atomic_int state; // STAGE_FREE or STAGE_BUSY
+};
+
+// per graph thread: a decoder, made on first use
+struct zipmoe_worker {
+    struct ggml_zipmoe_decoder * decoder;
+};
+
+// one expert tensor to make full in a slot
+struct zipmoe_task {
+    int32_t         slot;
+    int32_t         kind;
+    int32_t         tensor;
+    int32_t         expert;
+    int32_t         state;     // enum ggml_zipmoe_expert_state: M, C, S or E
+    const uint8_t * sm_src;    // the SM-chunk kept in a store (states C, S), else NULL: read
+    const uint8_t * e_src;     // the E-chunks kept in a store, back to back (C, E), else NULL: read
+    uint8_t *       sm_dst;    // keep the SM-chunk here after use (dispatch to C or S), or NULL
+    uint8_t *       e_dst;     // keep the E-chunks here, back to back (dispatch to C or E), or NULL
+    int32_t         dst_pool;  // the store entry of sm_dst/e_dst (forgotten if the fill fails)
+    int32_t         dst_entry;
+    atomic_int      sm_buf;    // staging buffer holding the read SM-chunk (-1: not yet)
+    atomic_int      e_buf;     // staging buffer holding the read E-chunks (-1: not yet)
+    atomic_int      n_decoded; // shards decoded
+    atomic_int      n_recovered;
+};
+
+// a store of pool C, S or E: fixed-size entries, each one expert's kept chunks (gate, up, down)
+struct zipmoe_store {
+    size_t     entry_size;
+    int32_t    n_entries;
+    uint8_t *  mem;
+    int64_t *  entry_key;      // [n_entries] (layer * max_expert + expert), or -1
+    uint64_t * entry_pinned;   // [n_entries] serial of the last call reading or writing it
+    uint64_t * entry_last_use; // [n_entries] tick (LFU ties)
+};
+
+// the served experts' geometry, fixed when the cache is made. A key is layer * max_expert + expert.
+struct zipmoe_layout {
+    int       n_layer;        // layers indexable (max layer + 1)
+    int32_t * layer_tensor;   // [n_layer][3] repacked tensor index by kind, -1 when not served
+    int32_t * layer_n_expert; // [n_layer]
+    int32_t   max_expert;     // largest n_expert over layers
+    int32_t   n_served;       // layers served
+    uint64_t  kind_n[3];      // values of one expert tensor, by kind
+    uint64_t  sm_bytes;       // an expert's SM-chunks: kind_n[0] + kind_n[1] + kind_n[2]
+    double    rho;            // stored E bytes over exponent bytes, over the file
+    uint64_t  max_e_bytes;    // the largest stored E bytes of one expert (gate + up + down): a store entry's E part
+};
+
+// residency of the slots (zipmoe-residency.c, under the cache's lock)
+struct zipmoe_slots {
+    int32_t    n_used;     // slots in use: the first n_used of capacity (set_n_slots changes it)
+    int32_t    capacity;   // slots the caller's tensors hold; per-slot arrays are this long
+    uint8_t *  data[3];    // by kind: the caller's slot tensors
+    size_t     stride[3];
+    int32_t *  of_key;     // [n_keys] slot holding the key, or -1
+    int64_t *  key;        // [capacity] key held, or -1
+    uint64_t * last_use;   // [capacity] tick of the last use (LRU)
+    uint64_t * inserted;   // [capacity] tick of the fill (FIFO)
+    uint8_t *  marked;     // [capacity] marking algorithm's marks
+    uint8_t *  transient;  // [capacity] not in the F pool: evicted first (RANK dispatch)
+    uint64_t * pinned;     // [capacity] serial of the last call that needs it
+};
+
+// the eviction policy's state (zipmoe-residency.c)
+struct zipmoe_policy {
+    int32_t    eviction;    // enum ggml_zipmoe_eviction
+    int32_t    rank_delta;
+    uint64_t   tick;
+    uint64_t * freq;        // [n_keys] ubatches that chose each expert (never reset)
+    uint64_t   rng;         // MARKING: xorshift64 state
+    uint64_t   call_serial;
+    // SCORE: per key the last GGML_ZIPMOE_SCORE_WINDOW iterations' mean gate scores and their sum,
+    // per layer the iterations seen (observe_scores writes them, choose_victim reads them; both
+    // under score_lock)
+    float *         score_ring;  // [n_keys][GGML_ZIPMOE_SCORE_WINDOW]
+    double *        score_sum;   // [n_keys]
+    uint64_t *      layer_iter;  // [n_layer]
+    pthread_mutex_t score_lock;
+};
+
+// the pools: the active set in hierarchy order, thresholds tau_p, F's capacity in slots, the stores
+struct zipmoe_pools {
+    int32_t             n_active;
+    int32_t             active[4];
+    int32_t             threshold[4]; // by pool: ranks below it go to that pool (or an earlier one)
+    int32_t             f_capacity;   // slots that may hold F-pool experts (the rest are working slots)
+    int                 inclusive;    // C holds every expert: an F expert keeps its C entry (demoted, it is not read again)
+    struct zipmoe_store store[4];     // by pool; F's is unused
+    int8_t *            key_pool;     // [n_keys] store holding the expert (C, S, E), or NO_POOL
+    int32_t *           key_entry;    // [n_keys]
+};
+
+// the current fetch's plan: its experts, tasks and their schedule (made by thread 0 in begin)
+struct zipmoe_plan {
+    int32_t *                       unique;      // [max_expert] distinct experts of the current call, ascending
+    uint8_t *                       seen;        // [max_expert]
+    int32_t *                       pass_slot;   // [max_expert] slot of each expert of the current pass, or -1
+    int32_t *                       tokens;      // [max_expert] tokens of the ubatch that chose each expert
+    struct zipmoe_task *            tasks;       // [3 * capacity]
+    int                             n_tasks;
+    struct ggml_zipmoe_sched_task * sched_tasks; // [3 * capacity]
+    struct ggml_zipmoe_sched_op *   io;          // [3 * capacity * (K + 1)] reads, in order
+    struct ggml_zipmoe_sched_op *   dec;         // [3 * capacity * K] decompressions, by priority
+    int32_t                         n_io;
+    int32_t                         n_dec;
+    void *                          sched_work;
+    size_t                          sched_work_size;
+    int32_t                         sched_threads; // L: decoding threads of the last fetch
+    double                          rate_read, rate_decode, rate_compute; // the cost model, bytes per second
+    // rates not given in the params follow this machine (zipmoe-fetch.c: calibrate): running
+    // averages of the fetches' own reads and decodes; the counters as of the last update
+    int                             measure_read, measure_decode; // RATE_GIVEN, RATE_DEFAULT or RATE_MEASURED
+    uint64_t                        seen_bytes_read, seen_io_ns, seen_decode_ns;
+};
+
+// the fetch pipeline: the I/O thread and the staging rings (zipmoe-fetch-io.c), the decoding threads
+// (zipmoe-fetch.c)
+struct zipmoe_pipeline {
+    atomic_int *          op_state;   // [3 * capacity * K] by position in plan.dec
+    atomic_int            ops_done;   // shards recovered
+    atomic_int            first_open; // no decompression before it is left to take (a hint)
+
+    // the I/O thread, made on the first read; it performs job io_job's reads, then sets io_done
+    pthread_t             io_thread;
+    int                   io_started;
+    int                   io_quit;
+    atomic_uint_least64_t io_job;     // written under io_lock; read without it by a prefetch yielding to it
+    atomic_uint_least64_t io_done;
+    pthread_mutex_t       io_lock;
+    pthread_cond_t        io_wake;
+    // what the I/O thread does when no fetch has reads left (prefetch registers its reads, so that
+    // the I/O thread does not call up into it): has_idle_work is asked under io_lock, idle_work is
+    // called with io_lock held and returns with it held
+    int                   (*has_idle_work)(const struct ggml_zipmoe_cache * c);
+    void                  (*idle_work)(struct ggml_zipmoe_cache * c);
+
+    struct zipmoe_staging sm_ring[ZIPMOE_N_STAGING]; // memory made on the first read
+    struct zipmoe_staging e_ring[ZIPMOE_N_STAGING];
+    size_t                sm_region;  // bytes of an SM buffer
+    size_t                e_region;   // bytes of one E-chunk's region of an E buffer
+
+    // barrier for the threads of one fetch_end call
+    atomic_int            barrier_count;
+    atomic_int            barrier_generation;
+
+    struct zipmoe_worker  workers[ZIPMOE_MAX_THREADS]; // by thread index
+};
+
+// one predicted expert a prefetch reads: per kind (gate, up, down) its SM-chunk and its E-chunks
+// (packed back to back once read, as a store keeps them)
+struct zipmoe_prefetch_entry {
+    int32_t    expert;
+    uint8_t    need_sm, need_e; // what the cache lacked when predicted
+    atomic_int ready[3];        // by kind: bit 1 the SM-chunk, bit 2 the E-chunks, read and checked
+    uint8_t    used[3];         // by kind: the same bits, taken by a fetch
+    uint64_t   sm_read[3];      // by kind: bytes of the SM-chunk read so far (it is read in pieces)
+};
+
+// a prefetch's buffer: the predictions for one layer
+struct zipmoe_prefetch_bank {
+    int32_t                        layer;       // -1: none
+    int32_t                        n_entries;   // experts to read (the predicted ones the cache lacked)
+    int32_t                        n_predicted; // distinct experts predicted (for recall)
+    int32_t *                      predicted;   // [max_expert]
+    int                            scored;      // recall counted
+    struct zipmoe_prefetch_entry * entries;     // [capacity]
+    uint8_t *                      mem;         // [capacity][3][entry_region] (made on first use)
+};
+
+// prefetch (zipmoe-prefetch.c). The bank fields are written by the fetching thread while the I/O
+// thread is not reading them (active == 0, under pipe.io_lock).
+struct zipmoe_prefetch {
+    int32_t                     capacity;    // experts per bank (0: prefetch off)
+    size_t                      sm_region;   // bytes of a kind's SM part of an entry (largest SM-chunk, aligned)
+    size_t                      e_region;    // bytes of a kind's E part (K regions of the E ring's size)
+    struct zipmoe_prefetch_bank bank[2];
+    int                         latest;      // bank of the last prefetch (-1: none)
+    int                         consuming;   // bank the open fetch takes from (-1: none)
+    int                         pending;     // the latest bank has reads left (under pipe.io_lock)
+    int                         active;      // the I/O thread reads for it (under pipe.io_lock)
+    atomic_int                  interrupt;   // a fetch wants the I/O thread: stop after the read in progress
+    pthread_cond_t              idle;        // active went to 0
+    atomic_uint_least64_t       hits, bytes_read, bytes_used;
+    uint64_t *                  recall;      // [n_layer][3]: predicted, actual, correct
+};
+
+struct zipmoe_counters {
+    atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
+        fetch_ns;
+    // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
+    atomic_uint_least64_t * activations;    // [n_keys]
+    atomic_uint_least64_t * layer_ubatches; // [n_layer]
+};
+
+struct ggml_zipmoe_cache {
+    const struct ggml_zipmoe_file * file;
+    struct zipmoe_layout            layout;
+    struct zipmoe_slots             slots;
+    struct zipmoe_policy            policy;
+    struct zipmoe_pools             pools;
+    struct zipmoe_plan              plan;
+    struct zipmoe_pipeline          pipe;
+    struct zipmoe_prefetch          prefetch;
+    struct zipmoe_counters          stats;
+    struct zipmoe_substitution *    subst; // the opt-in lossy policy (lossy/zipmoe-substitution.h)
+    struct zipmoe_gpu *             gpu;  // slots in CUDA memory (zipmoe-gpu.h), else NULL
+
+    pthread_mutex_t lock;        // held from a fetch's begin to its end
+    int             fetch_open;  // the open fetch: begin took the lock, end releases it
+    pthread_t       fetch_owner;
+    atomic_int      status;      // the open fetch's first failure
+    int32_t         n_decoders;  // graph threads that decode (0: all)
+    int             preloading;  // fetches of ggml_zipmoe_cache_preload: no activation counted
+    char            error[1024];
+};
+
+static inline uint64_t zipmoe_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
+
+static inline size_t zipmoe_cache_n_keys(const struct ggml_zipmoe_cache * c) {
+    return (size_t) (c->layout.n_layer > 0 ? c->layout.n_layer : 1) *
+           (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
+}
+
+// the layer's experts are served (ggml_zipmoe_cache_has_layer, for the files below the cache's own)
+static inline int zipmoe_layer_served(const struct ggml_zipmoe_cache * c, int layer) {
+    return layer >= 0 && layer < c->layout.n_layer && c->layout.layer_tensor[layer * 3] >= 0;
+}
+
+// experts one pass may hold: with pools, the working slots, so that a pass never evicts an expert
+// of F (nor of another layer's F) to make room; with one F pool, every slot in use
+static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c) {
+    const int32_t n_used = __atomic_load_n(&c->slots.n_used, __ATOMIC_RELAXED);
+    return c->pools.f_capacity < n_used ? n_used - c->pools.f_capacity : n_used;
+}
+
+// The files call each other one way, from the top down; a lower file never calls a higher one
+// (the I/O thread reaches the prefetch's reads through pipe.idle_work, which prefetch registers):
+//   zipmoe-preload.c, zipmoe-substitution-hook.c     on the public cache API (and lossy/)
+//   zipmoe-cache.c                                   lifecycle, queries, merge, statistics
+//   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
+//   zipmoe-residency.c                               the plan of a pass, eviction, the stores
+//   zipmoe-prefetch.c                                read-ahead banks
+//   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads
+//   zipmoe-sched.c, zipmoe-planner.c                 pure: Algorithm 1; Algorithms 2-4
+
+// zipmoe-fetch.c
+void     zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c);
+void     zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c);
+
+// zipmoe-residency.c
+void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
+uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
+int      zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                                  size_t msg_size);
+int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
+                                int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
+void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
+
+// zipmoe-prefetch.c
+int      zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity);
+void     zipmoe_prefetch_free(struct ggml_zipmoe_cache * c);
+size_t   zipmoe_prefetch_bytes(const struct ggml_zipmoe_cache * c);
+void     zipmoe_prefetch_pause(struct ggml_zipmoe_cache * c, int wait);
+void     zipmoe_prefetch_resume_locked(struct ggml_zipmoe_cache * c);
+void     zipmoe_prefetch_claim(struct ggml_zipmoe_cache * c, int layer);
+void     zipmoe_prefetch_release(struct ggml_zipmoe_cache * c);
+void     zipmoe_prefetch_score(struct ggml_zipmoe_cache * c, int layer, const int32_t * unique, int n_unique);
+int      zipmoe_prefetch_supply(struct ggml_zipmoe_cache * c, struct zipmoe_task * t);
+void     zipmoe_prefetch_reset_stats(struct ggml_zipmoe_cache * c);
+
+// zipmoe-fetch-io.c
+void     zipmoe_pause_waiting(unsigned spins); // a waiter's spin, then short sleeps
+// the fetch's first failure, with the chunk at fault, into c->status and c->error
+void     zipmoe_fetch_fail(struct ggml_zipmoe_cache * c, int status, const struct zipmoe_task * t, int chunk,
+                           int sys_errno);
+uint64_t zipmoe_cache_e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert); // its K E-chunks, stored
+size_t   zipmoe_cache_e_region_bytes(const struct ggml_zipmoe_cache * c);
+int      zipmoe_cache_ensure_staging(struct ggml_zipmoe_cache * c);
+int      zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last,
+                            uint8_t * mem, size_t region, uint64_t * base, int * bad, int * sys_errno);
+int      zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);

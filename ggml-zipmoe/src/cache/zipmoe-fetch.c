@@ -1,0 +1,537 @@
+// Expert cache, fetch pipeline: the tasks of a planned pass made full in their slots.
+//
+// Begin (thread 0, under the lock) plans the pass (zipmoe-residency.c), orders the reads and
+// decompressions with the cache-affinity scheduler (Algorithm 1, ggml_zipmoe_schedule, on the
+// cost model's rates) and hands the reads to the cache's I/O thread, which reads and checks the
+// chunks into two staging rings (SM-chunks; a task's K E-chunks, one span read when they lie
+// back to back). End (every graph thread) is work-conserving: a thread takes the first
+// decompression of the priority list whose E-chunks are in memory and runs the library's one
+// decode + recover routine (zipmoe-codec.c) on the slot's own bytes; recovery waits for the
+// tensor's SM-chunk if it is not in memory yet. Thread 0 waits for the I/O thread and unlocks.
+
+#define _GNU_SOURCE // sched_yield on older libcs
+
+#include "cache/zipmoe-cache-impl.h"
+#include "codec/zipmoe-ghuf.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void barrier(struct ggml_zipmoe_cache * c, int nth) {
+    if (nth <= 1) {
+        return;
+    }
+    // the generation cannot move before this thread arrives, so reading it first is safe
+    const int gen = atomic_load(&c->pipe.barrier_generation);
+    if (atomic_fetch_add(&c->pipe.barrier_count, 1) == nth - 1) {
+        atomic_store(&c->pipe.barrier_count, 0);
+        atomic_fetch_add(&c->pipe.barrier_generation, 1);
+        return;
+    }
+    for (unsigned spins = 0; atomic_load(&c->pipe.barrier_generation) == gen; spins++) {
+        if (spins < 2048) {
+            ZIPMOE_PAUSE();
+        } else {
+            sched_yield(); // a waiting thread must not take the core a reading/decoding thread needs
+        }
+    }
+}
+
+static int reads_sm(int32_t state) {
+    return state == GGML_ZIPMOE_STATE_M || state == GGML_ZIPMOE_STATE_E;
+}
+
+static int reads_e(int32_t state) {
+    return state == GGML_ZIPMOE_STATE_M || state == GGML_ZIPMOE_STATE_S;
+}
+
+// the order of the reads and decompressions: Algorithm 1 (ggml_zipmoe_schedule) on the cost model
+// of this machine; the tasks in plan order if the scheduler cannot run
+void zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c) {
+    const int32_t K = c->file->n_shards;
+    const int32_t L = c->plan.sched_threads;
+    for (int i = 0; i < c->plan.n_tasks; i++) {
+        const struct zipmoe_task * t = &c->plan.tasks[i];
+        c->plan.sched_tasks[i].expert = t->expert;
+        c->plan.sched_tasks[i].state  = t->state;
+        // an expert's products read its three tensors once per token that chose it
+        c->plan.sched_tasks[i].p = (double) c->plan.tokens[t->expert] * 2.0 * (double) c->layout.sm_bytes / c->plan.rate_compute;
+    }
+    const double n0 = (double) c->layout.kind_n[0];
+    const struct ggml_zipmoe_sched_params sp = {
+        .u = n0 / c->plan.rate_read, .rho = c->layout.rho, .c = 2.0 * n0 / (double) K / c->plan.rate_decode,
+        .n_shards = K, .n_threads = L,
+    };
+    const size_t need = GGML_ZIPMOE_SCHED_WORK_SIZE(c->plan.n_tasks, K, L);
+    if (need > c->plan.sched_work_size) {
+        free(c->plan.sched_work);
+        c->plan.sched_work = malloc(need);
+        c->plan.sched_work_size = c->plan.sched_work != NULL ? need : 0;
+    }
+    struct ggml_zipmoe_sched_result r = { c->plan.io, c->plan.dec, NULL, NULL, NULL, 0, 0, 0, 0 };
+    if (c->plan.sched_work != NULL &&
+        ggml_zipmoe_schedule(c->plan.sched_tasks, c->plan.n_tasks, &sp, c->plan.sched_work, c->plan.sched_work_size, &r) == GGML_ZIPMOE_OK) {
+        c->plan.n_io  = r.n_io;
+        c->plan.n_dec = r.n_dec;
+        return;
+    }
+    c->plan.n_io = c->plan.n_dec = 0;
+    for (int i = 0; i < c->plan.n_tasks; i++) {
+        for (int k = 1; k <= K && reads_e(c->plan.tasks[i].state); k++) {
+            c->plan.io[c->plan.n_io++] = (struct ggml_zipmoe_sched_op) { i, k };
+        }
+        if (reads_sm(c->plan.tasks[i].state)) {
+            c->plan.io[c->plan.n_io++] = (struct ggml_zipmoe_sched_op) { i, 0 };
+        }
+        for (int k = 1; k <= K; k++) {
+            c->plan.dec[c->plan.n_dec++] = (struct ggml_zipmoe_sched_op) { i, k };
+        }
+    }
+}
+
+// E-chunk k (1..K) of a task, read or kept
+static const uint8_t * task_e_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k) {
+    if (t->e_src != NULL) {
+        const uint8_t * p = t->e_src;
+        for (int j = 1; j < k; j++) {
+            p += zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+        }
+        return p;
+    }
+    const struct zipmoe_staging * s = &c->pipe.e_ring[atomic_load(&t->e_buf)];
+    if (s->base != UINT64_MAX) {
+        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, k)->offset - s->base);
+    }
+    return s->mem + (size_t) (k - 1) * c->pipe.e_region;
+}
+
+static const uint8_t * task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return t->sm_src != NULL ? t->sm_src : c->pipe.sm_ring[atomic_load(&t->sm_buf)].mem;
+}
+
+static struct zipmoe_worker * worker_of(struct ggml_zipmoe_cache * c, int ith) {
+    struct zipmoe_worker * w = &c->pipe.workers[ith];
+    if (w->decoder == NULL) {
+        w->decoder = ggml_zipmoe_decoder_new();
+    }
+    return w->decoder != NULL ? w : NULL;
+}
+
+static int e_ready(const struct zipmoe_task * t) {
+    return t->e_src != NULL || atomic_load(&t->e_buf) >= 0;
+}
+
+static int sm_ready(const struct zipmoe_task * t) {
+    return t->sm_src != NULL || atomic_load(&t->sm_buf) >= 0;
+}
+
+// the task's tensor in its slot: the BF16 values the decode + recover routine writes
+static uint16_t * slot_tensor(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
+}
+
+// a shard of t was recovered: when the tensor is full, keep its SM-chunk if dispatched to C or S
+// and free its staging buffer
+static void shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
+    if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
+        if (t->sm_dst != NULL) {
+            memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].n);
+        }
+        if (t->sm_src == NULL) {
+            atomic_store(&c->pipe.sm_ring[atomic_load(&t->sm_buf)].state, STAGE_FREE);
+        }
+    }
+    atomic_fetch_add(&c->pipe.ops_done, 1);
+}
+
+// a shard of t was decoded: when every E-chunk is, keep them if dispatched to C or E and free
+// their staging buffer
+static void shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
+    const int K = c->file->n_shards;
+    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
+        if (t->e_dst != NULL) {
+            uint8_t * dst = t->e_dst;
+            for (int j = 1; j <= K; j++) {
+                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+                memcpy(dst, task_e_chunk(c, t, j), size);
+                dst += size;
+            }
+        }
+        if (t->e_src == NULL) {
+            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
+        }
+    }
+}
+
+static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
+    const uint64_t t0 = zipmoe_now_ns();
+    zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
+    *recover_ns += zipmoe_now_ns() - t0;
+    shard_recovered(c, t);
+}
+
+// shard k (1..K) of a task: decode its E-chunk into the slot; 1 if it decoded (0: a failure)
+static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w,
+                        uint64_t * decode_ns) {
+    const int K = c->file->n_shards;
+    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+    const uint64_t t0 = zipmoe_now_ns();
+    const int status = zipmoe_shard_decode(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size,
+                                           c->file->tensors[t->tensor].n, K, k - 1, slot_tensor(c, t));
+    *decode_ns += zipmoe_now_ns() - t0;
+    if (status != GGML_ZIPMOE_OK) {
+        zipmoe_fetch_fail(c, status, t, k, 0);
+        return 0;
+    }
+    shard_decoded(c, t);
+    return 1;
+}
+
+static void fail_gpu(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const char * why) {
+    int ok = GGML_ZIPMOE_OK;
+    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+        snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d, shard %d: recovery on the GPU failed: %s",
+                 c->file->path, c->file->tensors[t->tensor].name, t->expert, k, why);
+    }
+}
+
+// slots in CUDA memory: shard k (1..K) decoded into the thread's pinned staging, and with its SM
+// plane beside it copied to the GPU and recovered there (zipmoe-gpu.h); if the SM-chunk is not read
+// yet, the exponents are parked in the slot's device bytes instead. 1: recovered, 2: parked, 0: failed.
+static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w, int ith,
+                     uint64_t * decode_ns, uint64_t * recover_ns) {
+    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+    uint64_t first, count;
+    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
+    char why[512];
+    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
+    if (stage == NULL) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    uint16_t * dst = slot_tensor(c, t) + first;
+    struct zipmoe_ghuf_stream gs;
+    if (ch->codec == GGML_ZIPMOE_CODEC_GHUF && zipmoe_ghuf_parse(task_e_chunk(c, t, k), ch->size, &gs) == 0 &&
+        gs.mode == ZIPMOE_GHUF_HUF && gs.n == count) {
+        // phase 2: the compressed E-chunk crosses to the GPU and is decoded there (a chunk that does not
+        // parse is left to the CPU's decoder below, which names it as corrupt)
+        const int parked = !sm_ready(t);
+        const int32_t tag[3] = { t->tensor, t->expert, k };
+        const uint64_t t0 = zipmoe_now_ns();
+        if (!parked) {
+            memcpy(stage, task_sm(c, t) + first, count);
+        }
+        if (zipmoe_gpu_decode(c->gpu, ith, &gs, task_e_chunk(c, t, k), ch->size, count, dst,
+                              parked ? (uint8_t *) dst + count : NULL, tag, why, sizeof(why)) != 0) {
+            fail_gpu(c, t, k, why);
+            return 0;
+        }
+        *recover_ns += zipmoe_now_ns() - t0;
+        shard_decoded(c, t); // its bytes are in the pinned staging now
+        if (parked) {
+            return 2;
+        }
+        shard_recovered(c, t);
+        return 1;
+    }
+    const uint64_t t0 = zipmoe_now_ns();
+    const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size, stage + count,
+                                              count);
+    const uint64_t t1 = zipmoe_now_ns();
+    *decode_ns += t1 - t0;
+    if (status != GGML_ZIPMOE_OK) {
+        zipmoe_fetch_fail(c, status, t, k, 0);
+        return 0;
+    }
+    shard_decoded(c, t);
+    if (!sm_ready(t)) {
+        if (zipmoe_gpu_park(c->gpu, ith, count, (uint8_t *) dst + count, why, sizeof(why)) != 0) {
+            fail_gpu(c, t, k, why);
+            return 0;
+        }
+        *recover_ns += zipmoe_now_ns() - t1;
+        return 2;
+    }
+    memcpy(stage, task_sm(c, t) + first, count);
+    if (zipmoe_gpu_recover(c->gpu, ith, count, dst, why, sizeof(why)) != 0) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    *recover_ns += zipmoe_now_ns() - t1;
+    shard_recovered(c, t);
+    return 1;
+}
+
+// a parked shard (gpu_shard returned 2) whose SM-chunk is now in memory; 1 if it went
+static int gpu_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int ith,
+                              uint64_t * recover_ns) {
+    uint64_t first, count;
+    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
+    char why[512];
+    const uint64_t t0 = zipmoe_now_ns();
+    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
+    uint16_t * dst = slot_tensor(c, t) + first;
+    if (stage != NULL) {
+        memcpy(stage, task_sm(c, t) + first, count);
+    }
+    if (stage == NULL || zipmoe_gpu_recover_parked(c->gpu, ith, count, (const uint8_t *) dst + count, dst, why,
+                                                   sizeof(why)) != 0) {
+        fail_gpu(c, t, k, why);
+        return 0;
+    }
+    *recover_ns += zipmoe_now_ns() - t0;
+    shard_recovered(c, t);
+    return 1;
+}
+
+// a decoding thread: the first operation of the priority list that can run (a decompression whose
+// E-chunks are in memory, or a recovery whose SM-chunk is), until every shard is recovered
+static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
+    const int total = c->plan.n_tasks * c->file->n_shards;
+    struct zipmoe_worker * w = NULL;
+    uint64_t decode_ns = 0, recover_ns = 0;
+    unsigned idle = 0;
+    while (atomic_load(&c->pipe.ops_done) < total && atomic_load(&c->status) == GGML_ZIPMOE_OK) {
+        int worked = 0;
+        for (int j = atomic_load(&c->pipe.first_open); j < c->plan.n_dec && !worked; j++) {
+            const int st = atomic_load(&c->pipe.op_state[j]);
+            if (st == OP_DONE || st == OP_CLAIMED) {
+                if (st == OP_DONE && j == atomic_load(&c->pipe.first_open)) {
+                    atomic_compare_exchange_strong(&c->pipe.first_open, &(int) { j }, j + 1);
+                }
+                continue;
+            }
+            struct zipmoe_task * t = &c->plan.tasks[c->plan.dec[j].task];
+            const int k = c->plan.dec[j].chunk;
+            if (st == OP_TODO && e_ready(t)) {
+                int expected = OP_TODO;
+                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+                    continue;
+                }
+                if (w == NULL && (w = worker_of(c, ith)) == NULL) {
+                    int ok = GGML_ZIPMOE_OK;
+                    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
+                        snprintf(c->error, sizeof(c->error), "%s: out of memory for a decoder", c->file->path);
+                    }
+                    break;
+                }
+                if (c->gpu != NULL) {
+                    const int went = gpu_shard(c, t, k, w, ith, &decode_ns, &recover_ns);
+                    if (went == 0) {
+                        break;
+                    }
+                    atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
+                } else if (!decode_shard(c, t, k, w, &decode_ns)) {
+                    break;
+                } else if (sm_ready(t)) {
+                    recover_shard(c, t, k, &recover_ns);
+                    atomic_store(&c->pipe.op_state[j], OP_DONE);
+                } else {
+                    atomic_store(&c->pipe.op_state[j], OP_DECODED);
+                }
+                worked = 1;
+            } else if (st == OP_DECODED && sm_ready(t)) {
+                int expected = OP_DECODED;
+                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+                    continue;
+                }
+                if (c->gpu != NULL) {
+                    if (!gpu_recover_parked(c, t, k, ith, &recover_ns)) {
+                        break;
+                    }
+                } else {
+                    recover_shard(c, t, k, &recover_ns);
+                }
+                atomic_store(&c->pipe.op_state[j], OP_DONE);
+                worked = 1;
+            }
+        }
+        idle = worked ? 0 : idle + 1;
+        if (!worked) {
+            zipmoe_pause_waiting(idle);
+        }
+    }
+    if (c->gpu != NULL) {
+        // the slots are full only once this thread's copies and kernels are done
+        char why[512];
+        if (zipmoe_gpu_sync(c->gpu, ith, why, sizeof(why)) != 0) {
+            int ok = GGML_ZIPMOE_OK;
+            if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+                snprintf(c->error, sizeof(c->error), "%s: recovery on the GPU failed: %s", c->file->path, why);
+            }
+        }
+    }
+    atomic_fetch_add(&c->stats.decode_ns, decode_ns);
+    atomic_fetch_add(&c->stats.recover_ns, recover_ns);
+}
+
+// a running average that a new measurement moves by a quarter: one slow read (another process on
+// the disk) does not swing the schedule, a lasting change of speed shows within a few fetches
+static void update_rate(double * rate, int * measure, double bytes, uint64_t ns) {
+    if (*measure == RATE_GIVEN || bytes <= 0 || ns == 0) {
+        return;
+    }
+    const double now = bytes * 1e9 / (double) ns;
+    *rate    = *measure == RATE_MEASURED ? 0.75 * *rate + 0.25 * now : now; // the first replaces the default
+    *measure = RATE_MEASURED;
+}
+
+// the cost model follows this machine (rates the params did not give): read rate from the I/O
+// thread's bytes and time, decode rate from the fetch's BF16 output and its threads' decode +
+// recovery time. Thread 0 of end; a failed fetch only moves the starting point.
+static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
+    const uint64_t bytes  = atomic_load(&c->stats.bytes_read), io_ns = atomic_load(&c->stats.io_ns);
+    const uint64_t dec_ns = atomic_load(&c->stats.decode_ns) + atomic_load(&c->stats.recover_ns);
+    if (!succeeded || bytes < c->plan.seen_bytes_read || io_ns < c->plan.seen_io_ns ||
+        dec_ns < c->plan.seen_decode_ns) {
+        // a failure's partial reads, or statistics reset: measure from here
+        c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+        return;
+    }
+    update_rate(&c->plan.rate_read, &c->plan.measure_read, (double) (bytes - c->plan.seen_bytes_read),
+                io_ns - c->plan.seen_io_ns);
+    if (c->plan.measure_decode != RATE_GIVEN) {
+        double out = 0;
+        for (int i = 0; i < c->plan.n_tasks; i++) {
+            out += 2.0 * (double) c->file->tensors[c->plan.tasks[i].tensor].n;
+        }
+        update_rate(&c->plan.rate_decode, &c->plan.measure_decode, out, dec_ns - c->plan.seen_decode_ns);
+    }
+    c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+}
+
+// thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up, unlock
+static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
+    if (c->plan.n_io > 0) {
+        const struct timespec pause = { 0, 20000 };
+        while (atomic_load(&c->pipe.io_done) != atomic_load(&c->pipe.io_job)) {
+            nanosleep(&pause, NULL);
+        }
+    }
+    calibrate(c, atomic_load(&c->status) == GGML_ZIPMOE_OK);
+    zipmoe_prefetch_release(c);
+    if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+        zipmoe_cache_forget_tasks(c);
+        for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
+            atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);
+            atomic_store(&c->pipe.e_ring[i].state, STAGE_FREE);
+        }
+    }
+    atomic_fetch_add(&c->stats.fetch_calls, 1);
+    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t_end);
+    c->fetch_open = 0;
+    pthread_mutex_unlock(&c->lock);
+}
+
+// a graph stopped between a fetch's begin and end (an abort callback): stop the I/O thread's
+// reads and forget the slots and entries they were for
+void zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c) {
+    int ok = GGML_ZIPMOE_OK;
+    atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG);
+    finish_fetch(c, zipmoe_now_ns());
+}
+
+int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
+                                  int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+    if (c == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (c->fetch_open && pthread_equal(c->fetch_owner, pthread_self())) {
+        zipmoe_cache_abandon_fetch(c);
+    }
+    const uint64_t t0 = zipmoe_now_ns();
+    pthread_mutex_lock(&c->lock);
+    c->fetch_open  = 1;
+    c->fetch_owner = pthread_self();
+    c->plan.n_tasks     = 0;
+    c->plan.n_io        = 0;
+    c->plan.n_dec       = 0;
+    int status = GGML_ZIPMOE_ERR_ARG;
+    if (!zipmoe_layer_served(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
+    } else {
+        c->error[0] = '\0';
+        // the I/O thread is this fetch's: a prefetch's reads stop after the one in progress
+        zipmoe_prefetch_pause(c, 0);
+        zipmoe_prefetch_claim(c, layer);
+        status = zipmoe_cache_plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+        if (status == GGML_ZIPMOE_OK && c->plan.n_tasks > 0) {
+            zipmoe_cache_schedule_tasks(c);
+        }
+        if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
+            status = zipmoe_cache_ensure_staging(c);
+        }
+        if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
+            status = zipmoe_cache_start_io(c);
+        }
+    }
+    if (status != GGML_ZIPMOE_OK) {
+        zipmoe_cache_forget_tasks(c);
+        c->plan.n_tasks = c->plan.n_io = c->plan.n_dec = 0;
+    }
+    for (int j = 0; j < c->plan.n_dec; j++) {
+        atomic_store(&c->pipe.op_state[j], OP_TODO);
+    }
+    atomic_store(&c->pipe.ops_done, 0);
+    atomic_store(&c->pipe.first_open, 0);
+    atomic_store(&c->status, status);
+    if (c->plan.n_io > 0 || c->prefetch.capacity > 0) {
+        // the fetch's reads, then (or now, if it reads nothing) a prefetch's left
+        pthread_mutex_lock(&c->pipe.io_lock);
+        if (c->plan.n_io > 0) {
+            atomic_fetch_add(&c->pipe.io_job, 1);
+        }
+        zipmoe_prefetch_resume_locked(c);
+        pthread_cond_signal(&c->pipe.io_wake);
+        pthread_mutex_unlock(&c->pipe.io_lock);
+    }
+    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t0);
+    return status;
+}
+
+int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * c, int ith, int nth) {
+    if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    // begin ran before this op; nothing changes fetch_open until every thread is past the barrier
+    if (!c->fetch_open) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const uint64_t t0 = ith == 0 ? zipmoe_now_ns() : 0;
+    int n_decoders = c->n_decoders > 0 && c->n_decoders < nth ? c->n_decoders : nth;
+    n_decoders = n_decoders < ZIPMOE_MAX_THREADS ? n_decoders : ZIPMOE_MAX_THREADS;
+    if (ith < n_decoders) {
+        work_tasks(c, ith);
+    }
+    barrier(c, nth);
+    const int status = atomic_load(&c->status);
+    if (ith == 0) {
+        c->plan.sched_threads = n_decoders; // the scheduler's L for the next fetch
+        finish_fetch(c, t0);
+    }
+    // the next fetch must not re-plan while another thread still reads this one's state
+    barrier(c, nth);
+    return status;
+}
+
+int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * c) {
+    if (c == NULL || !c->fetch_open || !pthread_equal(c->fetch_owner, pthread_self())) {
+        return 0;
+    }
+    zipmoe_cache_abandon_fetch(c);
+    return 1;
+}
+
+int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
+                            int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int ith, int nth) {
+    if (c == NULL || nth < 1 || ith < 0 || ith >= nth) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (ith == 0) {
+        ggml_zipmoe_cache_fetch_begin(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+    }
+    barrier(c, nth);
+    return ggml_zipmoe_cache_fetch_end(c, ith, nth);
+}

@@ -1,0 +1,489 @@
+// Pool planner: ZipMoE's Algorithms 2-4 (paper §3.4, Appendix C) for the runtime's default pools.
+//
+// The one planner: the runtime's default pools, their re-plan from an observed profile
+// (serving/zipmoe-replan.c) and zipmoe-plan all run it; selection probabilities are fitted to a
+// profile with the modified IPF (ggml_zipmoe_plan_fit) or, with none, taken from a built-in uniform
+// profile (q_r = k / N: every expert equally likely, the worst case for a cache). tests/planner.py
+// is the reference in Python; tests/test_default_pools.py holds the two to the same choices.
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// Algorithm 3: the makespan of a layer for the hit pattern h (h_F, h_C, h_S, h_E) of k selections
+static double makespan(const struct ggml_zipmoe_plan_params * p, const int32_t h[4]) {
+    const double n    = p->n_tensors;
+    const double K    = p->n_shards;
+    const double n_sm = n * (p->k - (h[0] + h[1] + h[2]));     // misses and E hits read their SM-chunks
+    const double n_e  = n * K * (p->k - (h[0] + h[1] + h[3])); // misses and S hits read their E-chunks
+    const double io   = n_sm * p->u + n_e * p->v;
+    const double dec  = (n_e * p->v + n * K * (p->k - h[0]) * p->c) / p->threads;
+    return io > dec ? io : dec;
+}
+
+// Algorithm 2 for every rank interval: phi[(a * (N + 1) + b) * (k + 1) + h] = P(h hits in ranks [a, b))
+static double * interval_hits(const double * q, int32_t N, int32_t k) {
+    const size_t H = (size_t) k + 1, W = (size_t) N + 1;
+    double * phi = (double *) calloc(W * W * H, sizeof(double));
+    if (phi == NULL) {
+        return NULL;
+    }
+    for (int32_t a = 0; a <= N; a++) {
+        phi[((size_t) a * W + a) * H] = 1.0;
+        for (int32_t b = a; b < N; b++) {
+            const double * prev = phi + ((size_t) a * W + b) * H;
+            double *       next = phi + ((size_t) a * W + b + 1) * H;
+            next[0] = prev[0] * (1.0 - q[b]);
+            for (size_t h = 1; h < H; h++) {
+                next[h] = prev[h] * (1.0 - q[b]) + prev[h - 1] * q[b];
+            }
+        }
+    }
+    return phi;
+}
+
+// Algorithm 4, lines 8-29: the expected makespan of per-layer capacities packed in hierarchy order
+static double expected_makespan(const struct ggml_zipmoe_plan_params * p, const double * phi, const int32_t cap[4]) {
+    const int32_t N = p->n_expert, k = p->k;
+    const size_t  H = (size_t) k + 1, W = (size_t) N + 1;
+    int32_t start[5];
+    start[0] = 0;
+    for (int i = 0; i < 4; i++) {
+        start[i + 1] = start[i] + cap[i];
+    }
+    const double * pool[4];
+    for (int i = 0; i < 4; i++) {
+        pool[i] = phi + ((size_t) start[i] * W + start[i + 1]) * H;
+    }
+    const double * miss = phi + ((size_t) start[4] * W + N) * H;
+    double total = 0.0;
+    int32_t h[4];
+    for (h[0] = 0; h[0] <= k; h[0]++) {
+        for (h[1] = 0; h[0] + h[1] <= k; h[1]++) {
+            for (h[2] = 0; h[0] + h[1] + h[2] <= k; h[2]++) {
+                for (h[3] = 0; h[0] + h[1] + h[2] + h[3] <= k; h[3]++) {
+                    const double pr = miss[k - (h[0] + h[1] + h[2] + h[3])] * pool[0][h[0]] * pool[1][h[1]] *
+                                      pool[2][h[2]] * pool[3][h[3]];
+                    if (pr != 0.0) {
+                        total += makespan(p, h) * pr;
+                    }
+                }
+            }
+        }
+    }
+    return total / phi[W * H * 0 + (size_t) N * H + (size_t) k];
+}
+
+struct grid_search {
+    const struct ggml_zipmoe_plan_params * p;
+    const double *                         phi;
+    int                                    chosen[4]; // Lambda, hierarchy order
+    int                                    n_chosen;
+    int32_t                                share[4];  // grid steps of each chosen pool
+    struct ggml_zipmoe_plan_result *       best;
+    int                                    found;
+};
+
+// the grid point's capacities: floor(share * budget / (steps * entry * layers)), capped at the ranks left
+static void visit(struct grid_search * g) {
+    const struct ggml_zipmoe_plan_params * p = g->p;
+    int32_t cap[4] = { 0, 0, 0, 0 };
+    int32_t free_ranks = p->n_expert;
+    for (int i = 0; i < g->n_chosen; i++) {
+        const int      pool = g->chosen[i];
+        const uint64_t fits = (uint64_t) g->share[i] * p->budget /
+                              ((uint64_t) p->grid_steps * p->entry_bytes[pool] * (uint64_t) p->n_layer);
+        cap[pool] = fits < (uint64_t) free_ranks ? (int32_t) fits : free_ranks;
+        free_ranks -= cap[pool];
+    }
+    const double cost = expected_makespan(p, g->phi, cap);
+    if (!g->found || cost < g->best->expected_makespan_s) {
+        g->found = 1;
+        g->best->expected_makespan_s = cost;
+        memcpy(g->best->capacity, cap, sizeof(cap));
+        memset(g->best->grid_share, 0, sizeof(g->best->grid_share));
+        for (int i = 0; i < g->n_chosen; i++) {
+            g->best->grid_share[g->chosen[i]] = g->share[i];
+        }
+    }
+}
+
+// every split of `steps` over the chosen pools from index i on, the first pool's largest share first
+static void walk(struct grid_search * g, int i, int32_t steps) {
+    if (i + 1 >= g->n_chosen || i >= 3) {
+        g->share[i] = steps;
+        visit(g);
+        return;
+    }
+    for (int32_t first = steps; first >= 0; first--) {
+        g->share[i] = first;
+        walk(g, i + 1, steps - first);
+    }
+}
+
+static int bad_params(const struct ggml_zipmoe_plan_params * p) {
+    if (p == NULL || p->n_expert < 1 || p->k < 1 || p->k > p->n_expert || p->threads < 1 || p->n_shards < 1 ||
+        p->n_tensors < 1 || p->n_layer < 1 || p->grid_steps < 1 || p->budget == 0 || !(p->u >= 0) || !(p->v >= 0) ||
+        !(p->c >= 0)) {
+        return 1;
+    }
+    int any = 0;
+    for (int i = 0; i < 4; i++) {
+        any |= p->entry_bytes[i] != 0;
+    }
+    if (!any) {
+        return 1;
+    }
+    for (int32_t r = 0; p->q != NULL && r < p->n_expert; r++) {
+        if (!(p->q[r] >= 0.0 && p->q[r] <= 1.0)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+// P(X_i = 1 | sum X = k) for independent X_i ~ Bernoulli(q_i), by prefix and suffix DPs truncated
+// at k hits (tests/planner.py: conditional_inclusion_probabilities); work: 2 (n + 2) (k + 1) doubles
+static void conditional_inclusion(const double * q, int32_t n, int32_t k, double * out, double * work) {
+    const size_t H = (size_t) k + 1;
+    double * prefix = work;                        // prefix[i][h]: h hits among the first i
+    double * suffix = work + (size_t) (n + 1) * H; // suffix[i][h]: h hits among i .. n-1
+    memset(work, 0, sizeof(double) * 2 * (size_t) (n + 2) * H);
+    prefix[0] = 1.0;
+    suffix[(size_t) n * H] = 1.0;
+    for (int32_t i = 0; i < n; i++) {
+        const double * a = prefix + (size_t) i * H;
+        double *       b = prefix + (size_t) (i + 1) * H;
+        b[0] = a[0] * (1.0 - q[i]);
+        for (size_t h = 1; h < H; h++) {
+            b[h] = a[h] * (1.0 - q[i]) + a[h - 1] * q[i];
+        }
+    }
+    for (int32_t i = n - 1; i >= 0; i--) {
+        const double * a = suffix + (size_t) (i + 1) * H;
+        double *       b = suffix + (size_t) i * H;
+        b[0] = a[0] * (1.0 - q[i]);
+        for (size_t h = 1; h < H; h++) {
+            b[h] = a[h] * (1.0 - q[i]) + a[h - 1] * q[i];
+        }
+    }
+    const double total = prefix[(size_t) n * H + k];
+    for (int32_t i = 0; i < n; i++) {
+        double others = 0.0; // k - 1 hits among the others of i
+        for (int32_t a = 0; a < k; a++) {
+            others += prefix[(size_t) i * H + a] * suffix[(size_t) (i + 1) * H + (k - 1 - a)];
+        }
+        out[i] = q[i] * others / total;
+    }
+}
+
+// q_i = 1 / (1 + exp(-(log_w_i + shift))) with the shift making sum q == k (safeguarded Newton)
+static void normalized_selection(const double * log_w, int32_t n, int32_t k, double * q) {
+    double lo = 0, hi = 0, wmax = log_w[0], wmin = log_w[0];
+    for (int32_t i = 1; i < n; i++) {
+        wmax = log_w[i] > wmax ? log_w[i] : wmax;
+        wmin = log_w[i] < wmin ? log_w[i] : wmin;
+    }
+    const double logit_mean = log((double) k / (n - k));
+    lo = logit_mean - wmax;
+    hi = logit_mean - wmin;
+    double shift = 0.5 * (lo + hi);
+    for (int it = 0; it < 200; it++) {
+        double value = -k, slope = 0;
+        for (int32_t i = 0; i < n; i++) {
+            const double qi = 1.0 / (1.0 + exp(-(log_w[i] + shift)));
+            value += qi;
+            slope += qi * (1.0 - qi);
+        }
+        if (fabs(value) <= 1e-12 * k || hi - lo <= 1e-15 * (fabs(shift) > 1 ? fabs(shift) : 1)) {
+            break;
+        }
+        if (value > 0) {
+            hi = shift;
+        } else {
+            lo = shift;
+        }
+        const double step = slope > 0 ? shift - value / slope : NAN;
+        shift = step > lo && step < hi ? step : 0.5 * (lo + hi);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        q[i] = 1.0 / (1.0 + exp(-(log_w[i] + shift)));
+    }
+}
+
+int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q) {
+    if (f == NULL || q == NULL || n < 1 || k < 1 || k > n) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    double sum = 0;
+    int32_t always = 0, n_free = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (!(f[i] >= 0.0 && f[i] <= 1.0)) {
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        sum += f[i];
+        always += f[i] == 1.0;
+        n_free += f[i] > 0.0 && f[i] < 1.0;
+    }
+    if (fabs(sum - k) > 1e-8 * k) {
+        return GGML_ZIPMOE_ERR_ARG; // every selection has exactly k experts
+    }
+    const int32_t k_free = k - always;
+    for (int32_t i = 0; i < n; i++) {
+        q[i] = f[i] == 1.0 ? 1.0 : 0.0;
+    }
+    if (n_free == 0) {
+        return GGML_ZIPMOE_OK;
+    }
+    if (k_free <= 0 || k_free >= n_free) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    double * target = (double *) malloc(sizeof(double) * (size_t) n_free * 4);
+    double * work   = (double *) malloc(sizeof(double) * 2 * (size_t) (n_free + 2) * (size_t) (k_free + 1));
+    int status = target != NULL && work != NULL ? GGML_ZIPMOE_ERR_ARG : GGML_ZIPMOE_ERR_NOMEM;
+    if (status == GGML_ZIPMOE_ERR_ARG) {
+        double * log_w = target + n_free, * qf = target + 2 * (size_t) n_free, * fitted = target + 3 * (size_t) n_free;
+        double free_sum = 0;
+        for (int32_t i = 0, j = 0; i < n; i++) {
+            if (f[i] > 0.0 && f[i] < 1.0) {
+                target[j++] = f[i];
+                free_sum += f[i];
+            }
+        }
+        int ok = 1;
+        for (int32_t j = 0; j < n_free; j++) {
+            target[j] *= k_free / free_sum; // consistent targets: the free ones carry k_free
+            ok &= target[j] < 1.0;
+            log_w[j] = log(target[j]); // w(0) = f
+        }
+        for (int it = 0; ok && it <= 100000; it++) {
+            normalized_selection(log_w, n_free, k_free, qf);
+            conditional_inclusion(qf, n_free, k_free, fitted, work);
+            double error = 0;
+            for (int32_t j = 0; j < n_free; j++) {
+                const double e = fabs(fitted[j] - target[j]);
+                error = e > error ? e : error;
+            }
+            if (error <= 1e-10) {
+                for (int32_t i = 0, j = 0; i < n; i++) {
+                    if (f[i] > 0.0 && f[i] < 1.0) {
+                        q[i] = qf[j++];
+                    }
+                }
+                status = GGML_ZIPMOE_OK;
+                break;
+            }
+            for (int32_t j = 0; j < n_free; j++) {
+                log_w[j] += log(target[j]) - log(fitted[j]);
+            }
+        }
+    }
+    free(target);
+    free(work);
+    return status;
+}
+
+// Algorithm 2's table for p's selection probabilities (p->q, or uniform k / N); NULL when out of memory
+static double * selection_table(const struct ggml_zipmoe_plan_params * p) {
+    double * q = (double *) malloc(sizeof(double) * (size_t) p->n_expert);
+    if (q == NULL) {
+        return NULL;
+    }
+    for (int32_t r = 0; r < p->n_expert; r++) {
+        q[r] = p->q != NULL ? p->q[r] : (double) p->k / p->n_expert;
+    }
+    double * phi = interval_hits(q, p->n_expert, p->k);
+    free(q);
+    return phi;
+}
+
+// the expected makespan of given per-layer capacities (packed in hierarchy order) under p's q and costs
+static int plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s) {
+    double * phi = selection_table(p);
+    if (phi == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    *makespan_s = expected_makespan(p, phi, capacity);
+    free(phi);
+    return GGML_ZIPMOE_OK;
+}
+
+int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params * p, struct ggml_zipmoe_plan_result * out) {
+    if (out == NULL || bad_params(p)) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    double * phi = selection_table(p);
+    if (phi == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    if (!(phi[(size_t) p->n_expert * (p->k + 1) + p->k] > 0.0)) {
+        free(phi);
+        return GGML_ZIPMOE_ERR_ARG; // no k-set has a non-zero probability
+    }
+    struct grid_search g = { p, phi, { 0 }, 0, { 0 }, out, 0 };
+    for (int pool = 0; pool < 4; pool++) {
+        if (p->entry_bytes[pool] != 0) {
+            g.chosen[g.n_chosen++] = pool;
+        }
+    }
+    walk(&g, 0, p->grid_steps);
+    free(phi);
+    return GGML_ZIPMOE_OK;
+}
+
+// f scaled to sum k, capped at 1 (zipmoe_py/plan_math.py: round_to_subset_size with k given); f descending
+static void scale_to_k(const double * f, int32_t n, int32_t k, double * out) {
+    double tail = 0;
+    for (int32_t i = 0; i < n; i++) {
+        tail += f[i];
+    }
+    int32_t capped = 0;
+    double  scale  = tail > 0 ? k / tail : 0;
+    for (; capped < k && tail > 0; capped++) {
+        scale = (k - capped) / tail;
+        if (scale * f[capped] <= 1.0) {
+            break;
+        }
+        tail -= f[capped];
+    }
+    for (int32_t i = 0; i < n; i++) {
+        out[i] = i < capped ? 1.0 : (scale * f[i] < 1.0 ? scale * f[i] : 1.0);
+    }
+}
+
+int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, int32_t n_threads,
+                                    int32_t work_slots, double rate_read, double rate_decode, const double * profile,
+                                    struct ggml_zipmoe_default_pools * out) {
+    if (c == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    const int32_t  L = c->layout.n_served;
+    const int32_t  N = c->layout.max_expert;
+    const uint64_t X = 2 * c->layout.sm_bytes; // a full expert: its slot
+    const uint64_t entry_c = zipmoe_align_up(c->layout.sm_bytes + c->layout.max_e_bytes, 64);
+    out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
+    if (L < 1 || N < 1 || k > N) {
+        snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
+        return GGML_ZIPMOE_OK;
+    }
+    if (budget >= X * N * L) {
+        snprintf(out->why, sizeof(out->why), "one F pool: every expert fits full (%.2f GiB of %.2f GiB)",
+                 X * N * (double) L / (1 << 30), budget / (double) (1 << 30));
+        return GGML_ZIPMOE_OK;
+    }
+    const uint64_t work  = (uint64_t) work_slots * X;
+    const uint64_t all_c = entry_c * N * L;
+    const int      fits_compressed = budget >= all_c + work;
+    if (budget <= work + X * L) {
+        snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB is too little for pools beside %d working slots",
+                 budget / (double) (1 << 30), work_slots);
+        return GGML_ZIPMOE_OK;
+    }
+
+    // the selection probabilities: uniform (the built-in profile), or fitted to the observed one
+    double * q = NULL;
+    const char * source = "uniform profile";
+    if (profile != NULL) {
+        q = (double *) malloc(sizeof(double) * 2 * (size_t) N);
+        if (q == NULL) {
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        scale_to_k(profile, N, k, q + N);
+        source = "observed profile";
+        if (ggml_zipmoe_plan_fit(q + N, N, k, q) != GGML_ZIPMOE_OK) {
+            free(q);
+            q = NULL;
+            source = "uniform profile (the observed one did not fit)";
+        }
+    }
+    const double read   = rate_read > 0 ? rate_read : c->plan.rate_read;
+    const double decode = rate_decode > 0 ? rate_decode : c->plan.rate_decode;
+    const double n = 3, K = c->file->n_shards;
+    struct ggml_zipmoe_plan_params p = { 0 };
+    p.n_expert   = N;
+    p.k          = k;
+    p.q          = q;
+    p.budget     = budget - work;
+    p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
+    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c;
+    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(c->layout.sm_bytes, 64);
+    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    p.u          = c->layout.sm_bytes / n / read;
+    p.v          = c->layout.rho * c->layout.sm_bytes / (n * K) / read; // the mean E-chunk
+    p.c          = X / (n * K) / decode;
+    p.threads    = n_threads;
+    p.n_shards   = (int32_t) K;
+    p.n_tensors  = 3;
+    p.n_layer    = L;
+    p.grid_steps = 20;
+    struct ggml_zipmoe_plan_result best, f_best;
+    int status = ggml_zipmoe_plan_pools(&p, &best);
+    struct ggml_zipmoe_plan_params f_only = p;
+    memset(f_only.entry_bytes + 1, 0, 3 * sizeof(uint64_t));
+    f_only.budget = budget; // one F pool needs no working slots of its own
+    if (status == GGML_ZIPMOE_OK) {
+        status = ggml_zipmoe_plan_pools(&f_only, &f_best);
+    }
+        // every expert in C and F where room allows (inclusive): with the built-in profile it is taken
+    // whenever it fits; with an observed one, when the planner expects it to be the fastest
+    struct ggml_zipmoe_plan_result all = { { 0, 0, 0, 0 }, 0, { 0, 0, 0, 0 } };
+    if (status == GGML_ZIPMOE_OK && fits_compressed) {
+        const uint64_t f = (budget - all_c - work) / (X * L);
+        all.capacity[GGML_ZIPMOE_POOL_F] = f < (uint64_t) N ? (int32_t) f : N;
+        all.capacity[GGML_ZIPMOE_POOL_C] = N - all.capacity[GGML_ZIPMOE_POOL_F]; // its hits, as exclusive pools
+        status = plan_evaluate(&p, all.capacity, &all.expected_makespan_s);
+        all.capacity[GGML_ZIPMOE_POOL_C] = N;
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        // the pools the cache has now, under the same profile: a caller changes them only for a real gain
+        int32_t now[4] = { 0, 0, 0, 0 };
+        if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
+            now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
+        } else {
+            int32_t left = N;
+            for (int i = 0; i < 4; i++) {
+                const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
+                now[i] = held < left ? held : left;
+                left -= now[i];
+            }
+        }
+        status = plan_evaluate(&p, now, &out->current_makespan_s);
+    }
+    free(q);
+    if (status != GGML_ZIPMOE_OK) {
+        return status;
+    }
+    out->expected_makespan_s = best.expected_makespan_s;
+    out->f_only_makespan_s   = f_best.expected_makespan_s;
+    if (fits_compressed && (profile == NULL || all.expected_makespan_s <= best.expected_makespan_s) &&
+        (profile == NULL || all.expected_makespan_s < f_best.expected_makespan_s)) {
+        // every expert in C, and as many as room allows full in F as well: after warm-up nothing is read
+        memcpy(out->capacity, all.capacity, sizeof(all.capacity));
+        out->inclusive           = 1;
+        out->n_slots             = out->capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+        out->expected_makespan_s = all.expected_makespan_s;
+        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%.2f GiB), F "
+                 "keeps %d per layer full as well (room left in %.2f GiB): nothing is read after warm-up (%s)",
+                 N, all_c / (double) (1 << 30), out->capacity[GGML_ZIPMOE_POOL_F], budget / (double) (1 << 30),
+                 source);
+        return GGML_ZIPMOE_OK;
+    }
+    const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
+    if (!pools || best.expected_makespan_s >= f_best.expected_makespan_s) {
+        snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
+                 "threads) expects %.2f ms per layer, pools no better", source, read / 1e9, decode / 1e9, n_threads,
+                 f_best.expected_makespan_s * 1e3);
+        return GGML_ZIPMOE_OK;
+    }
+    memcpy(out->capacity, best.capacity, sizeof(best.capacity));
+    out->n_slots = best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
+             "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
+             n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
+    return GGML_ZIPMOE_OK;
+}

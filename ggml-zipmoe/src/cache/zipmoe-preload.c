@@ -1,0 +1,136 @@
+// Expert cache, preload: the empty slots in use filled before serving, each served layer up to its
+// share, as a memory-mapped model's populate does for its weights (ggml_zipmoe_cache_preload), by
+// the fetch a graph runs, on threads of its own.
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+struct preload_worker {
+    struct ggml_zipmoe_cache * cache;
+    int                        ith;
+    atomic_int *               nth; // 0 until every worker that could be started is
+};
+
+static void * preload_worker_main(void * arg) {
+    const struct preload_worker * w = (const struct preload_worker *) arg;
+    int nth;
+    for (unsigned spins = 0; (nth = atomic_load(w->nth)) == 0; spins++) {
+        zipmoe_pause_waiting(spins);
+    }
+    ggml_zipmoe_cache_fetch_end(w->cache, w->ith, nth);
+    return NULL;
+}
+
+// one pass of a preload fetch
+static int preload_fetch_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int32_t n,
+                              int n_threads, int32_t * slot_ids) {
+    const int status = ggml_zipmoe_cache_fetch_begin(c, layer, pass, ids, n, 1, n, slot_ids);
+    pthread_t threads[ZIPMOE_MAX_THREADS];
+    struct preload_worker workers[ZIPMOE_MAX_THREADS];
+    atomic_int nth;
+    atomic_init(&nth, 0);
+    int started = 0;
+    for (int t = 1; t < n_threads; t++) {
+        workers[t] = (struct preload_worker) { c, t, &nth };
+        if (pthread_create(&threads[t], NULL, preload_worker_main, &workers[t]) != 0) {
+            break; // fewer decoding threads
+        }
+        started++;
+    }
+    atomic_store(&nth, started + 1);
+    const int end_status = ggml_zipmoe_cache_fetch_end(c, 0, started + 1);
+    for (int t = 1; t <= started; t++) {
+        pthread_join(threads[t], NULL);
+    }
+    return status != GGML_ZIPMOE_OK ? status : end_status;
+}
+
+// one preload fetch of n experts of a layer, in as many passes as it takes, each decoded on
+// n_threads threads (the caller one of them)
+static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n, int n_threads) {
+    int32_t slot_ids_small[256];
+    int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
+    if (slot_ids == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    int status = GGML_ZIPMOE_OK;
+    const int n_passes = ggml_zipmoe_cache_n_passes(c, layer, n);
+    for (int pass = 0; pass < n_passes && status == GGML_ZIPMOE_OK; pass++) {
+        status = preload_fetch_pass(c, layer, pass, ids, n, n_threads, slot_ids);
+    }
+    if (slot_ids != slot_ids_small) {
+        free(slot_ids);
+    }
+    return status;
+}
+
+int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32_t * n_loaded) {
+    if (n_loaded != NULL) {
+        *n_loaded = 0;
+    }
+    if (c == NULL || n_threads < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
+    // what a fetch counts, kept as it was: preloading is not serving
+    atomic_uint_least64_t * counters[] = { &c->stats.fetch_calls, &c->stats.hits, &c->stats.misses, &c->stats.store_hits[0], &c->stats.store_hits[1],
+                                           &c->stats.store_hits[2], &c->stats.store_hits[3], &c->stats.bytes_read, &c->stats.io_ns,
+                                           &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns };
+    uint64_t saved[sizeof(counters) / sizeof(counters[0])];
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        saved[i] = atomic_load(counters[i]);
+    }
+    const uint64_t saved_h2d = zipmoe_gpu_h2d_bytes(c->gpu);
+    // each served layer's share of the slots in use (F's capacity with pools), experts in id order;
+    // then, with pools, the experts of the stores' ranks (by id: no activation is counted yet), as
+    // many at a time as there are working slots
+    const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;
+    const int32_t share = c->pools.f_capacity / n_served;
+    const int     pooled = !(c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F);
+    const int32_t stored = pooled ? c->pools.threshold[c->pools.active[c->pools.n_active - 1]] - c->policy.rank_delta : 0;
+    const int32_t n_work = c->slots.n_used - c->pools.f_capacity;
+    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1));
+    int status = ids != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
+    int32_t loaded = 0;
+    c->preloading = 1;
+    for (int l = 0; l < c->layout.n_layer && status == GGML_ZIPMOE_OK; l++) {
+        if (!ggml_zipmoe_cache_has_layer(c, l)) {
+            continue;
+        }
+        const int64_t base = (int64_t) l * c->layout.max_expert;
+        int32_t n = 0;
+        for (int32_t e = 0; e < c->layout.layer_n_expert[l] && n < share; e++) {
+            if (c->slots.of_key[base + e] < 0) {
+                ids[n++] = e;
+            }
+        }
+        if (n > 0) {
+            status = preload_fetch(c, l, ids, n, n_threads);
+            loaded += status == GGML_ZIPMOE_OK ? n : 0;
+        }
+        int32_t e = share;
+        while (status == GGML_ZIPMOE_OK && n_work > 0 && e < stored && e < c->layout.layer_n_expert[l]) {
+            for (n = 0; n < n_work && e < stored && e < c->layout.layer_n_expert[l]; e++) {
+                if (c->slots.of_key[base + e] < 0 && c->pools.key_pool[base + e] == NO_POOL) {
+                    ids[n++] = e;
+                }
+            }
+            if (n > 0) {
+                status = preload_fetch(c, l, ids, n, n_threads);
+                loaded += status == GGML_ZIPMOE_OK ? n : 0;
+            }
+        }
+    }
+    c->preloading = 0;
+    free(ids);
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        atomic_store(counters[i], saved[i]);
+    }
+    zipmoe_gpu_set_h2d_bytes(c->gpu, saved_h2d);
+    if (n_loaded != NULL) {
+        *n_loaded = loaded;
+    }
+    return status;
+}

@@ -1,0 +1,480 @@
+// Expert cache, residency: which expert each slot and store entry holds, and the plan of a pass.
+//
+// Victims by the eviction policy (LRU, FIFO, randomized marking, LFU, RANK, SCORE); RANK dispatches an
+// expert after its use by its runtime activation rank in its layer to the first pool whose
+// threshold exceeds it (paper 3.4); the C, S and E stores keep stored chunks in fixed-size entries.
+// plan_pass runs on thread 0 under the cache's lock: hits first, then one fill per missing
+// expert (a working slot, the tasks that make it full from what is cached, where it goes after).
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char * ggml_zipmoe_eviction_name(int eviction) {
+    static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank", "score" };
+    return eviction >= 0 && eviction < GGML_ZIPMOE_EVICT_COUNT ? names[eviction] : NULL;
+}
+
+const char * ggml_zipmoe_pool_name(int pool) {
+    static const char * names[GGML_ZIPMOE_POOL_COUNT] = { "F", "C", "S", "E" };
+    return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
+}
+
+// one F pool of every slot in use: F holds them all, and RANK's share per layer follows the slot count
+void zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c) {
+    const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;
+    c->pools.threshold[GGML_ZIPMOE_POOL_F] =
+        c->policy.eviction == GGML_ZIPMOE_EVICT_RANK ? c->slots.n_used / n_served + c->policy.rank_delta : INT32_MAX;
+    c->pools.f_capacity = c->slots.n_used;
+}
+
+// the largest stored E bytes of one expert (gate + up + down), and rho over the file
+uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
+    uint64_t max_e = 0, e_total = 0, n_total = 0;
+    for (int l = 0; l < c->layout.n_layer; l++) {
+        if (!zipmoe_layer_served(c, l)) {
+            continue;
+        }
+        for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
+            uint64_t bytes = 0;
+            for (int k = 0; k < 3; k++) {
+                bytes += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[l * 3 + k], e);
+                n_total += c->layout.kind_n[k];
+            }
+            max_e = bytes > max_e ? bytes : max_e;
+            e_total += bytes;
+        }
+    }
+    c->layout.rho = n_total > 0 ? (double) e_total / (double) n_total : 1.0;
+    return max_e;
+}
+
+// the entries of the stores of pools C, S and E (experts per served layer times served layers); max_e:
+// the largest stored E bytes of one expert (zipmoe_cache_measure_e_bytes)
+int zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                             size_t msg_size) {
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        struct zipmoe_store * s = &c->pools.store[p];
+        s->n_entries = capacity[p] * c->layout.n_served;
+        if (s->n_entries == 0) {
+            continue;
+        }
+        const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
+        s->entry_size = (size_t) zipmoe_align_up(size, 64);
+        s->mem = (uint8_t *) malloc(s->entry_size * (size_t) s->n_entries);
+        s->entry_key = (int64_t *) malloc(sizeof(int64_t) * (size_t) s->n_entries);
+        s->entry_pinned = (uint64_t *) calloc((size_t) s->n_entries, sizeof(uint64_t));
+        s->entry_last_use = (uint64_t *) calloc((size_t) s->n_entries, sizeof(uint64_t));
+        if (!s->mem || !s->entry_key || !s->entry_pinned || !s->entry_last_use) {
+            snprintf(msg, msg_size, "ggml_zipmoe_cache_new: out of memory for pool %s's %d entries of %zu bytes",
+                     ggml_zipmoe_pool_name(p), s->n_entries, s->entry_size);
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        for (int32_t i = 0; i < s->n_entries; i++) {
+            s->entry_key[i] = -1;
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// marks the distinct valid experts of ids in c->plan.seen and lists them ascending in c->plan.unique;
+// returns their count, or -1 if an id is out of range
+static int collect_unique(const struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used,
+                          int64_t n_tokens, int64_t ids_stride, uint8_t * seen, int32_t * unique) {
+    const int32_t n_expert = c->layout.layer_n_expert[layer];
+    memset(seen, 0, (size_t) n_expert);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t k = 0; k < n_used; k++) {
+            const int32_t e = ids[t * ids_stride + k];
+            if (e < 0 || e >= n_expert) {
+                return -1;
+            }
+            seen[e] = 1;
+        }
+    }
+    int n = 0;
+    for (int32_t e = 0; e < n_expert; e++) {
+        if (seen[e]) {
+            unique[n++] = e;
+        }
+    }
+    return n;
+}
+
+// rank of expert e in its layer by runtime activation counts (0: the most chosen; ties by id)
+static int32_t expert_rank(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    const uint64_t * f = c->policy.freq + (int64_t) layer * c->layout.max_expert;
+    int32_t rank = 0;
+    for (int32_t o = 0; o < c->layout.layer_n_expert[layer]; o++) {
+        rank += f[o] > f[e] || (f[o] == f[e] && o < e);
+    }
+    return rank;
+}
+
+// the pool an expert goes to after its use: the first active pool whose threshold exceeds its
+// rank (paper §3.4, "Pool Dispatching"), NO_POOL beyond every threshold
+static int dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    const int32_t rank = expert_rank(c, layer, e);
+    for (int i = 0; i < c->pools.n_active; i++) {
+        if (rank < c->pools.threshold[c->pools.active[i]]) {
+            return c->pools.active[i];
+        }
+    }
+    return NO_POOL;
+}
+
+static uint64_t slot_freq(const struct ggml_zipmoe_cache * c, int32_t s) {
+    return c->policy.freq[c->slots.key[s]];
+}
+
+// SCORE: the mean gate score of the expert in slot s over its layer's window (0 before any)
+static double slot_score(const struct ggml_zipmoe_cache * c, int32_t s) {
+    const int64_t  key   = c->slots.key[s];
+    const uint64_t iters = c->policy.layer_iter[key / c->layout.max_expert];
+    const uint64_t n     = iters < GGML_ZIPMOE_SCORE_WINDOW ? iters : GGML_ZIPMOE_SCORE_WINDOW;
+    return n ? c->policy.score_sum[key] / (double) n : 0.0;
+}
+
+int ggml_zipmoe_cache_observe_scores(struct ggml_zipmoe_cache * c, int layer, const float * scores, int64_t n_expert,
+                                     int64_t n_tokens, int64_t stride) {
+    if (c == NULL || !zipmoe_layer_served(c, layer) || scores == NULL || n_tokens < 1 ||
+        n_expert != c->layout.layer_n_expert[layer] || stride < n_expert) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (c->policy.eviction != GGML_ZIPMOE_EVICT_SCORE) {
+        return GGML_ZIPMOE_OK;
+    }
+    pthread_mutex_lock(&c->policy.score_lock);
+    const uint64_t it   = c->policy.layer_iter[layer]++;
+    const size_t   slot = (size_t) (it % GGML_ZIPMOE_SCORE_WINDOW);
+    for (int64_t e = 0; e < n_expert; e++) {
+        double mean = 0;
+        for (int64_t t = 0; t < n_tokens; t++) {
+            mean += scores[t * stride + e];
+        }
+        mean /= (double) n_tokens;
+        const int64_t key  = (int64_t) layer * c->layout.max_expert + e;
+        float *       ring = c->policy.score_ring + (size_t) key * GGML_ZIPMOE_SCORE_WINDOW;
+        // the window's sum: the iteration leaving it out, this one in (a NaN score counts as 0)
+        const float v = mean == mean ? (float) mean : 0.0f;
+        c->policy.score_sum[key] += (double) v - (it >= GGML_ZIPMOE_SCORE_WINDOW ? ring[slot] : 0.0f);
+        ring[slot] = v;
+    }
+    pthread_mutex_unlock(&c->policy.score_lock);
+    return GGML_ZIPMOE_OK;
+}
+
+// a slot the current call (serial) does not need, by the eviction policy; one exists, since a pass
+// never holds more experts than slots
+static int32_t choose_victim(struct ggml_zipmoe_cache * c, uint64_t serial) {
+    int32_t victim = -1;
+    for (int32_t s = 0; s < c->slots.n_used; s++) {
+        if (c->slots.key[s] < 0 && c->slots.pinned[s] != serial) {
+            return s; // an empty slot first, whatever the policy
+        }
+    }
+    if (c->policy.eviction == GGML_ZIPMOE_EVICT_MARKING) {
+        // randomized marking: a random unmarked slot; when every candidate is marked a new phase starts
+        for (int phase = 0; phase < 2 && victim < 0; phase++) {
+            int32_t n = 0;
+            for (int32_t s = 0; s < c->slots.n_used; s++) {
+                n += c->slots.pinned[s] != serial && !c->slots.marked[s];
+            }
+            if (n == 0) {
+                for (int32_t s = 0; s < c->slots.n_used; s++) {
+                    c->slots.marked[s] = c->slots.pinned[s] == serial;
+                }
+                continue;
+            }
+            c->policy.rng ^= c->policy.rng << 13;
+            c->policy.rng ^= c->policy.rng >> 7;
+            c->policy.rng ^= c->policy.rng << 17;
+            int32_t pick = (int32_t) (c->policy.rng % (uint64_t) n);
+            for (int32_t s = 0; s < c->slots.n_used; s++) {
+                if (c->slots.pinned[s] != serial && !c->slots.marked[s] && pick-- == 0) {
+                    victim = s;
+                    break;
+                }
+            }
+        }
+        return victim;
+    }
+    for (int32_t s = 0; s < c->slots.n_used; s++) {
+        if (c->slots.pinned[s] == serial) {
+            continue;
+        }
+        if (victim < 0) {
+            victim = s;
+            continue;
+        }
+        int better = 0;
+        switch (c->policy.eviction) {
+            case GGML_ZIPMOE_EVICT_FIFO:
+                better = c->slots.inserted[s] < c->slots.inserted[victim];
+                break;
+            case GGML_ZIPMOE_EVICT_RANK:
+                // working slots (experts outside the F pool) go first
+                if (c->slots.transient[s] != c->slots.transient[victim]) {
+                    better = c->slots.transient[s] > c->slots.transient[victim];
+                    break;
+                }
+                // fall through - LFU among the rest
+            case GGML_ZIPMOE_EVICT_LFU: {
+                const uint64_t fs = slot_freq(c, s), fv = slot_freq(c, victim);
+                better = fs < fv || (fs == fv && c->slots.last_use[s] < c->slots.last_use[victim]);
+                break;
+            }
+            case GGML_ZIPMOE_EVICT_SCORE: {
+                pthread_mutex_lock(&c->policy.score_lock);
+                const double ss = slot_score(c, s), sv = slot_score(c, victim);
+                pthread_mutex_unlock(&c->policy.score_lock);
+                better = ss < sv || (ss == sv && c->slots.last_use[s] < c->slots.last_use[victim]);
+                break;
+            }
+            default: // LRU
+                better = c->slots.last_use[s] < c->slots.last_use[victim];
+                break;
+        }
+        if (better) {
+            victim = s;
+        }
+    }
+    return victim;
+}
+
+// F holds at most f_capacity experts: the least frequent F experts beyond it become working slots
+static void enforce_f_capacity(struct ggml_zipmoe_cache * c) {
+    if (c->pools.f_capacity >= c->slots.n_used) {
+        return; // one F pool of every slot
+    }
+    int32_t n_f = 0;
+    for (int32_t s = 0; s < c->slots.n_used; s++) {
+        n_f += c->slots.key[s] >= 0 && !c->slots.transient[s];
+    }
+    for (; n_f > c->pools.f_capacity; n_f--) {
+        int32_t victim = -1;
+        for (int32_t s = 0; s < c->slots.n_used; s++) {
+            if (c->slots.key[s] < 0 || c->slots.transient[s]) {
+                continue;
+            }
+            if (victim < 0 || slot_freq(c, s) < slot_freq(c, victim) ||
+                (slot_freq(c, s) == slot_freq(c, victim) && c->slots.last_use[s] < c->slots.last_use[victim])) {
+                victim = s;
+            }
+        }
+        c->slots.transient[victim] = 1;
+    }
+}
+
+// an entry of the store of pool p for a new expert: an empty one, else LFU (ties LRU); never one
+// the current call reads or writes
+static int32_t store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    int32_t victim = -1;
+    for (int32_t i = 0; i < s->n_entries; i++) {
+        if (s->entry_pinned[i] == serial) {
+            continue;
+        }
+        if (s->entry_key[i] < 0) {
+            return i;
+        }
+        if (victim < 0) {
+            victim = i;
+            continue;
+        }
+        const uint64_t fi = c->policy.freq[s->entry_key[i]], fv = c->policy.freq[s->entry_key[victim]];
+        if (fi < fv || (fi == fv && s->entry_last_use[i] < s->entry_last_use[victim])) {
+            victim = i;
+        }
+    }
+    return victim;
+}
+
+// where an entry keeps a tensor's SM-chunk and E-chunks: [SM gate][SM up][SM down][E gate][E up][E down]
+// (C), [SM gate][SM up][SM down] (S), [E gate][E up][E down] (E)
+static uint8_t * entry_sm(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int kind) {
+    if (p == GGML_ZIPMOE_POOL_E) {
+        return NULL;
+    }
+    uint64_t off = 0;
+    for (int k = 0; k < kind; k++) {
+        off += c->layout.kind_n[k];
+    }
+    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
+}
+
+static uint8_t * entry_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert, int kind) {
+    if (p == GGML_ZIPMOE_POOL_S) {
+        return NULL;
+    }
+    uint64_t off = p == GGML_ZIPMOE_POOL_C ? c->layout.sm_bytes : 0;
+    for (int k = 0; k < kind; k++) {
+        off += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], expert);
+    }
+    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
+}
+
+static void store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
+    const int64_t key = c->pools.store[p].entry_key[entry];
+    if (key >= 0) {
+        c->pools.key_pool[key]  = NO_POOL;
+        c->pools.key_entry[key] = -1;
+    }
+    c->pools.store[p].entry_key[entry] = -1;
+}
+
+static const int32_t pool_state[4] = { GGML_ZIPMOE_STATE_F, GGML_ZIPMOE_STATE_C, GGML_ZIPMOE_STATE_S,
+                                       GGML_ZIPMOE_STATE_E };
+
+// plans one expert that is not in a slot: its working slot, the tasks that make it full from what
+// is cached, and where it is kept after use
+static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int target, uint64_t serial) {
+    const int64_t key = (int64_t) layer * c->layout.max_expert + e;
+    const int     cur = c->pools.key_pool[key];
+    const int32_t cur_entry = c->pools.key_entry[key];
+    const int32_t victim = choose_victim(c, serial);
+    if (c->slots.key[victim] >= 0) {
+        c->slots.of_key[c->slots.key[victim]] = -1;
+    }
+    c->slots.key[victim]       = key;
+    c->slots.of_key[key]          = victim;
+    c->slots.pinned[victim]    = serial;
+    c->slots.last_use[victim]  = ++c->policy.tick;
+    c->slots.inserted[victim]  = c->policy.tick;
+    c->slots.marked[victim]    = 1;
+    c->slots.transient[victim] = target != GGML_ZIPMOE_POOL_F;
+    c->plan.pass_slot[e]           = victim;
+
+    int     dst_pool  = NO_POOL;
+    int32_t dst_entry = -1;
+    if (cur != NO_POOL) {
+        c->pools.store[cur].entry_pinned[cur_entry]   = serial; // read by this call's tasks
+        c->pools.store[cur].entry_last_use[cur_entry] = c->policy.tick;
+        atomic_fetch_add(&c->stats.store_hits[cur], 1);
+    } else {
+        atomic_fetch_add(&c->stats.misses, 1);
+    }
+    // the store that keeps its chunks after use: its pool's; with an inclusive C, an F expert's C entry too
+    const int keep = target > GGML_ZIPMOE_POOL_F                     ? target
+                   : c->pools.inclusive && target == GGML_ZIPMOE_POOL_F ? GGML_ZIPMOE_POOL_C
+                                                                       : NO_POOL;
+    if (keep != NO_POOL && keep != cur) {
+        dst_pool  = keep;
+        dst_entry = store_victim(c, keep, serial);
+        if (dst_entry >= 0) {
+            store_forget(c, keep, dst_entry);
+        } else {
+            dst_pool = NO_POOL; // every entry is read or written by this call
+        }
+    }
+    if (cur != NO_POOL && keep != cur) {
+        store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
+    }
+    if (dst_pool != NO_POOL) {
+        c->pools.store[dst_pool].entry_key[dst_entry]      = key;
+        c->pools.store[dst_pool].entry_pinned[dst_entry]   = serial;
+        c->pools.store[dst_pool].entry_last_use[dst_entry] = c->policy.tick;
+        c->pools.key_pool[key]  = (int8_t) dst_pool;
+        c->pools.key_entry[key] = dst_entry;
+    }
+    int prefetched = 0;
+    for (int k = 0; k < 3; k++) {
+        struct zipmoe_task * t = &c->plan.tasks[c->plan.n_tasks++];
+        t->slot      = victim;
+        t->kind      = k;
+        t->tensor    = c->layout.layer_tensor[layer * 3 + k];
+        t->expert    = e;
+        t->state     = cur == NO_POOL ? GGML_ZIPMOE_STATE_M : pool_state[cur];
+        t->sm_src    = cur != NO_POOL ? entry_sm(c, cur, cur_entry, k) : NULL;
+        t->e_src     = cur != NO_POOL ? entry_e(c, cur, cur_entry, layer, e, k) : NULL;
+        t->dst_pool  = dst_pool;
+        t->dst_entry = dst_entry;
+        t->sm_dst    = dst_pool != NO_POOL ? entry_sm(c, dst_pool, dst_entry, k) : NULL;
+        t->e_dst     = dst_pool != NO_POOL ? entry_e(c, dst_pool, dst_entry, layer, e, k) : NULL;
+        atomic_store(&t->sm_buf, -1);
+        atomic_store(&t->e_buf, -1);
+        atomic_store(&t->n_decoded, 0);
+        atomic_store(&t->n_recovered, 0);
+        prefetched |= zipmoe_prefetch_supply(c, t);
+    }
+    if (prefetched) {
+        atomic_fetch_add(&c->prefetch.hits, 1);
+    }
+}
+
+// thread 0, under the lock: residency for the experts of this pass, the tasks, their schedule, the slot ids
+int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
+                     int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+    const int n_unique = collect_unique(c, layer, ids, n_used, n_tokens, ids_stride, c->plan.seen, c->plan.unique);
+    if (n_unique < 0) {
+        snprintf(c->error, sizeof(c->error), "layer %d: the router selected an expert id outside 0..%d", layer,
+                 c->layout.layer_n_expert[layer] - 1);
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const int width = zipmoe_cache_pass_width(c);
+    const int first = pass * width;
+    const int last  = first + width < n_unique ? first + width : n_unique;
+    const uint64_t serial = ++c->policy.call_serial;
+    const int64_t base = (int64_t) layer * c->layout.max_expert;
+    if (pass == 0 && !c->preloading) {
+        for (int i = 0; i < n_unique; i++) {
+            atomic_fetch_add(&c->stats.activations[base + c->plan.unique[i]], 1);
+            c->policy.freq[base + c->plan.unique[i]]++;
+        }
+        atomic_fetch_add(&c->stats.layer_ubatches[layer], 1);
+        zipmoe_prefetch_score(c, layer, c->plan.unique, n_unique);
+    }
+    for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
+        c->plan.pass_slot[e] = -1;
+        c->plan.tokens[e] = 0;
+    }
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t k = 0; k < n_used; k++) {
+            c->plan.tokens[ids[t * ids_stride + k]]++;
+        }
+    }
+    // hits first, so that no fill evicts an expert this pass still needs
+    for (int i = first; i < last; i++) {
+        const int32_t s = c->slots.of_key[base + c->plan.unique[i]];
+        if (s >= 0) {
+            c->slots.pinned[s]    = serial;
+            c->slots.last_use[s]  = ++c->policy.tick;
+            c->slots.marked[s]    = 1;
+            // no compressed form of it is in memory: it stays in its slot, first to go if not in F
+            c->slots.transient[s] = dispatch_pool(c, layer, c->plan.unique[i]) != GGML_ZIPMOE_POOL_F;
+            c->plan.pass_slot[c->plan.unique[i]] = s;
+            atomic_fetch_add(&c->stats.hits, 1);
+        }
+    }
+    for (int i = first; i < last; i++) {
+        if (c->plan.pass_slot[c->plan.unique[i]] < 0) {
+            plan_fill(c, layer, c->plan.unique[i], dispatch_pool(c, layer, c->plan.unique[i]), serial);
+        }
+    }
+    enforce_f_capacity(c);
+    // selections of other passes are skipped by the products (ggml's mul_mat_id leaves the rows of
+    // a negative id alone): each pass computes its own rows only, the merge takes them
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t k = 0; k < n_used; k++) {
+            const int32_t s = c->plan.pass_slot[ids[t * ids_stride + k]];
+            slot_ids[t * n_used + k] = s >= 0 ? s : GGML_ZIPMOE_NO_SLOT;
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// slots and store entries whose fill failed hold garbage: forget what they were meant to hold
+void zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c) {
+    for (int i = 0; i < c->plan.n_tasks; i++) {
+        const struct zipmoe_task * t = &c->plan.tasks[i];
+        if (c->slots.key[t->slot] >= 0) {
+            c->slots.of_key[c->slots.key[t->slot]] = -1;
+            c->slots.key[t->slot] = -1;
+        }
+        if (t->dst_pool != NO_POOL) {
+            store_forget(c, t->dst_pool, t->dst_entry);
+        }
+    }
+}

@@ -1,0 +1,456 @@
+// ZipMoE GGUF chunk index (docs/FORMAT.md): parsed with ggml's own GGUF reader and validated
+// once at open, so that every later read can trust offsets, sizes and codecs.
+
+#define _GNU_SOURCE // O_DIRECT
+
+#include "ggml-zipmoe.h"
+#include "common/zipmoe-impl.h"
+
+#include "ggml.h"
+#include "gguf.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define ZIPMOE_MAX_SHARDS   64
+#define ZIPMOE_MAX_DIM      (1ll << 24)   // per-dimension sanity bound: fuzzed sizes must not overflow
+#define ZIPMOE_MAX_EXPERTS  65536
+
+uint64_t zipmoe_align_up(uint64_t x, uint64_t a) {
+    return (x + a - 1) / a * a;
+}
+
+void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count) {
+    // same split as the converter: shard k holds [k*n/K, (k+1)*n/K)
+    const uint64_t lo = n * (uint64_t) k / (uint64_t) shards;
+    const uint64_t hi = n * (uint64_t) (k + 1) / (uint64_t) shards;
+    *first = lo;
+    *count = hi - lo;
+}
+
+static void set_error(char * err, size_t err_size, const char * fmt, ...) {
+    if (err == NULL || err_size == 0) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_size, fmt, ap);
+    va_end(ap);
+}
+
+// "blk.N.ffn_{gate,up,down}_exps.weight" -> N, or -1 for any other name
+static int expert_tensor_layer(const char * name) {
+    int layer = -1, used = 0;
+    if (sscanf(name, "blk.%d.%n", &layer, &used) != 1 || used == 0 || layer < 0) {
+        return -1;
+    }
+    const char * rest = name + used;
+    if (strcmp(rest, "ffn_gate_exps.weight") != 0 && strcmp(rest, "ffn_up_exps.weight") != 0 &&
+        strcmp(rest, "ffn_down_exps.weight") != 0) {
+        return -1;
+    }
+    return layer;
+}
+
+// the value of key as an array of n_expected items of type, or NULL if it is anything else
+static const void * typed_array(const struct gguf_context * ctx, const char * key, enum gguf_type type,
+                                size_t n_expected) {
+    const int64_t id = gguf_find_key(ctx, key);
+    if (id < 0 || gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != type ||
+        gguf_get_arr_n(ctx, id) != n_expected) {
+        return NULL;
+    }
+    return gguf_get_arr_data(ctx, id);
+}
+
+static bool typed_u32(const struct gguf_context * ctx, const char * key, uint32_t * out) {
+    const int64_t id = gguf_find_key(ctx, key);
+    if (id < 0 || gguf_get_kv_type(ctx, id) != GGUF_TYPE_UINT32) {
+        return false;
+    }
+    *out = gguf_get_val_u32(ctx, id);
+    return true;
+}
+
+void ggml_zipmoe_file_close(struct ggml_zipmoe_file * file) {
+    if (file == NULL) {
+        return;
+    }
+    for (int i = 0; i < file->n_tensors; i++) {
+        free(file->tensors[i].name);
+        free(file->tensors[i].chunks);
+    }
+    free(file->tensors);
+    if (file->fd >= 0) {
+        close(file->fd);
+    }
+    free(file->path);
+    free(file);
+}
+
+// fills t from the metadata of tensor name; returns false with err set when anything is off
+static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                        uint64_t file_size, struct zipmoe_tensor * t, char * err, size_t err_size) {
+    const char * path = file->path;
+    char key[512];
+
+    t->layer = expert_tensor_layer(name);
+    const size_t name_len = strlen(name);
+    if (t->layer < 0 || name_len + 64 > sizeof(key)) {
+        set_error(err, err_size, "%s: zipmoe.tensors names '%s', which is not a routed-expert tensor", path, name);
+        return false;
+    }
+    t->name = strdup(name);
+    if (t->name == NULL) {
+        set_error(err, err_size, "%s: out of memory", path);
+        return false;
+    }
+
+    snprintf(key, sizeof(key), "zipmoe.tensor.%s.type", name);
+    uint32_t type = 0;
+    if (!typed_u32(ctx, key, &type) || type != GGML_TYPE_BF16) {
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not BF16 (30)", path, key);
+        return false;
+    }
+
+    snprintf(key, sizeof(key), "zipmoe.tensor.%s.shape", name);
+    const uint64_t * shape = (const uint64_t *) typed_array(ctx, key, GGUF_TYPE_UINT64, 3);
+    if (shape == NULL || shape[0] < 1 || shape[1] < 1 || shape[2] < 1 || shape[0] > ZIPMOE_MAX_DIM ||
+        shape[1] > ZIPMOE_MAX_DIM || shape[2] > ZIPMOE_MAX_EXPERTS) {
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not 3 sizes in range", path, key);
+        return false;
+    }
+    for (int d = 0; d < 3; d++) {
+        t->ne[d] = (int64_t) shape[d];
+    }
+    t->n = shape[0] * shape[1];
+
+    // the chunks live in the I8 tensor named like the served one with .zipmoe for .weight
+    char blob[512];
+    snprintf(blob, sizeof(blob), "%.*s.zipmoe", (int) (name_len - strlen(".weight")), name);
+    const int64_t tid = gguf_find_tensor(ctx, blob);
+    const int64_t * bne = tid < 0 ? NULL : gguf_get_tensor_ne(ctx, tid);
+    if (tid < 0 || gguf_get_tensor_type(ctx, tid) != GGML_TYPE_I8 || bne[1] != 1 || bne[2] != 1 || bne[3] != 1) {
+        set_error(err, err_size, "%s: ZipMoE metadata: chunk tensor %s is missing or malformed", path, blob);
+        return false;
+    }
+    const uint64_t blob_offset = gguf_get_data_offset(ctx) + gguf_get_tensor_offset(ctx, tid);
+    const uint64_t blob_size   = gguf_get_tensor_size(ctx, tid);
+    if (blob_offset % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
+        set_error(err, err_size, "%s: chunk tensor %s starts at offset %llu, not a multiple of %d", path, blob,
+                  (unsigned long long) blob_offset, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+        return false;
+    }
+
+    const int      per      = 1 + file->n_shards;
+    const uint64_t n_chunks = shape[2] * (uint64_t) per;
+    const char *   what[4]  = { "chunk_offset", "chunk_size", "chunk_checksum", "chunk_codec" };
+    const void *   arrays[4];
+    for (int a = 0; a < 4; a++) {
+        snprintf(key, sizeof(key), "zipmoe.tensor.%s.%s", name, what[a]);
+        arrays[a] = typed_array(ctx, key, a == 3 ? GGUF_TYPE_UINT8 : GGUF_TYPE_UINT64, n_chunks);
+        if (arrays[a] == NULL) {
+            set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or does not hold %llu %s", path, key,
+                      (unsigned long long) n_chunks, a == 3 ? "u8" : "u64");
+            return false;
+        }
+    }
+    const uint64_t * offsets   = (const uint64_t *) arrays[0];
+    const uint64_t * sizes     = (const uint64_t *) arrays[1];
+    const uint64_t * checksums = (const uint64_t *) arrays[2];
+    const uint8_t *  codecs    = (const uint8_t *) arrays[3];
+
+    t->chunks = (struct zipmoe_chunk *) calloc(n_chunks, sizeof(*t->chunks));
+    if (t->chunks == NULL) {
+        set_error(err, err_size, "%s: out of memory", path);
+        return false;
+    }
+    for (uint64_t j = 0; j < n_chunks; j++) {
+        const int expert = (int) (j / per), c = (int) (j % per);
+        uint64_t first = 0, count = t->n;
+        if (c > 0) {
+            zipmoe_shard_range(t->n, file->n_shards, c - 1, &first, &count);
+        }
+        const char * problem = NULL;
+        if (sizes[j] > blob_size || offsets[j] > blob_size - sizes[j]) {
+            problem = "lies outside its tensor";
+        } else if (offsets[j] % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
+            problem = "is not aligned to 4096 bytes";
+        } else if (codecs[j] >= GGML_ZIPMOE_CODEC_COUNT) {
+            problem = "has an unknown codec";
+        } else if (codecs[j] == GGML_ZIPMOE_CODEC_GHUF && file->version < 2) {
+            problem = "uses codec ghuf, which format version 1 does not have";
+        } else if (c == 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != t->n)) {
+            problem = "is not a raw chunk of one byte per value";
+        } else if (codecs[j] == GGML_ZIPMOE_CODEC_RAW && sizes[j] != count) {
+            problem = "is raw but its size is not its value count";
+        } else if (count > 0 && sizes[j] == 0) {
+            problem = "is empty";
+        }
+        if (problem != NULL) {
+            char what[32];
+            snprintf(what, sizeof(what), c == 0 ? "SM-chunk" : "E-chunk (shard %d)", c - 1);
+            set_error(err, err_size, "%s: layer %d, tensor %s, expert %d, %s %s (corrupt index)", path, t->layer,
+                      name, expert, what, problem);
+            return false;
+        }
+        t->chunks[j].offset   = blob_offset + offsets[j];
+        t->chunks[j].size     = sizes[j];
+        t->chunks[j].checksum = checksums[j];
+        t->chunks[j].codec    = codecs[j];
+        if (sizes[j] > file->max_chunk_size) {
+            file->max_chunk_size = sizes[j];
+        }
+    }
+    if (blob_offset + blob_size > file_size) {
+        set_error(err, err_size, "%s: the chunks of tensor %s lie beyond the end of the file (%llu bytes): "
+                  "the file is truncated", path, name, (unsigned long long) file_size);
+        return false;
+    }
+    if (t->n > file->max_values) {
+        file->max_values = t->n;
+    }
+    return true;
+}
+
+static bool load_index(struct ggml_zipmoe_file * file, const struct gguf_context * ctx, uint64_t file_size,
+                       char * err, size_t err_size) {
+    const char * path = file->path;
+    uint32_t version = 0, shards = 0, alignment = 0;
+    if (gguf_find_key(ctx, "zipmoe.format_version") < 0) {
+        set_error(err, err_size, "%s is not a ZipMoE GGUF (no zipmoe.format_version)", path);
+        return false;
+    }
+    if (!typed_u32(ctx, "zipmoe.format_version", &version)) {
+        set_error(err, err_size, "%s: zipmoe.format_version is not a u32", path);
+        return false;
+    }
+    if (version < 1 || version > GGML_ZIPMOE_FORMAT_VERSION) {
+        set_error(err, err_size, "%s: ZipMoE format version %u is not supported (this build reads versions 1 to %d)",
+                  path, version, GGML_ZIPMOE_FORMAT_VERSION);
+        return false;
+    }
+    file->version = (int) version;
+    if (!typed_u32(ctx, "zipmoe.shards", &shards) || shards < 1 || shards > ZIPMOE_MAX_SHARDS) {
+        set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.shards is missing or not in 1..%d", path,
+                  ZIPMOE_MAX_SHARDS);
+        return false;
+    }
+    if (!typed_u32(ctx, "zipmoe.chunk_alignment", &alignment) || alignment != GGML_ZIPMOE_CHUNK_ALIGNMENT) {
+        set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.chunk_alignment is missing or not %d", path,
+                  GGML_ZIPMOE_CHUNK_ALIGNMENT);
+        return false;
+    }
+    file->n_shards = (int) shards;
+
+    const int64_t id = gguf_find_key(ctx, "zipmoe.tensors");
+    if (id < 0 || gguf_get_kv_type(ctx, id) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, id) != GGUF_TYPE_STRING) {
+        set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.tensors is missing or not a string array", path);
+        return false;
+    }
+    const size_t n = gguf_get_arr_n(ctx, id);
+    if (n > (size_t) gguf_get_n_tensors(ctx)) {
+        set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.tensors lists more tensors than the file has", path);
+        return false;
+    }
+    file->tensors = (struct zipmoe_tensor *) calloc(n == 0 ? 1 : n, sizeof(*file->tensors));
+    if (file->tensors == NULL) {
+        set_error(err, err_size, "%s: out of memory", path);
+        return false;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const char * name = gguf_get_arr_str(ctx, id, i);
+        for (size_t j = 0; j < i; j++) {
+            if (strcmp(file->tensors[j].name, name) == 0) {
+                set_error(err, err_size, "%s: ZipMoE metadata: zipmoe.tensors lists %s twice", path, name);
+                return false;
+            }
+        }
+        file->n_tensors = (int) i + 1; // counted before loading so that close frees a half-loaded tensor
+        if (!load_tensor(file, ctx, name, file_size, &file->tensors[i], err, err_size)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+struct ggml_zipmoe_file * ggml_zipmoe_file_open(const char * path, unsigned flags, char * err, size_t err_size) {
+    set_error(err, err_size, "%s", "");
+    if (path == NULL || (flags & ~(unsigned) (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED)) != 0) {
+        set_error(err, err_size, "ggml_zipmoe_file_open: invalid argument");
+        return NULL;
+    }
+    struct ggml_zipmoe_file * file = (struct ggml_zipmoe_file *) calloc(1, sizeof(*file));
+    if (file == NULL || (file->path = strdup(path)) == NULL) {
+        free(file);
+        set_error(err, err_size, "%s: out of memory", path);
+        return NULL;
+    }
+
+    // O_DIRECT where asked; with GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED, plain reads where the
+    // filesystem refuses it (tmpfs, some network filesystems)
+    const int want_direct = (flags & (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED)) != 0;
+    file->flags = flags & ~(unsigned) (GGML_ZIPMOE_OPEN_DIRECT | GGML_ZIPMOE_OPEN_DIRECT_IF_SUPPORTED);
+    file->fd = -1;
+#ifdef O_DIRECT
+    if (want_direct) {
+        file->fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (file->fd >= 0) {
+            file->flags |= GGML_ZIPMOE_OPEN_DIRECT;
+        } else if (errno == EINVAL && (flags & GGML_ZIPMOE_OPEN_DIRECT)) {
+            set_error(err, err_size, "%s: the filesystem does not support direct I/O (O_DIRECT); "
+                      "turn direct I/O off", path);
+            ggml_zipmoe_file_close(file);
+            return NULL;
+        } else if (errno != EINVAL) {
+            set_error(err, err_size, "%s: cannot open: %s", path, strerror(errno));
+            ggml_zipmoe_file_close(file);
+            return NULL;
+        }
+    }
+#else
+    if (flags & GGML_ZIPMOE_OPEN_DIRECT) {
+        set_error(err, err_size, "%s: direct I/O (O_DIRECT) is not available on this platform", path);
+        ggml_zipmoe_file_close(file);
+        return NULL;
+    }
+#endif
+    if (file->fd < 0) {
+        file->fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
+    if (file->fd < 0) {
+        set_error(err, err_size, "%s: cannot open: %s", path, strerror(errno));
+        ggml_zipmoe_file_close(file);
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(file->fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        set_error(err, err_size, "%s: not a regular file", path);
+        ggml_zipmoe_file_close(file);
+        return NULL;
+    }
+
+    // metadata only (no_alloc): ggml's GGUF reader checks the header structure and tensor infos
+    struct gguf_init_params params = { /*.no_alloc =*/ true, /*.ctx =*/ NULL };
+    struct gguf_context * ctx = gguf_init_from_file(path, params);
+    if (ctx == NULL) {
+        set_error(err, err_size, "%s: not a valid GGUF file (ggml's GGUF reader refused it)", path);
+        ggml_zipmoe_file_close(file);
+        return NULL;
+    }
+    const bool ok = load_index(file, ctx, (uint64_t) st.st_size, err, err_size);
+    gguf_free(ctx);
+    if (!ok) {
+        ggml_zipmoe_file_close(file);
+        return NULL;
+    }
+    return file;
+}
+
+const char * ggml_zipmoe_file_path(const struct ggml_zipmoe_file * file) {
+    return file->path;
+}
+
+int ggml_zipmoe_file_is_direct(const struct ggml_zipmoe_file * file) {
+    return file != NULL && (file->flags & GGML_ZIPMOE_OPEN_DIRECT) != 0;
+}
+
+int ggml_zipmoe_file_n_shards(const struct ggml_zipmoe_file * file) {
+    return file->n_shards;
+}
+
+int ggml_zipmoe_file_n_tensors(const struct ggml_zipmoe_file * file) {
+    return file->n_tensors;
+}
+
+size_t ggml_zipmoe_file_max_chunk_size(const struct ggml_zipmoe_file * file) {
+    return (size_t) file->max_chunk_size;
+}
+
+size_t ggml_zipmoe_file_chunk_buffer_size(const struct ggml_zipmoe_file * file) {
+    return (size_t) zipmoe_align_up(file->max_chunk_size > 0 ? file->max_chunk_size : 1, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+}
+
+static const struct zipmoe_tensor * tensor_at(const struct ggml_zipmoe_file * file, int tensor) {
+    return file != NULL && tensor >= 0 && tensor < file->n_tensors ? &file->tensors[tensor] : NULL;
+}
+
+const char * ggml_zipmoe_file_tensor_name(const struct ggml_zipmoe_file * file, int tensor) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    return t != NULL ? t->name : NULL;
+}
+
+int ggml_zipmoe_file_tensor_layer(const struct ggml_zipmoe_file * file, int tensor) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    return t != NULL ? t->layer : -1;
+}
+
+void ggml_zipmoe_file_tensor_shape(const struct ggml_zipmoe_file * file, int tensor, int64_t ne[3]) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    for (int d = 0; d < 3; d++) {
+        ne[d] = t != NULL ? t->ne[d] : 0;
+    }
+}
+
+int ggml_zipmoe_file_find_tensor(const struct ggml_zipmoe_file * file, const char * name) {
+    for (int i = 0; file != NULL && name != NULL && i < file->n_tensors; i++) {
+        if (strcmp(file->tensors[i].name, name) == 0) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+const struct zipmoe_chunk * zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    if (t == NULL || expert < 0 || expert >= t->ne[2] || chunk < 0 || chunk > file->n_shards) {
+        return NULL;
+    }
+    return &t->chunks[(size_t) expert * (size_t) (1 + file->n_shards) + (size_t) chunk];
+}
+
+int ggml_zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk,
+                           struct ggml_zipmoe_chunk_info * info) {
+    const struct zipmoe_chunk * c = zipmoe_file_chunk(file, tensor, expert, chunk);
+    if (c == NULL || info == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const struct zipmoe_tensor * t = &file->tensors[tensor];
+    info->offset   = c->offset;
+    info->size     = c->size;
+    info->checksum = c->checksum;
+    info->codec    = c->codec;
+    info->shard    = chunk - 1;
+    info->first    = 0;
+    info->count    = t->n;
+    if (chunk > 0) {
+        zipmoe_shard_range(t->n, file->n_shards, chunk - 1, &info->first, &info->count);
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+void ggml_zipmoe_file_describe_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk,
+                                     char * buf, size_t size) {
+    if (buf == NULL || size == 0) {
+        return;
+    }
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    char what[32];
+    if (chunk == 0) {
+        snprintf(what, sizeof(what), "SM-chunk");
+    } else {
+        snprintf(what, sizeof(what), "E-chunk (shard %d)", chunk - 1);
+    }
+    if (t == NULL) {
+        snprintf(buf, size, "tensor #%d, expert %d, %s", tensor, expert, what);
+    } else {
+        snprintf(buf, size, "layer %d, tensor %s, expert %d, %s", t->layer, t->name, expert, what);
+    }
+}

@@ -1,0 +1,182 @@
+// Serving, re-planning: the default pools planned once more from the routing seen. After
+// zipmoe.replan_tokens decode steps (ubatches of one token), the rank-based inclusion probabilities
+// of those steps replace the planner's built-in uniform profile.
+
+#include "serving/zipmoe-serving-impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
+    free(r->seen_counts);
+    free(r->seen_ubatches);
+    free(r->counts);
+    free(r->ubatches);
+    free(r->token_counts);
+    free(r->observed);
+    memset(r, 0, sizeof(*r));
+}
+
+// the arrays, for the widest served layer; false if they cannot be made (no re-plan then)
+static bool start_profile(struct ggml_zipmoe_serving * s) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    const int n_layer = s->p.n_layer;
+    int32_t n_expert = 0;
+    for (int il = 0; il < n_layer; ++il) {
+        n_expert = MAX(n_expert, ggml_zipmoe_cache_n_expert(s->cache, il));
+    }
+    const size_t cells = (size_t) n_layer * (size_t) MAX(n_expert, 1);
+    r->seen_counts   = calloc(cells, sizeof(uint64_t));
+    r->counts        = calloc(cells, sizeof(uint64_t));
+    r->token_counts  = calloc(cells, sizeof(double));
+    r->seen_ubatches = calloc((size_t) n_layer, sizeof(uint64_t));
+    r->ubatches      = calloc((size_t) n_layer, sizeof(uint64_t));
+    r->observed      = calloc((size_t) MAX(n_expert, 1), sizeof(double));
+    if (!r->seen_counts || !r->counts || !r->token_counts || !r->seen_ubatches || !r->ubatches || !r->observed) {
+        zipmoe_routing_profile_free(r);
+        r->replanned = true; // give up: the pools stay as planned
+        return false;
+    }
+    r->n_expert = n_expert;
+    return n_expert > 0;
+}
+
+// this graph's selections: counted if every served layer ran one ubatch of one token (a decode
+// step selects n_expert_used experts in each)
+static void count_step(struct ggml_zipmoe_serving * s) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    const int32_t n_exp = r->n_expert;
+    bool one_token = true, any = false;
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        if (!ggml_zipmoe_cache_has_layer(s->cache, il)) {
+            continue;
+        }
+        uint64_t * counts = r->counts + (size_t) il * n_exp;
+        const uint64_t * seen = r->seen_counts + (size_t) il * n_exp;
+        ggml_zipmoe_cache_get_activations(s->cache, il, counts, &r->ubatches[il]);
+        uint64_t selected = 0;
+        for (int32_t e = 0; e < n_exp; ++e) {
+            selected += counts[e] - seen[e];
+        }
+        const uint64_t steps = r->ubatches[il] - r->seen_ubatches[il];
+        any |= steps > 0;
+        one_token &= steps == 1 && selected <= (uint64_t) s->p.n_expert_used;
+    }
+    const size_t cells = (size_t) s->p.n_layer * n_exp;
+    if (one_token && any) {
+        for (size_t i = 0; i < cells; ++i) {
+            r->token_counts[i] += (double) (r->counts[i] - r->seen_counts[i]);
+        }
+        r->token_steps++;
+    }
+    uint64_t * t = r->seen_counts;
+    r->seen_counts = r->counts;
+    r->counts = t;
+    t = r->seen_ubatches;
+    r->seen_ubatches = r->ubatches;
+    r->ubatches = t;
+}
+
+static int descending(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+// rank-based inclusion probabilities of the steps counted, averaged over the served layers
+// (as zipmoe_py/plan_math.py's rank_inclusion_probabilities computes them for zipmoe-plan)
+static bool rank_profile(struct ggml_zipmoe_serving * s) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    const int32_t n_exp = r->n_expert;
+    double * ranked = malloc(sizeof(double) * (size_t) n_exp);
+    if (ranked == NULL) {
+        return false;
+    }
+    memset(r->observed, 0, sizeof(double) * (size_t) n_exp);
+    int n_served = 0;
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        if (!ggml_zipmoe_cache_has_layer(s->cache, il)) {
+            continue;
+        }
+        memcpy(ranked, r->token_counts + (size_t) il * n_exp, sizeof(double) * (size_t) n_exp);
+        qsort(ranked, (size_t) n_exp, sizeof(double), descending);
+        for (int32_t e = 0; e < n_exp; ++e) {
+            r->observed[e] += ranked[e] / (double) r->token_steps;
+        }
+        n_served++;
+    }
+    for (int32_t e = 0; e < n_exp; ++e) {
+        r->observed[e] /= MAX(1, n_served);
+    }
+    free(ranked);
+    return true;
+}
+
+// the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
+// (a change empties the stores, which fill again on demand). Returns 1 if the slots changed.
+static int replan(struct ggml_zipmoe_serving * s) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    struct ggml_zipmoe_default_pools choice;
+    memset(&choice, 0, sizeof(choice));
+    if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads, s->p.work_slots,
+                                        s->plan_rates[0], s->plan_rates[1], r->observed, &choice) != GGML_ZIPMOE_OK) {
+        return 0;
+    }
+    const bool    use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
+    const int32_t capacity  = ggml_zipmoe_cache_slot_capacity(s->cache);
+    const int32_t fewest    = MIN(capacity, s->p.n_expert_used);
+    if (use_pools && (choice.n_slots < fewest || choice.n_slots > capacity)) {
+        return 0;
+    }
+    const int32_t n        = MIN(capacity, MAX(fewest, choice.n_slots));
+    const double  expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
+    const bool    same     = (use_pools == s->auto_active && n == s->n_slots &&
+                              memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
+                              choice.inclusive == s->auto_choice.inclusive) ||
+                             expected >= 0.9 * choice.current_makespan_s;
+    if (same) {
+        char why[sizeof(s->plan.pools_why) + 160];
+        snprintf(why, sizeof(why), "%s (kept after a re-plan from the observed profile: %.2f ms per layer expected, "
+                 "against %.2f ms with these)", s->auto_choice.why, expected * 1e3, choice.current_makespan_s * 1e3);
+        snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: kept (%s)",
+                           (unsigned long long) r->token_steps, choice.why);
+        return 0;
+    }
+    if (zipmoe_serving_use_slots(s, n, &choice) != GGML_ZIPMOE_OK) {
+        zipmoe_serving_log(s, 1, "ZipMoE pools from the observed routing not made (%s): %s", choice.why,
+                           ggml_zipmoe_cache_error(s->cache));
+        return 0; // nothing changed
+    }
+    s->auto_active = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
+    s->auto_choice = choice;
+    memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
+    s->plan.n_slots = s->n_slots;
+    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: F %d, C %d, S %d, E %d per MoE layer, "
+                       "%d slots: %s", (unsigned long long) r->token_steps, choice.capacity[0], choice.capacity[1],
+                       choice.capacity[2], choice.capacity[3], n, choice.why);
+    return 1;
+}
+
+int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s) {
+    if (s == NULL) {
+        return 0;
+    }
+    struct zipmoe_routing_profile * r = &s->routing;
+    if (!s->auto_eligible || r->replanned || s->p.replan_tokens == 0 || s->cache == NULL) {
+        return 0;
+    }
+    if (r->n_expert == 0 && !start_profile(s)) {
+        return 0;
+    }
+    count_step(s);
+    if (r->token_steps < (uint64_t) s->p.replan_tokens) {
+        return 0;
+    }
+    r->replanned = true;
+    return rank_profile(s) ? replan(s) : 0;
+}

@@ -1,0 +1,73 @@
+// The serving object's state, shared by zipmoe-serving.c (geometry, slot memory, sizing) and
+// zipmoe-replan.c (the pools planned again from the routing seen). Not part of the public API.
+
+#pragma once
+
+#include "ggml-zipmoe.h"
+#include "ggml-zipmoe-policy.h"
+#include "ggml-zipmoe-serving.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ZIPMOE_GIB (1024.0 * 1024.0 * 1024.0)
+#define ZIPMOE_MIB (1024.0 * 1024.0)
+
+// the routing of one-token decode steps, for planning the pools once more (zipmoe-replan.c)
+struct zipmoe_routing_profile {
+    int32_t    n_expert;     // experts of the widest served layer (0: not started)
+    uint64_t * seen_counts;  // [n_layer][n_expert] the cache's activation counts after the last graph
+    uint64_t * seen_ubatches;// [n_layer]
+    uint64_t * counts;       // [n_layer][n_expert] and after this one
+    uint64_t * ubatches;     // [n_layer]
+    double *   token_counts; // [n_layer][n_expert] selections in one-token ubatches
+    uint64_t   token_steps;
+    double *   observed;     // [n_expert] rank-based inclusion probabilities of those steps
+    bool       replanned;
+};
+
+struct ggml_zipmoe_serving {
+    struct ggml_zipmoe_serving_params p;
+    int32_t *                         layer_tensors; // the params' table, copied
+    ggml_zipmoe_log_fn                log;
+    void *                            log_data;
+
+    // memory and geometry, fixed at load
+    uint64_t                        available;
+    char                            source[256];
+    struct ggml_zipmoe_serving_info info;
+
+    // slots
+    struct ggml_zipmoe_cache * cache;
+    bool                       on_gpu;
+    void *                     mapping;       // host slots: one reserved region (NULL: none)
+    size_t                     mapping_bytes;
+    size_t                     section[3];    // offset of each kind's slots in it
+    size_t                     stride[3];
+    int32_t                    n_slots;       // in use
+
+    // the default pools
+    bool                             auto_eligible;   // no pools given, host slots, rank eviction
+    bool                             auto_active;     // auto_choice's pools are the cache's
+    struct ggml_zipmoe_default_pools auto_choice;     // capacity all 0: one F pool
+    double                           plan_rates[2];   // read and decode rates the pools are planned with
+    uint64_t                         auto_budget;     // the bytes and decoding threads last planned for
+    int32_t                          auto_threads;
+    int32_t                          n_threads_max;
+    struct zipmoe_routing_profile    routing;
+
+    struct ggml_zipmoe_serving_plan plan; // the last sizing
+};
+
+// logs through the params' callback (printf format)
+void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const char * fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+// n slots in use with the pools (capacity all 0: one F pool; NULL: the pools unchanged), the memory
+// of the slots given up returned to the system. Where the stores cannot be allocated the cache falls
+// back to one F pool, and *pools says so. OK, or the cache's refusal (nothing changed)
+int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools);
+
+// zipmoe-replan.c
+void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r);

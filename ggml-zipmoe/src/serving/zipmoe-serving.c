@@ -1,0 +1,527 @@
+// Serving (ggml-zipmoe-serving.h): the memory a process may take, the slots to reserve, and the
+// slots in use with their pools each time a context is made or freed.
+
+#include "serving/zipmoe-serving-impl.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const char * fmt, ...) {
+    if (s->log == NULL) {
+        return;
+    }
+    char text[2048];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    s->log(level, text, s->log_data);
+}
+
+// "1.25 GiB" into one of a few rotating buffers, so that a message may hold several
+static const char * gib(uint64_t bytes) {
+    static _Thread_local char bufs[8][32];
+    static _Thread_local int next;
+    char * b = bufs[next++ % 8];
+    snprintf(b, sizeof(bufs[0]), "%.2f GiB", bytes / ZIPMOE_GIB);
+    return b;
+}
+
+static int32_t slots_for(const struct ggml_zipmoe_serving * s, uint64_t bytes) {
+    const uint64_t n = bytes / s->info.expert_bytes;
+    return (int32_t) MIN(n, (uint64_t) INT32_MAX);
+}
+
+static bool with_pools(const struct ggml_zipmoe_serving * s) {
+    return s->p.pools[0] + s->p.pools[1] + s->p.pools[2] + s->p.pools[3] > 0;
+}
+
+// resident set of this process (VmRSS), 0 if unknown
+static uint64_t resident_bytes(void) {
+    FILE * f = fopen("/proc/self/status", "r");
+    if (f == NULL) {
+        return 0;
+    }
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof(line), f) != NULL) {
+        if (sscanf(line, "VmRSS: %llu kB", &kb) == 1) {
+            break;
+        }
+    }
+    fclose(f);
+    return (uint64_t) kb * 1024;
+}
+
+// what this process may take, measured before the model's weights are mapped
+static void measure_memory(struct ggml_zipmoe_serving * s) {
+    if (s->p.available != 0) {
+        s->available = s->p.available;
+        snprintf(s->source, sizeof(s->source), "given");
+        return;
+    }
+    struct ggml_zipmoe_memory mem;
+    ggml_zipmoe_memory_available(NULL, &mem);
+    s->available = mem.available;
+    if (mem.cgroup_version != 0 && mem.cgroup_limit != UINT64_MAX && mem.available < mem.mem_available) {
+        snprintf(s->source, sizeof(s->source), "cgroup v%d %.160s: limit %s, %s in use", mem.cgroup_version,
+                 mem.cgroup_path, gib(mem.cgroup_limit), gib(mem.cgroup_used));
+    } else {
+        snprintf(s->source, sizeof(s->source), "MemAvailable");
+    }
+    if (s->p.mem_limit != 0) {
+        const uint64_t rss  = resident_bytes();
+        const uint64_t left = s->p.mem_limit > rss ? s->p.mem_limit - rss : 0;
+        if (left < s->available) {
+            s->available = left;
+            snprintf(s->source, sizeof(s->source), "zipmoe.mem_limit %s, %s resident", gib(s->p.mem_limit), gib(rss));
+        }
+    }
+    if (s->available == UINT64_MAX) {
+        s->available = 0; // unknown: the budget then falls back to its minimum, with a warning
+        snprintf(s->source, sizeof(s->source), "unknown (no /proc/meminfo, no cgroup limit)");
+    }
+}
+
+// the experts' geometry from the file: one slot shape per kind (the cache checks every layer has it)
+static int measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
+    static const char * const kinds[3] = { "gate", "up", "down" };
+    const struct ggml_zipmoe_file * file = s->p.file;
+    struct ggml_zipmoe_serving_info * in = &s->info;
+    int first = -1;
+    for (int l = 0; l < s->p.n_layer && first < 0; ++l) {
+        const int32_t * t = s->layer_tensors + 3 * l;
+        if (t[0] < 0 && t[1] < 0 && t[2] < 0) {
+            continue;
+        }
+        for (int k = 0; k < 3; ++k) {
+            if (t[k] < 0) {
+                const int any = t[0] >= 0 ? t[0] : t[1] >= 0 ? t[1] : t[2];
+                snprintf(err, err_size, "%s: %s is repacked but its layer's %s experts are not",
+                         ggml_zipmoe_file_path(file), ggml_zipmoe_file_tensor_name(file, any), kinds[k]);
+                return GGML_ZIPMOE_ERR_FORMAT;
+            }
+        }
+        first = l;
+    }
+    if (first < 0) {
+        snprintf(err, err_size, "%s: no layer has repacked gate, up and down experts", ggml_zipmoe_file_path(file));
+        return GGML_ZIPMOE_ERR_FORMAT;
+    }
+    for (int k = 0; k < 3; ++k) {
+        int64_t ne[3];
+        ggml_zipmoe_file_tensor_shape(file, s->layer_tensors[3 * first + k], ne);
+        in->slot_ne[k][0] = ne[0];
+        in->slot_ne[k][1] = ne[1];
+        in->expert_bytes += (uint64_t) ne[0] * ne[1] * sizeof(uint16_t);
+    }
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        int64_t ne[3];
+        ggml_zipmoe_file_tensor_shape(file, i, ne);
+        in->all_experts += (uint64_t) ne[0] * ne[1] * ne[2] * sizeof(uint16_t);
+        in->n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != NULL;
+        in->max_expert = MAX(in->max_expert, (int32_t) ne[2]);
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// the slots to reserve; how many are in use is decided per context (resize)
+static int choose_capacity(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
+    struct ggml_zipmoe_serving_info * in = &s->info;
+    const int32_t * pools = s->p.pools;
+    const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
+    if (in->with_pools) {
+        // pools hold experts per MoE layer: more than a layer has is a mistake (a slot count?), and
+        // would reserve memory no expert ever uses
+        const int64_t held = (int64_t) pools[0] + pools[1] + pools[2] + pools[3];
+        if (held > in->max_expert) {
+            snprintf(err, err_size, "zipmoe.pool_f/c/s/e (F %d, C %d, S %d, E %d) hold %lld experts per MoE layer, "
+                     "more than the %d a layer of %s has", pools[0], pools[1], pools[2], pools[3], (long long) held,
+                     in->max_expert, ggml_zipmoe_file_path(s->p.file));
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        in->capacity = pools[0] * in->n_moe_layers + s->p.work_slots;
+    } else if (s->p.budget != 0) {
+        if (s->p.budget < in->expert_bytes) {
+            snprintf(err, err_size, "zipmoe.budget of %llu bytes cannot hold one expert (%llu bytes: gate + up + down)",
+                     (unsigned long long) s->p.budget, (unsigned long long) in->expert_bytes);
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        in->capacity = MIN(slots_for(s, s->p.budget), all_slots); // more slots than experts would never be used
+    } else {
+        in->capacity = MAX(MIN(all_slots, slots_for(s, s->available)), MIN(all_slots, s->p.n_expert_used));
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+struct ggml_zipmoe_serving * ggml_zipmoe_serving_new(const struct ggml_zipmoe_serving_params * params, char * err,
+                                                     size_t err_size) {
+    char scratch[1];
+    if (err == NULL || err_size == 0) {
+        err = scratch;
+        err_size = sizeof(scratch);
+    }
+    err[0] = '\0';
+    if (params == NULL || params->file == NULL || params->layer_tensors == NULL || params->n_layer <= 0) {
+        snprintf(err, err_size, "ggml_zipmoe_serving_new: no file or no layer table");
+        return NULL;
+    }
+    struct ggml_zipmoe_serving * s = calloc(1, sizeof(*s));
+    int32_t * table = malloc(sizeof(int32_t) * 3 * (size_t) params->n_layer);
+    if (s == NULL || table == NULL) {
+        free(s);
+        free(table);
+        snprintf(err, err_size, "ggml_zipmoe_serving_new: out of memory");
+        return NULL;
+    }
+    memcpy(table, params->layer_tensors, sizeof(int32_t) * 3 * (size_t) params->n_layer);
+    s->p                  = *params;
+    s->p.n_expert_used    = MAX(1, params->n_expert_used);
+    s->p.layer_tensors    = table;
+    s->layer_tensors      = table;
+    s->log                = params->log;
+    s->log_data           = params->log_data;
+    s->info.with_pools    = with_pools(s);
+    s->auto_threads       = 1;
+    s->n_threads_max      = 1;
+    measure_memory(s);
+    if (measure_experts(s, err, err_size) != GGML_ZIPMOE_OK || choose_capacity(s, err, err_size) != GGML_ZIPMOE_OK) {
+        ggml_zipmoe_serving_free(s);
+        return NULL;
+    }
+    s->info.fewest = MIN(s->info.capacity, s->p.n_expert_used);
+    return s;
+}
+
+void ggml_zipmoe_serving_free(struct ggml_zipmoe_serving * s) {
+    if (s == NULL) {
+        return;
+    }
+    if (s->mapping != NULL) {
+        munmap(s->mapping, s->mapping_bytes);
+    }
+    zipmoe_routing_profile_free(&s->routing);
+    free(s->layer_tensors);
+    free(s);
+}
+
+void ggml_zipmoe_serving_get_info(const struct ggml_zipmoe_serving * s, struct ggml_zipmoe_serving_info * info) {
+    *info = s->info;
+}
+
+int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const char * device, uint64_t free_bytes,
+                                       uint64_t reserve_bytes) {
+    struct ggml_zipmoe_serving_info * in = &s->info;
+    const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
+    const int32_t fit       = slots_for(s, free_bytes > reserve_bytes ? free_bytes - reserve_bytes : 0);
+    const int32_t fewest    = MIN(all_slots, s->p.n_expert_used);
+    if (!in->with_pools && s->p.budget == 0) {
+        in->capacity = MAX(MIN(all_slots, fit), fewest);
+    } else if (!in->with_pools && in->capacity > fit) {
+        const int32_t n = MAX(fit, fewest);
+        zipmoe_serving_log(s, 1, "zipmoe.budget of %s does not fit in %s's %s free beside %s of other weights and "
+                           "buffers: %d slots (%s)", gib(s->p.budget), device, gib(free_bytes), gib(reserve_bytes), n,
+                           gib((uint64_t) n * in->expert_bytes));
+        in->capacity = n;
+    }
+    s->on_gpu   = true;
+    in->fewest  = in->capacity; // every slot in use
+    return in->capacity;
+}
+
+int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data[3], size_t stride[3], char * err,
+                                     size_t err_size) {
+    struct ggml_zipmoe_serving_info * in = &s->info;
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (int k = 0; k < 3; ++k) {
+        s->stride[k] = (size_t) in->slot_ne[k][0] * (size_t) in->slot_ne[k][1] * sizeof(uint16_t);
+    }
+    // address space for every slot, committed only where a slot is written (MAP_NORESERVE); where
+    // the kernel refuses that much, fewer slots
+    for (;;) {
+        size_t off = 0;
+        for (int k = 0; k < 3; ++k) {
+            s->section[k] = off;
+            off += ((size_t) in->capacity * s->stride[k] + page - 1) / page * page;
+        }
+        s->mapping_bytes = off;
+        void * m = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m != MAP_FAILED) {
+            s->mapping = m;
+            break;
+        }
+        if (in->capacity <= MIN(s->p.n_expert_used, in->capacity) || in->capacity <= 1) {
+            snprintf(err, err_size, "cannot reserve address space for the ZipMoE expert cache (%d slots, %.1f MiB): %s",
+                     in->capacity, off / ZIPMOE_MIB, strerror(errno));
+            return GGML_ZIPMOE_ERR_NOMEM;
+        }
+        in->capacity = MAX(1, in->capacity / 2);
+    }
+    in->fewest = in->with_pools ? in->capacity : MIN(in->capacity, s->p.n_expert_used);
+    for (int k = 0; k < 3; ++k) {
+        data[k]   = (char *) s->mapping + s->section[k];
+        stride[k] = s->stride[k];
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// the pools given: their memory against the budget, and a line for the log
+static int check_given_pools(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
+    uint64_t total = 0;
+    char layout[256] = "";
+    size_t used = 0;
+    for (int p = 0; p < GGML_ZIPMOE_POOL_COUNT; ++p) {
+        size_t entry = 0;
+        const int n = ggml_zipmoe_cache_pool_entries(s->cache, p, &entry);
+        total += (uint64_t) n * entry;
+        used += (size_t) snprintf(layout + used, sizeof(layout) - MIN(used, sizeof(layout)), "%s%s %d x %.2f MiB",
+                                  p ? ", " : "", ggml_zipmoe_pool_name(p), n, entry / ZIPMOE_MIB);
+    }
+    total += (uint64_t) s->p.work_slots * s->info.expert_bytes;
+    snprintf(layout + MIN(used, sizeof(layout) - 1), sizeof(layout) - MIN(used, sizeof(layout) - 1),
+             ", %d working slots", s->p.work_slots);
+    if (s->p.budget != 0 && total > s->p.budget) {
+        snprintf(err, err_size, "zipmoe.pool_* and zipmoe.work_slots need %.1f MiB (%s), more than zipmoe.budget's "
+                 "%.1f MiB", total / ZIPMOE_MIB, layout, s->p.budget / ZIPMOE_MIB);
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    zipmoe_serving_log(s, 0, "ZipMoE expert cache pools: %s = %.1f MiB", layout, total / ZIPMOE_MIB);
+    return GGML_ZIPMOE_OK;
+}
+
+int ggml_zipmoe_serving_set_cache(struct ggml_zipmoe_serving * s, struct ggml_zipmoe_cache * cache, int on_gpu,
+                                  char * err, size_t err_size) {
+    s->cache  = cache;
+    s->on_gpu = on_gpu != 0;
+    if (s->info.with_pools && check_given_pools(s, err, err_size) != GGML_ZIPMOE_OK) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    // until a context says how much memory is left, the fewest slots: the graphs a context
+    // reserves its buffers with then have the most passes
+    s->n_slots = s->info.fewest;
+    ggml_zipmoe_cache_set_n_slots(cache, s->n_slots);
+    struct ggml_zipmoe_serving_plan * pl = &s->plan;
+    pl->available     = s->available;
+    pl->budget        = s->p.budget;
+    pl->expert_bytes  = s->info.expert_bytes;
+    pl->n_slots       = s->n_slots;
+    pl->slot_capacity = ggml_zipmoe_cache_slot_capacity(cache);
+    pl->min_slots     = s->n_slots;
+    snprintf(pl->source, sizeof(pl->source), "%s", s->source);
+    return GGML_ZIPMOE_OK;
+}
+
+int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools) {
+    const int32_t old = s->n_slots;
+    const int status = pools != NULL ? ggml_zipmoe_cache_set_pools(s->cache, pools->capacity, n, pools->inclusive)
+                                     : ggml_zipmoe_cache_set_n_slots(s->cache, n);
+    if (status != GGML_ZIPMOE_OK && status != GGML_ZIPMOE_ERR_NOMEM) {
+        return status; // refused before anything changed
+    }
+    if (status == GGML_ZIPMOE_ERR_NOMEM) {
+        // the stores could not be allocated: the cache fell back to one F pool of n slots
+        zipmoe_serving_log(s, 1, "ZipMoE pools could not be made (%s): one F pool", ggml_zipmoe_cache_error(s->cache));
+        snprintf(pools->why, sizeof(pools->why), "one F pool: the planned stores could not be allocated");
+        memset(pools->capacity, 0, sizeof(pools->capacity));
+    }
+    s->n_slots = n;
+    if (n < old && s->mapping != NULL) {
+        // give the memory of the slots given up back to the system
+        const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+        for (int k = 0; k < 3; ++k) {
+            const size_t lo = (s->section[k] + (size_t) n * s->stride[k] + page - 1) / page * page;
+            const size_t hi = (s->section[k] + (size_t) old * s->stride[k]) / page * page;
+            if (hi > lo) {
+                madvise((char *) s->mapping + lo, hi - lo, MADV_DONTNEED);
+            }
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+void ggml_zipmoe_serving_get_plan(const struct ggml_zipmoe_serving * s, struct ggml_zipmoe_serving_plan * plan) {
+    *plan = s->plan;
+}
+
+int ggml_zipmoe_serving_auto_pools_active(const struct ggml_zipmoe_serving * s) {
+    return s->auto_active;
+}
+
+// "available ... - ... = fits": the sums of a sizing, for its log lines and errors
+static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, char * buf, size_t size) {
+    snprintf(buf, size, "available %s (%s) - non-expert weights %s - %d context(s) %s - ZipMoE buffers %s - margin %s "
+             "= %s", gib(pl->available), pl->source, gib(pl->non_expert), pl->n_contexts, gib(pl->contexts),
+             gib(pl->cache_buffers), gib(pl->margin), gib(pl->fits));
+}
+
+// the slots that fit beside everything else, into s->plan (its sizing fields) and *n_out; logs when a
+// budget is cut or memory is short. ERR_ARG when pools given do not fit while making a context.
+static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_serving_demand * d, int32_t * n_out,
+                      char * err, size_t err_size) {
+    const bool pools_given = s->info.with_pools;
+    // the stores of C, S and E are sized with the slots, from what is left beside the cache's other buffers
+    uint64_t stores = 0;
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; ++p) {
+        size_t entry = 0;
+        stores += (uint64_t) MAX(0, ggml_zipmoe_cache_pool_entries(s->cache, p, &entry)) * entry;
+    }
+    const uint64_t extra = ggml_zipmoe_cache_extra_bytes(s->cache, s->n_threads_max);
+    struct ggml_zipmoe_serving_plan pl;
+    memset(&pl, 0, sizeof(pl));
+    pl.available     = s->available;
+    pl.non_expert    = d->non_expert;
+    pl.contexts      = d->contexts;
+    pl.n_contexts    = d->n_contexts;
+    pl.cache_buffers = pools_given || extra < stores ? extra : extra - stores;
+    pl.margin        = (64ull << 20) + s->available / 32; // heap growth, readahead, allocator slack
+    const uint64_t fixed = d->non_expert + d->contexts + pl.cache_buffers + pl.margin;
+    pl.fits          = s->available > fixed ? s->available - fixed : 0;
+    pl.budget        = s->p.budget;
+    pl.expert_bytes  = s->info.expert_bytes;
+    pl.slot_capacity = ggml_zipmoe_cache_slot_capacity(s->cache);
+    snprintf(pl.source, sizeof(pl.source), "%s", s->source);
+    const int32_t capacity = pl.slot_capacity;
+    pl.min_slots = pools_given || s->on_gpu ? capacity : MIN(capacity, s->p.n_expert_used);
+    char sums[768];
+    describe_sums(&pl, sums, sizeof(sums));
+    int32_t n = capacity;
+    if (s->on_gpu) {
+        // the slots take device memory, allocated when the model loaded; the stores' host memory
+        // is the cache's own buffers above
+    } else if (pools_given) {
+        const uint64_t need = (uint64_t) capacity * s->info.expert_bytes;
+        if (need > pl.fits && d->making) {
+            snprintf(err, err_size, "the ZipMoE pools need %s of slots (%d F experts per layer x %d layers + %d working "
+                     "slots) beside %s of stores, but only %s is left: %s. Give smaller zipmoe.pool_* / "
+                     "zipmoe.work_slots, a smaller context, or more memory", gib(need), s->p.pools[0],
+                     s->info.n_moe_layers, s->p.work_slots, gib(pl.cache_buffers), gib(pl.fits), sums);
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+    } else {
+        const int32_t fit = slots_for(s, pl.fits);
+        if (s->p.budget != 0) {
+            if (capacity > fit) {
+                n = MAX(MIN(capacity, pl.min_slots), fit);
+                zipmoe_serving_log(s, 1, "zipmoe.budget of %s does not fit: %s; using %d slots (%s)", gib(s->p.budget),
+                                   sums, n, gib((uint64_t) n * s->info.expert_bytes));
+            }
+        } else {
+            n = MIN(capacity, MAX(pl.min_slots, fit));
+            if (fit < pl.min_slots) {
+                zipmoe_serving_log(s, 1, "memory is short for the ZipMoE expert cache: %s; keeping the minimum of %d "
+                                   "slots (one token's experts of a layer); weights will be paged from disk", sums, n);
+            }
+        }
+    }
+    s->plan = pl;
+    *n_out  = n;
+    return GGML_ZIPMOE_OK;
+}
+
+// the pools for the memory left: compressed experts kept where full ones no longer fit. Returns
+// true with *n set to their slots when the default pools apply; false (one F pool) with choice->why
+// saying why not.
+static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggml_zipmoe_default_pools * choice) {
+    const struct ggml_zipmoe_serving_plan * pl = &s->plan;
+    if (s->info.with_pools) {
+        snprintf(choice->why, sizeof(choice->why), "the pools given (zipmoe.pool_* or a zipmoe-plan file)");
+        return false;
+    }
+    if (s->on_gpu) {
+        snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in GPU memory");
+        return false;
+    }
+    if (!s->p.auto_pools) {
+        snprintf(choice->why, sizeof(choice->why), "one F pool: zipmoe.auto_pools is off");
+        return false;
+    }
+    if (s->p.eviction != GGML_ZIPMOE_EVICT_RANK) {
+        snprintf(choice->why, sizeof(choice->why), "one F pool: pools dispatch by rank, and zipmoe.eviction is %s",
+                 ggml_zipmoe_eviction_name(s->p.eviction));
+        return false;
+    }
+    s->auto_eligible = true;
+    // the rates of the first plan (the defaults, or those given): the pools change with the memory
+    // left, not with each measurement of the disk
+    if (s->plan_rates[0] == 0) {
+        s->plan_rates[0] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_READ);
+        s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
+    }
+    s->auto_budget  = s->p.budget != 0 ? MIN(s->p.budget, pl->fits) : pl->fits;
+    s->auto_threads = s->p.threads > 0 ? s->p.threads : MAX(1, s->n_threads_max);
+    const double * profile = s->routing.replanned ? s->routing.observed : NULL;
+    if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads,
+                                        s->p.work_slots, s->plan_rates[0], s->plan_rates[1], profile, choice) !=
+            GGML_ZIPMOE_OK ||
+        choice->capacity[1] + choice->capacity[2] + choice->capacity[3] == 0) {
+        return false;
+    }
+    if (choice->n_slots > pl->slot_capacity || choice->n_slots < pl->min_slots) {
+        snprintf(choice->why, sizeof(choice->why), "one F pool: the planned %d slots are outside the %d to %d reserved",
+                 choice->n_slots, pl->min_slots, pl->slot_capacity);
+        memset(choice->capacity, 0, sizeof(choice->capacity));
+        return false;
+    }
+    *n = choice->n_slots;
+    return true;
+}
+
+int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_serving_demand * d,
+                               int * changed_out, char * err, size_t err_size) {
+    if (changed_out != NULL) {
+        *changed_out = 0;
+    }
+    if (s->cache == NULL || d == NULL) {
+        snprintf(err, err_size, "ggml_zipmoe_serving_resize: no cache");
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    s->n_threads_max = MAX(s->n_threads_max, d->n_threads_max);
+    int32_t n = 0;
+    const int status = size_slots(s, d, &n, err, err_size);
+    if (status != GGML_ZIPMOE_OK) {
+        return status;
+    }
+    struct ggml_zipmoe_default_pools choice;
+    memset(&choice, 0, sizeof(choice));
+    bool use_pools = choose_pools(s, &n, &choice);
+    const bool pools_changed = use_pools != s->auto_active ||
+                               (use_pools && memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) != 0);
+    const bool changed = n != s->n_slots || pools_changed;
+    if (changed) {
+        if (!use_pools) {
+            memset(choice.capacity, 0, sizeof(choice.capacity)); // one F pool
+        }
+        if (zipmoe_serving_use_slots(s, n, pools_changed ? &choice : NULL) != GGML_ZIPMOE_OK) {
+            snprintf(err, err_size, "%s", ggml_zipmoe_cache_error(s->cache));
+            return GGML_ZIPMOE_ERR_ARG;
+        }
+        use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
+    }
+    if (use_pools && (changed || d->making)) {
+        zipmoe_serving_log(s, 0, "ZipMoE expert cache pools per MoE layer: F %d, C %d, S %d, E %d, %d working slots: %s",
+                           choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3],
+                           n - choice.capacity[0] * s->info.n_moe_layers, choice.why);
+    }
+    s->auto_active = use_pools;
+    s->auto_choice = choice;
+    struct ggml_zipmoe_serving_plan * pl = &s->plan;
+    pl->n_slots = n;
+    memcpy(pl->pools, s->info.with_pools ? s->p.pools : choice.capacity, sizeof(pl->pools));
+    snprintf(pl->pools_why, sizeof(pl->pools_why), "%s", choice.why);
+    char sums[768];
+    describe_sums(pl, sums, sizeof(sums));
+    zipmoe_serving_log(s, 0, "ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s)", n, pl->slot_capacity,
+                       (double) n * s->info.expert_bytes / ZIPMOE_MIB, s->p.budget != 0 ? "zipmoe.budget; " : "", sums);
+    if (changed_out != NULL) {
+        *changed_out = changed;
+    }
+    return GGML_ZIPMOE_OK;
+}

@@ -1,0 +1,239 @@
+"""Serving (ggml-zipmoe-serving.h), driven without llama.cpp: the slots a process reserves, the slots
+in use for the memory left beside the other weights and the contexts, given pools that do not fit,
+and the default pools planned again from the routing of decode steps.
+
+The same object sizes every Llama (tests/test_memory.py checks the numbers it reports there); here
+its arithmetic is checked against the rules written out, with the memory given rather than measured.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from zipmoe_py import _lib
+from zipmoe_py import format as zformat
+
+from test_format import make_moe_gguf
+
+MIB = 1 << 20
+N_EXPERT = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serving")
+    src = make_moe_gguf(tmp / "src.gguf", shape=(67, 45, N_EXPERT), layers=3)
+    path = tmp / "z.gguf"
+    zformat.repack(src, path, shards=2)
+    return path
+
+
+class Serving:
+    """A serving object on a ZipMoE GGUF, its log lines kept, and the cache it sizes."""
+
+    def __init__(self, path, available, n_expert_used=2, budget=0, pools=(0, 0, 0, 0), work_slots=4,
+                 eviction=_lib.EVICT_RANK, auto_pools=True, replan_tokens=0):
+        self.lib = _lib.lib()
+        self.zf = zformat.ZipMoEFile(path)
+        self.logs: list[tuple[int, str]] = []
+        self._log = _lib.LOG_FN(lambda level, text, _: self.logs.append((level, text.decode())))
+        layers = self.zf.moe_layers()
+        n_layer = max(layers) + 1
+        self.table = (ctypes.c_int32 * (3 * n_layer))(*[-1] * (3 * n_layer))
+        for layer, tensors in layers.items():
+            self.table[3 * layer:3 * layer + 3] = list(tensors)
+        p = self.params = _lib.ServingParams()
+        p.file, p.layer_tensors, p.n_layer, p.n_expert_used = self.zf._handle, self.table, n_layer, n_expert_used
+        p.available, p.budget, p.work_slots, p.eviction = available, budget, work_slots, eviction
+        p.pools[:] = pools
+        p.auto_pools, p.replan_tokens, p.log = int(auto_pools), replan_tokens, self._log
+        self.err = ctypes.create_string_buffer(2048)
+        self.handle = self.lib.ggml_zipmoe_serving_new(ctypes.byref(p), self.err, len(self.err))
+        self.cache = None
+
+    @property
+    def error(self) -> str:
+        return self.err.value.decode()
+
+    def info(self) -> _lib.ServingInfo:
+        info = _lib.ServingInfo()
+        self.lib.ggml_zipmoe_serving_get_info(self.handle, ctypes.byref(info))
+        return info
+
+    def make_cache(self) -> None:
+        """reserves the host slots and makes the cache on them, as the loader does"""
+        data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()
+        assert self.lib.ggml_zipmoe_serving_reserve_host(self.handle, data, stride, self.err, len(self.err)) == 0
+        cp = self.cache_params = _lib.CacheParams()
+        cp.file, cp.n_slots, cp.eviction = self.zf._handle, self.info().capacity, self.params.eviction
+        cp.pool_capacity[:] = list(self.params.pools)
+        cp.n_layer, cp.layer_tensors = self.params.n_layer, self.table
+        cp.slot_data[:], cp.slot_stride[:] = list(data), list(stride)
+        self.cache = self.lib.ggml_zipmoe_cache_new(ctypes.byref(cp), self.err, len(self.err))
+        assert self.cache, self.error
+        status = self.lib.ggml_zipmoe_serving_set_cache(self.handle, self.cache, 0, self.err, len(self.err))
+        assert status == 0, self.error
+
+    def resize(self, non_expert=0, contexts=0, n_contexts=1, threads=1, making=True) -> tuple[int, int]:
+        d = _lib.ServingDemand(non_expert, contexts, n_contexts, threads, int(making))
+        changed = ctypes.c_int(-1)
+        status = self.lib.ggml_zipmoe_serving_resize(self.handle, ctypes.byref(d), ctypes.byref(changed), self.err,
+                                                      len(self.err))
+        return status, changed.value
+
+    def plan(self) -> _lib.MemoryPlan:
+        plan = _lib.MemoryPlan()
+        self.lib.ggml_zipmoe_serving_get_plan(self.handle, ctypes.byref(plan))
+        return plan
+
+    def n_slots(self) -> int:
+        return self.lib.ggml_zipmoe_cache_n_slots(self.cache)
+
+    def decode_step(self, ids_by_layer) -> None:
+        """one graph: a fetch of each layer's ids ([n_tokens][n_used]), every pass"""
+        for layer, ids in ids_by_layer.items():
+            ids = np.ascontiguousarray(ids, np.int32)
+            out = np.empty_like(ids)
+            for p in range(self.lib.ggml_zipmoe_cache_n_passes(self.cache, layer, ids.size)):
+                assert self.lib.ggml_zipmoe_cache_fetch(self.cache, layer, p, ids.ctypes.data, ids.shape[1],
+                                                        ids.shape[0], ids.shape[1], out.ctypes.data, 0, 1) == 0
+
+    def close(self) -> None:
+        if self.cache:
+            self.lib.ggml_zipmoe_cache_free(self.cache)
+        if self.handle:
+            self.lib.ggml_zipmoe_serving_free(self.handle)
+        self.zf.close()
+
+
+@pytest.fixture
+def serving(model):
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("available", 1 << 30)
+        made.append(Serving(model, **kwargs))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_the_geometry_and_the_slots_to_reserve_follow_budget_memory_and_pools(serving):
+    info = serving().info()
+    assert (info.n_moe_layers, info.max_expert) == (3, N_EXPERT)
+    assert info.expert_bytes == 3 * 67 * 45 * 2 and info.all_experts == 3 * N_EXPERT * info.expert_bytes
+    # ample memory: every expert, no more
+    assert info.capacity == 3 * N_EXPERT and not info.with_pools
+    # a budget of 5.5 experts: 5 slots
+    assert serving(budget=int(5.5 * info.expert_bytes)).info().capacity == 5
+    # memory for 4.9 experts: 4; for none, still one token's experts of a layer
+    assert serving(available=int(4.9 * info.expert_bytes)).info().capacity == 4
+    assert serving(available=1, n_expert_used=3).info().capacity == 3
+    # pools: F's experts in every layer plus the working slots
+    given = serving(pools=(2, 1, 0, 0), work_slots=3).info()
+    assert given.with_pools and given.capacity == 2 * 3 + 3
+
+
+def test_options_the_file_cannot_serve_are_refused_with_the_numbers(serving, model):
+    too_many = serving(pools=(4, 3, 2, 0))
+    assert not too_many.handle
+    assert "(F 4, C 3, S 2, E 0) hold 9 experts per MoE layer, more than the 8 a layer of" in too_many.error
+    assert str(model) in too_many.error
+    tiny = serving(budget=100)
+    assert not tiny.handle and "zipmoe.budget of 100 bytes cannot hold one expert (18090 bytes" in tiny.error
+
+
+def sizing_rule(s: Serving, available: int, non_expert: int, contexts: int, threads: int = 1) -> int:
+    """the slots in use the rules give with one F pool (ggml-zipmoe-serving.h)"""
+    info = s.info()
+    own = s.lib.ggml_zipmoe_cache_extra_bytes(s.cache, threads)
+    margin = 64 * MIB + available // 32
+    fits = max(0, available - (non_expert + contexts + own + margin))
+    return min(info.capacity, max(info.fewest, fits // info.expert_bytes))
+
+
+def test_the_slots_in_use_are_what_the_memory_left_holds_and_shrink_and_grow_with_contexts(serving):
+    available = 256 * MIB
+    s = serving(available=available, eviction=_lib.EVICT_LRU)  # LRU: one F pool, no default pools
+    s.make_cache()
+    info = s.info()
+    assert s.n_slots() == info.fewest == 2  # until a context says what is left
+    own = s.lib.ggml_zipmoe_cache_extra_bytes(s.cache, 1)
+    room = available - 64 * MIB - available // 32 - own  # what slots could take with nothing else
+    # a context that leaves 5.5 experts
+    contexts = room - 10 * MIB - int(5.5 * info.expert_bytes)
+    assert s.resize(non_expert=10 * MIB, contexts=contexts) == (0, 1)
+    assert s.n_slots() == 5 == sizing_rule(s, available, 10 * MIB, contexts)
+    plan = s.plan()
+    assert (plan.n_slots, plan.slot_capacity, plan.min_slots, plan.n_contexts) == (5, info.capacity, 2, 1)
+    assert plan.fits == room - 10 * MIB - contexts and plan.cache_buffers == own and plan.source == b"given"
+    assert plan.pools_why.startswith(b"one F pool: pools dispatch by rank, and zipmoe.eviction is lru")
+    assert any("ZipMoE expert cache: 5 of 24 slots in use" in text for _, text in s.logs)
+    # the context freed: every expert; asked again, nothing changes
+    assert s.resize(non_expert=10 * MIB, contexts=0, n_contexts=0, making=False) == (0, 1)
+    assert s.n_slots() == info.capacity
+    assert s.resize(non_expert=10 * MIB, contexts=0, n_contexts=0, making=False) == (0, 0)
+    # no room at all: the fewest, with a warning that names the sums
+    assert s.resize(contexts=available) == (0, 1) and s.n_slots() == 2
+    level, text = s.logs[-2]
+    assert level == 1 and text.startswith("memory is short for the ZipMoE expert cache: available 0.25 GiB (given)")
+
+
+def test_a_budget_that_does_not_fit_is_cut_with_a_warning(serving):
+    available = 256 * MIB
+    probe = serving(available=available)
+    expert = probe.info().expert_bytes
+    s = serving(available=available, budget=10 * expert, eviction=_lib.EVICT_LRU)
+    s.make_cache()
+    own = s.lib.ggml_zipmoe_cache_extra_bytes(s.cache, 1)
+    contexts = available - 64 * MIB - available // 32 - own - int(4.5 * expert)
+    assert s.resize(contexts=contexts) == (0, 1) and s.n_slots() == 4
+    assert any(level == 1 and "zipmoe.budget of" in text and "does not fit: available" in text and
+               "using 4 slots" in text for level, text in s.logs)
+
+
+def test_given_pools_that_do_not_fit_fail_a_new_context_but_not_a_freed_one(serving):
+    s = serving(available=256 * MIB, pools=(2, 2, 0, 0), work_slots=2)
+    s.make_cache()
+    capacity = s.info().capacity
+    assert s.resize(contexts=256 * MIB) == (_lib.ERR_ARG, 0)
+    assert s.error.startswith("the ZipMoE pools need") and "only 0.00 GiB is left: available 0.25 GiB" in s.error
+    assert s.resize(contexts=256 * MIB, making=False)[0] == 0
+    assert s.n_slots() == capacity and list(s.plan().pools) == [2, 2, 0, 0]
+    assert s.plan().pools_why.startswith(b"the pools given")
+
+
+def test_the_default_pools_are_planned_again_from_one_token_decode_steps_only(serving):
+    s = serving(available=256 * MIB, replan_tokens=3)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    replanned = [text for _, text in s.logs if "re-planned" in text]
+    assert not replanned
+    # two-token ubatches (a prompt) are not decode steps: never counted
+    for _ in range(4):
+        s.decode_step({layer: [[0, 1], [2, 3]] for layer in layers})
+        assert s.lib.ggml_zipmoe_serving_observe(s.handle) == 0
+    assert not [text for _, text in s.logs if "re-planned" in text]
+    # three one-token steps, skewed to experts 0 and 1: the pools are planned once more, once
+    for step in range(5):
+        s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})
+        s.lib.ggml_zipmoe_serving_observe(s.handle)
+    replanned = [text for _, text in s.logs if "re-planned" in text]
+    assert len(replanned) == 1 and replanned[0].startswith("ZipMoE pools re-planned after 3 decode steps")
+
+
+def test_a_null_or_empty_table_is_an_error_not_a_crash(model):
+    lib = _lib.lib()
+    err = ctypes.create_string_buffer(256)
+    assert not lib.ggml_zipmoe_serving_new(None, err, len(err)) and b"no file or no layer table" in err.value
+    with zformat.ZipMoEFile(model) as zf:
+        table = (ctypes.c_int32 * 3)(-1, -1, -1)
+        p = _lib.ServingParams()
+        p.file, p.layer_tensors, p.n_layer, p.available = zf._handle, table, 1, 1 << 30
+        assert not lib.ggml_zipmoe_serving_new(ctypes.byref(p), err, len(err))
+        assert b"no layer has repacked gate, up and down experts" in err.value
