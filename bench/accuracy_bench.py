@@ -284,7 +284,7 @@ def main() -> int:
             ap.error(str(e))
     if args.window < 2 or args.tokens < 2 or args.ubatch < 1:
         ap.error("--window and --tokens must be >= 2, --ubatch >= 1")
-    from zipmoe_py.devtools.train_tiny import load_corpus
+    from zipmoe_py.devtools.corpus import load_corpus
 
     corpus = load_corpus(args.corpus)
     train_text, held_text = corpus.train_text, corpus.heldout_text

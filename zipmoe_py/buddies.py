@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.text is not None:
             text, name = args.text.read_text(), str(args.text)
         else:
-            from .devtools.train_tiny import load_corpus
+            from .devtools.corpus import load_corpus
 
             corpus = load_corpus(args.corpus)
             text, held = corpus.train_text, corpus.heldout_text

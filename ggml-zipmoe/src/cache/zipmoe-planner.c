@@ -355,6 +355,70 @@ static void scale_to_k(const double * f, int32_t n, int32_t k, double * out) {
     }
 }
 
+// the selection probabilities fitted to an observed profile into *q (made here, [2 N]), or NULL with
+// *source saying the uniform profile stands in when it does not fit. OK or ERR_NOMEM.
+static int fit_profile(const double * profile, int32_t N, int32_t k, double ** q, const char ** source) {
+    *q = (double *) malloc(sizeof(double) * 2 * (size_t) N);
+    if (*q == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    scale_to_k(profile, N, k, *q + N);
+    *source = "observed profile";
+    if (ggml_zipmoe_plan_fit(*q + N, N, k, *q) != GGML_ZIPMOE_OK) {
+        free(*q);
+        *q      = NULL;
+        *source = "uniform profile (the observed one did not fit)";
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// a pool C store entry: an expert's SM-chunks and its largest E-chunks, as the cache makes them
+static uint64_t entry_c_bytes(const struct ggml_zipmoe_cache * c) {
+    return zipmoe_align_up(c->layout.sm_bytes + c->layout.max_e_bytes, 64);
+}
+
+// the planner's inputs for this cache: its store entries' real sizes, the delays of Algorithm 3 from
+// the rates (bytes per second), the selection probabilities q (NULL: uniform)
+static struct ggml_zipmoe_plan_params cost_model(const struct ggml_zipmoe_cache * c, int32_t k, const double * q,
+                                                 uint64_t budget, double read, double decode, int32_t n_threads) {
+    const uint64_t X = 2 * c->layout.sm_bytes; // a full expert: its slot
+    const double   n = 3, K = c->file->n_shards;
+    struct ggml_zipmoe_plan_params p = { 0 };
+    p.n_expert   = c->layout.max_expert;
+    p.k          = k;
+    p.q          = q;
+    p.budget     = budget;
+    p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
+    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c_bytes(c);
+    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(c->layout.sm_bytes, 64);
+    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    p.u          = c->layout.sm_bytes / n / read;
+    p.v          = c->layout.rho * c->layout.sm_bytes / (n * K) / read; // the mean E-chunk
+    p.c          = X / (n * K) / decode;
+    p.threads    = n_threads;
+    p.n_shards   = (int32_t) K;
+    p.n_tensors  = 3;
+    p.n_layer    = c->layout.n_served;
+    p.grid_steps = 20;
+    return p;
+}
+
+// the per-layer capacities of the pools the cache has now, packed in hierarchy order
+static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    memset(now, 0, 4 * sizeof(int32_t));
+    if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
+        now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
+        return;
+    }
+    int32_t left = N;
+    for (int i = 0; i < 4; i++) {
+        const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
+        now[i] = held < left ? held : left;
+        left -= now[i];
+    }
+}
+
 int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, int32_t n_threads,
                                     int32_t work_slots, double rate_read, double rate_decode, const double * profile,
                                     struct ggml_zipmoe_default_pools * out) {
@@ -365,7 +429,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     const int32_t  L = c->layout.n_served;
     const int32_t  N = c->layout.max_expert;
     const uint64_t X = 2 * c->layout.sm_bytes; // a full expert: its slot
-    const uint64_t entry_c = zipmoe_align_up(c->layout.sm_bytes + c->layout.max_e_bytes, 64);
+    const uint64_t entry_c = entry_c_bytes(c);
     out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
     if (L < 1 || N < 1 || k > N) {
         snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
@@ -385,42 +449,14 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
         return GGML_ZIPMOE_OK;
     }
 
-    // the selection probabilities: uniform (the built-in profile), or fitted to the observed one
-    double * q = NULL;
+    double *     q      = NULL;
     const char * source = "uniform profile";
-    if (profile != NULL) {
-        q = (double *) malloc(sizeof(double) * 2 * (size_t) N);
-        if (q == NULL) {
-            return GGML_ZIPMOE_ERR_NOMEM;
-        }
-        scale_to_k(profile, N, k, q + N);
-        source = "observed profile";
-        if (ggml_zipmoe_plan_fit(q + N, N, k, q) != GGML_ZIPMOE_OK) {
-            free(q);
-            q = NULL;
-            source = "uniform profile (the observed one did not fit)";
-        }
+    if (profile != NULL && fit_profile(profile, N, k, &q, &source) != GGML_ZIPMOE_OK) {
+        return GGML_ZIPMOE_ERR_NOMEM;
     }
     const double read   = rate_read > 0 ? rate_read : c->plan.rate_read;
     const double decode = rate_decode > 0 ? rate_decode : c->plan.rate_decode;
-    const double n = 3, K = c->file->n_shards;
-    struct ggml_zipmoe_plan_params p = { 0 };
-    p.n_expert   = N;
-    p.k          = k;
-    p.q          = q;
-    p.budget     = budget - work;
-    p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
-    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c;
-    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(c->layout.sm_bytes, 64);
-    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(c->layout.max_e_bytes, 64);
-    p.u          = c->layout.sm_bytes / n / read;
-    p.v          = c->layout.rho * c->layout.sm_bytes / (n * K) / read; // the mean E-chunk
-    p.c          = X / (n * K) / decode;
-    p.threads    = n_threads;
-    p.n_shards   = (int32_t) K;
-    p.n_tensors  = 3;
-    p.n_layer    = L;
-    p.grid_steps = 20;
+    struct ggml_zipmoe_plan_params p = cost_model(c, k, q, budget - work, read, decode, n_threads);
     struct ggml_zipmoe_plan_result best, f_best;
     int status = ggml_zipmoe_plan_pools(&p, &best);
     struct ggml_zipmoe_plan_params f_only = p;
@@ -429,7 +465,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     if (status == GGML_ZIPMOE_OK) {
         status = ggml_zipmoe_plan_pools(&f_only, &f_best);
     }
-        // every expert in C and F where room allows (inclusive): with the built-in profile it is taken
+    // every expert in C and F where room allows (inclusive): with the built-in profile it is taken
     // whenever it fits; with an observed one, when the planner expects it to be the fastest
     struct ggml_zipmoe_plan_result all = { { 0, 0, 0, 0 }, 0, { 0, 0, 0, 0 } };
     if (status == GGML_ZIPMOE_OK && fits_compressed) {
@@ -441,17 +477,8 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     }
     if (status == GGML_ZIPMOE_OK) {
         // the pools the cache has now, under the same profile: a caller changes them only for a real gain
-        int32_t now[4] = { 0, 0, 0, 0 };
-        if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
-            now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
-        } else {
-            int32_t left = N;
-            for (int i = 0; i < 4; i++) {
-                const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
-                now[i] = held < left ? held : left;
-                left -= now[i];
-            }
-        }
+        int32_t now[4];
+        current_pools(c, now);
         status = plan_evaluate(&p, now, &out->current_makespan_s);
     }
     free(q);
