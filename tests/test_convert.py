@@ -154,7 +154,7 @@ def test_an_interrupted_repacking_leaves_nothing(tmp_path, tiny_gguf, signum, co
     proc = subprocess.Popen([str(zipmoe_command("zipmoe-convert")), str(tiny_gguf("qwen2moe")), "-o", str(out),
                              "--codec", "zstd", "--level", "19", "--threads", "1", "--quiet"],
                             stderr=subprocess.PIPE, text=True)
-    _wait_for(out_dir, "out.gguf.partial", proc)
+    _wait_for(out_dir, "out.gguf.*.partial", proc)  # the process's own temporary name
     proc.send_signal(getattr(signal, signum))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
@@ -214,3 +214,200 @@ def test_a_full_disk_is_named_and_leaves_nothing(tmp_path, tiny_gguf):
     finally:
         if mounted:
             subprocess.run(["umount", str(small)], check=True)
+
+
+# ---- concurrent and killed conversions (issue 33) ----
+
+def _start_convert(*args) -> "subprocess.Popen":
+    import subprocess
+
+    return subprocess.Popen([str(zipmoe_command("zipmoe-convert")), *map(str, args)],
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _verify(path) -> None:
+    proc = run([zipmoe_command("zipmoe-verify"), "-q", path])
+    assert proc.returncode == 0 and proc.stdout.decode().startswith("ok:"), proc.stderr.decode()
+
+
+@pytest.mark.parametrize("second_source", ["gguf", "checkpoint"])
+def test_a_second_conversion_to_the_same_output_is_refused(tmp_path, tiny_hf, tiny_gguf, second_source):
+    """Two conversions to one output used to share OUT.partial and break each other (a vanished
+    file, a false checksum mismatch). The second is refused naming the first's pid; the first's output
+    is whole; a conversion to another file in the same folder goes ahead beside it."""
+    import signal
+
+    out = tmp_path / "out.gguf"
+    first = _start_convert(tiny_gguf("qwen2moe"), "-o", out, "--codec", "zstd", "--level", "19",
+                           "--threads", "1", "--quiet")
+    try:
+        _wait_for(tmp_path, "out.gguf.*.partial", first)
+        first.send_signal(signal.SIGSTOP)  # holds its lock for as long as this test needs: no race
+        source = tiny_gguf("qwen2moe") if second_source == "gguf" else tiny_hf("qwen2moe")
+        second = run([zipmoe_command("zipmoe-convert"), source, "-o", out, "--quiet"])
+        err = second.stderr.decode()
+        assert second.returncode == 1, err
+        assert f"{out} is being written by another zipmoe-convert (pid {first.pid})" in err, err
+        assert "Traceback" not in err
+        beside = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", tmp_path / "other.gguf",
+                      "--quiet"])
+        assert beside.returncode == 0, beside.stderr.decode()
+    finally:
+        first.send_signal(signal.SIGCONT)
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    _verify(out)
+    _verify(tmp_path / "other.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf", "out.gguf"]  # no lock, no temporary
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie left for an init that does not reap counts as exited)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("killed_while", ["converting the checkpoint", "repacking"])
+def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, tiny_hf, tiny_gguf, killed_while):
+    """SIGKILL leaves what no handler can remove: the work folder .zipmoe-<pid>-*/ with the half-written
+    BF16 GGUF, or OUT.<pid>.*.partial, and OUT.lock (no longer locked). The converter dies with it (it
+    would go on writing in the work folder), and the next conversion in that folder removes them."""
+    import signal
+    import time
+
+    out = tmp_path / "m.gguf"
+    if killed_while == "repacking":
+        killed = _start_convert(tiny_gguf("qwen2moe"), "-o", out, "--codec", "zstd", "--level", "19",
+                                "--threads", "1", "--quiet")
+        _wait_for(tmp_path, "m.gguf.*.partial", killed)
+    else:
+        killed = _start_convert(tiny_hf("qwen2moe"), "-o", out, "--quiet")
+        _wait_for(tmp_path, ".zipmoe-*/bf16.gguf.*.partial", killed)  # the converter is writing
+    converters = _children(killed.pid) if killed_while != "repacking" else []
+    killed.kill()
+    killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, "it ended before it was killed"
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert "m.gguf.lock" in left and "m.gguf" not in left, left
+    if killed_while == "repacking":
+        assert any(name.startswith(f"m.gguf.{killed.pid}.") for name in left), left
+    else:
+        assert any(name.startswith(f".zipmoe-{killed.pid}-") for name in left), left
+        deadline = time.monotonic() + 30
+        while not all(_gone(pid) for pid in converters):
+            assert time.monotonic() < deadline, f"the converter {converters} outlived its zipmoe-convert"
+            time.sleep(0.1)
+
+    again = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", out, "--quiet"])
+    assert again.returncode == 0, again.stderr.decode()
+    _verify(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_running_conversions_work_folder_is_kept(tmp_path, tiny_hf, tiny_gguf):
+    """Only dead processes' work folders are removed: one whose owner runs (here: stopped) stays."""
+    import signal
+
+    running = _start_convert(tiny_hf("qwen2moe"), "-o", tmp_path / "a.gguf", "--quiet")
+    try:
+        _wait_for(tmp_path, ".zipmoe-*/owner.lock", running)
+        running.send_signal(signal.SIGSTOP)
+        work = [p.name for p in tmp_path.glob(".zipmoe-*")]
+        beside = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", tmp_path / "b.gguf", "-q"])
+        assert beside.returncode == 0, beside.stderr.decode()
+        assert [p.name for p in tmp_path.glob(".zipmoe-*")] == work
+    finally:
+        running.send_signal(signal.SIGCONT)
+    _, err = running.communicate(timeout=300)
+    assert running.returncode == 0, err
+    _verify(tmp_path / "a.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf"]
+
+
+# ---- options checked up front, options without effect (issue 33) ----
+
+@pytest.mark.parametrize("codec, level, takes", [
+    ("zstd", 99, "zstd takes 1..22 or -"),  # and the negative (fast) levels of the linked zstd
+    ("zstd", 0, "zstd takes 1..22"),
+    ("zstd", 2 ** 40, "zstd takes 1..22"),  # past C's int: refused, not wrapped around
+    ("lz4hc", 13, "lz4hc takes 1..12"),
+    ("lz4", 0, "lz4 takes 1 or more"),
+])
+@pytest.mark.parametrize("source", ["gguf", "checkpoint"])
+def test_a_level_the_codec_refuses_is_named_before_any_work(tmp_path, tiny_hf, tiny_gguf, codec, level, takes,
+                                                              source):
+    src = tiny_gguf("qwen2moe") if source == "gguf" else tiny_hf("qwen2moe")
+    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", tmp_path / "out.gguf", "--codec", codec,
+                "--level", level])
+    err = proc.stderr.decode()
+    assert proc.returncode == 2, err
+    assert f"--level {level} is not a {codec} level: {takes}" in err, err
+    assert "hf-to-gguf" not in err and "Traceback" not in err  # the converter never started
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_level_the_codec_takes_is_used_without_warning(tmp_path, tiny_gguf):
+    out = tmp_path / "out.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", out, "--codec", "lz4hc",
+                "--level", "3", "--quiet"])
+    assert proc.returncode == 0 and "warning" not in proc.stderr.decode(), proc.stderr.decode()
+    assert _reader(out).fields["zipmoe.codec_level"].contents() == 3
+
+
+@pytest.mark.parametrize("codec", ["huf", "fhuf", "ghuf", "raw"])
+def test_a_level_for_a_codec_without_levels_is_warned_about(tmp_path, tiny_gguf, codec):
+    out = tmp_path / "out.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", out, "--codec", codec,
+                "--level", "7", "--quiet"])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert f"warning: --level has no effect with --codec {codec}: only zstd, lz4 and lz4hc take a level" in err
+    assert len([line for line in err.splitlines() if "warning" in line]) == 1
+    assert _reader(out).fields["zipmoe.codec_level"].contents() == 0  # not a level that was never used
+
+
+def test_keep_bf16_with_a_gguf_input_is_warned_about(tmp_path, tiny_gguf):
+    kept = tmp_path / "kept.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", tmp_path / "out.gguf",
+                "--keep-bf16", kept, "--quiet"])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert (f"warning: --keep-bf16 has no effect: {tiny_gguf('qwen2moe')} is a GGUF file, repacked directly, "
+            "so no intermediate BF16 GGUF is made") in err
+    assert not kept.exists()
+
+
+def test_bf16_conversion_warns_of_ignored_options_and_logs_the_final_path(tmp_path, tiny_hf):
+    """--bf16 repacks nothing, so --level and --keep-bf16 do nothing; the converter's own log names the
+    output, not the temporary file it was given."""
+    out = tmp_path / "b.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_hf("qwen2moe"), "-o", out, "--bf16", "--level", "3",
+                "--keep-bf16", tmp_path / "k.gguf"])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert "warning: --level has no effect with --bf16" in err
+    assert f"warning: --keep-bf16 has no effect with --bf16: the BF16 GGUF is the output, {out}" in err
+    assert f"Model successfully exported to {out}\n" in err
+    assert ".partial" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.gguf"]
+
+
+def test_checkpoint_conversion_logs_the_final_path_of_the_kept_bf16(tmp_path, tiny_hf):
+    kept = tmp_path / "kept.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), tiny_hf("qwen2moe"), "-o", tmp_path / "z.gguf",
+                "--keep-bf16", kept])
+    err = proc.stderr.decode()
+    assert proc.returncode == 0, err
+    assert f"Model successfully exported to {kept}\n" in err and ".partial" not in err
+    _verify(tmp_path / "z.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.gguf", "z.gguf"]

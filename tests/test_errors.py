@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -170,3 +171,25 @@ def test_no_ggml_abort_is_left_in_the_fetch_path():
         text = source.read_text().replace("static_assert(", "")
         for bad in ("GGML_ABORT(", "GGML_ASSERT(", "abort()", "exit(", "assert("):
             assert bad not in text, f"{source.name} calls {bad}"
+
+
+def test_verbose_false_keeps_llama_cpps_warnings_quiet_and_shows_its_errors(models, tmp_path):
+    """llama-cpp-python maps ggml's log levels by an older numbering: with verbose=False llama.cpp's
+    warnings were printed and its errors hidden. A failed fetch raises ZipMoEError; the warning that
+    follows it in llama.cpp ("removing memory module entries") stays quiet, and the error is shown."""
+    _, clean = models("qwen2moe")
+    bad = tmp_path / "bad.gguf"
+    corrupt(clean, bad, "blk.0.ffn_down_exps.weight", None, chunk=0, at=lambda ref: ref.offset, bit=0x01)
+    script = (
+        "from zipmoe_py import Llama, ZipMoEError\n"
+        f"llm = Llama(model_path={str(bad)!r}, n_ctx=128, n_threads=2, verbose=False)\n"
+        "try:\n"
+        "    llm.eval(llm.tokenize(b'Hello there', add_bos=True))\n"
+        "except ZipMoEError as e:\n"
+        "    print('raised:', e)\n"
+        "llm.close()\n")
+    proc = run([sys.executable, "-c", script], cwd=tmp_path)
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0 and "raised:" in out and "checksum mismatch" in out, out + err
+    assert "removing memory module entries" not in err, err
+    assert "llama_model_loader" not in err and "print_info" not in err, err  # no info chatter

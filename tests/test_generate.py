@@ -99,8 +99,11 @@ def test_zipmoe_chat_names_a_conversation_longer_than_the_context(tiny_gguf):
     long_prompt = " ".join(["word"] * 300)
     one_shot = _chat(model, "-p", long_prompt, "-c", "128")
     assert one_shot.returncode == 1
-    assert b"zipmoe-chat: error: the conversation does not fit the context of" in one_shot.stderr
-    assert b"Traceback" not in one_shot.stderr
+    # llama.cpp rounds -c up to a multiple of 256: the error names the context in effect, in its own words
+    assert (b"zipmoe-chat: error: the conversation does not fit the context of 256 tokens (-c 128 was raised to 256 "
+            b"by llama.cpp") in one_shot.stderr
+    assert b"Traceback" not in one_shot.stderr and b"broadcast" not in one_shot.stderr
+    assert b"llama-cpp-python" not in one_shot.stderr
     # interactive: the turn that does not fit is dropped, the chat goes on and /clear makes room
     driven = _chat(model, "-c", "128", stdin=f"{long_prompt}\n/clear\nHello\n".encode())
     assert driven.returncode == 0, driven.stderr.decode()[-2000:]
@@ -113,7 +116,7 @@ def test_zipmoe_chat_help_explains_every_option():
     assert proc.returncode == 0
     for flag in (b"-p", b"-n", b"--temp", b"--seed", b"-t", b"--ctx-size", b"/exit", b"--budget", b"--direct-io",
                  b"--stats", b"--eviction", b"--plan", b"--pools", b"--work-slots", b"--zipmoe-threads",
-                 b"--n-gpu-layers"):
+                 b"--n-gpu-layers", b"--batch-size", b"--model"):
         assert flag in proc.stdout
 
 
@@ -185,3 +188,20 @@ def test_bindings_load_zipmoes_library(tmp_path):
     lib, version = proc.stdout.decode().split()
     assert os.path.realpath(lib) == os.path.realpath(_paths.LIB_DIR / "libllama.so")
     assert version == "0.3.36"
+
+
+def test_a_context_llama_cpp_rounds_up_is_whole_in_python(zipmoe_gguf):
+    """llama.cpp makes n_ctx=16 a 256-token context; Llama holds all of it (llama-cpp-python alone sizes
+    its token array by the 16 asked for, and a longer prompt fails with a numpy broadcast error)."""
+    from zipmoe_py import Llama
+
+    path = str(zipmoe_gguf("qwen2moe"))
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    small = Llama(model_path=path, n_ctx=16, verbose=False)
+    assert small.n_ctx() == 256 and len(small.input_ids) == 256
+    got = small.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    small.close()
+    whole = Llama(model_path=path, n_ctx=256, verbose=False)
+    want = whole.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    whole.close()
+    assert got == want

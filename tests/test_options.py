@@ -258,3 +258,55 @@ def test_importing_zipmoe_py_first_gives_llama_cpp_our_library(tmp_path):
     environment = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
     proc = run([VENV_BIN / "python", "-c", code], cwd=tmp_path, env=environment)  # not the source tree
     assert proc.returncode == 0 and proc.stdout.strip() == b"ok", proc.stderr.decode()[-2000:]
+
+
+def test_zipmoe_options_on_a_plain_gguf_are_said_to_do_nothing(tiny_gguf):
+    """A budget on a GGUF that is not a ZipMoE GGUF bounds nothing: the user is told, not left to
+    believe memory is bounded (Python's warning; llama.cpp's log for the environment and overrides)."""
+    from zipmoe_py import Llama
+
+    bf16 = tiny_gguf("qwen2moe")
+    with pytest.warns(UserWarning, match=r"is not a ZipMoE GGUF: zipmoe_budget, zipmoe_prefetch do nothing"):
+        llm = Llama(model_path=str(bf16), zipmoe_budget="40K", zipmoe_prefetch=True, n_ctx=64, verbose=False)
+    llm.close()
+    proc = completion(bf16, "--override-kv", "zipmoe.eviction=str:lfu", environment=env(ZIPMOE_BUDGET="18K"))
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert re.search(rb"is not a ZipMoE GGUF \(no zipmoe.format_version\): the ZipMoE options given "
+                     rb"\((ZIPMOE_BUDGET, zipmoe.eviction|zipmoe.eviction, ZIPMOE_BUDGET)\) do nothing", proc.stderr)
+    # and nothing is said when none was given
+    assert b"not a ZipMoE GGUF" not in completion(bf16).stderr
+
+
+def test_a_budget_from_the_environment_is_named_as_set(model):
+    path, one = model
+    proc = completion(path, environment=env(ZIPMOE_BUDGET="1K"))
+    assert proc.returncode != 0
+    assert b"ZIPMOE_BUDGET of 1024 bytes cannot hold one expert" in proc.stderr, proc.stderr.decode()[-2000:]
+
+
+def test_several_override_kv_flags_all_apply(model):
+    """README: several --override-kv add up (llama.cpp keeps each), as one comma-separated value does."""
+    path, one = model
+    budget = f"zipmoe.budget=int:{5 * one}"
+    proc = completion(path, "--override-kv", budget)
+    assert proc.returncode == 0 and slots_in_use(proc.stderr) == 5 and b"ZipMoE preloaded" in proc.stderr
+    proc = completion(path, "--override-kv", budget, "--override-kv", "zipmoe.preload=bool:false")
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert slots_in_use(proc.stderr) == 5 and b"ZipMoE preloaded" not in proc.stderr
+
+
+def test_a_zipmoe_model_reports_the_parameters_of_its_bf16_original(tiny_gguf, zipmoe_gguf):
+    """The chunk tensors hold stored bytes, not parameters: the count is the model's (llama-bench,
+    n_params), the same as its BF16 GGUF's; and llama-bench names the build."""
+    from zipmoe_py import Llama
+
+    counts = []
+    for path in (tiny_gguf("qwen2moe"), zipmoe_gguf("qwen2moe")):
+        llm = Llama(model_path=str(path), n_ctx=64, verbose=False)
+        counts.append(llm._model.n_params())
+        llm.close()
+    assert counts[0] == counts[1]
+    proc = run([VENV_BIN / "llama-bench", "-m", zipmoe_gguf("qwen2moe"), "-p", 0, "-n", 1, "-t", 2, "-r", 1],
+               env=env())
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert re.search(rb"build: \w+-zipmoe", proc.stdout + proc.stderr), (proc.stdout + proc.stderr).decode()[-500:]

@@ -7,6 +7,7 @@ too. The profile helpers (plan_math), the files (zipmoe_py/plan_files.py), the z
 reference."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -503,6 +504,56 @@ def test_cli_errors_name_the_culprit(tmp_path, capsys, args, overrides, needle):
     err = capsys.readouterr().err
     assert err.startswith("zipmoe-plan: error: ") and needle in err
     assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize("budget, pools, least, cheapest", [
+    ("0.5K", "F,C,S,E", 600, "E"),  # one E expert (300 bytes) in each of the 2 MoE layers
+    ("599", "F,C,S,E", 600, "E"),
+    ("2599", "C,F", 2600, "C"),  # the cheapest pool of the chosen set, not of all four
+    ("3K", "F", 4000, "F"),
+])
+def test_cli_refuses_a_budget_that_keeps_no_expert(tmp_path, capsys, budget, pools, least, cheapest):
+    """Below one expert per MoE layer in the cheapest chosen pool, no grid point keeps an expert: exit 2
+    (a bad argument) naming --budget and the least budget, from the profile's expert sizes, and no plan
+    written (zipmoe-chat --plan would refuse it)."""
+    profile = write_profile(tmp_path / "profile.json")
+    out = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exit_:
+        plan_cli.main([str(profile), "--budget", budget, "--pools", pools, "-o", str(out)])
+    assert exit_.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert f"zipmoe-plan: error: --budget {budget} " in err and "keeps no expert" in err
+    assert f"is {least} bytes" in err and f"one {cheapest} expert of {TWO_KB_EXPERT[cheapest]} bytes" in err
+    suggested = re.search(r"\(--budget (\S+): ", err).group(1)
+    assert plan_cli.parse_size(suggested, "--budget") >= least
+    # the least budget itself plans, and the plan keeps an expert
+    assert plan_cli.main([str(profile), "--budget", str(least), "--pools", pools, "-o", str(out)]) == 0
+    result, _ = plan_files.load_plan(out)
+    assert sum(result.capacities.values()) >= 1 and result.capacities[cheapest] >= 1
+
+
+def test_size_text_rounds_up_to_a_budget_that_holds_the_bytes():
+    for n in (1, 1023, 1024, 1025, 1800, 2600, 5 * 2**20 + 1, 3 * 2**30 - 7, 123456789):
+        text = plan_cli.size_text(n)
+        assert n <= plan_cli.parse_size(text, "--budget") <= n * 1.01 + 1, (n, text)
+
+
+def test_cli_never_writes_a_plan_that_keeps_nothing(tmp_path, capsys, monkeypatch):
+    """Whatever the planner returns, a plan with every capacity 0 is not written (every loader refuses it)."""
+    profile = write_profile(tmp_path / "profile.json")
+    out = tmp_path / "plan.json"
+    real = plan_cli.plan
+
+    def keeps_nothing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        return dataclasses.replace(result, capacities={p: 0 for p in result.pools},
+                                   thresholds={p: result.delta for p in result.pools},
+                                   memory_bytes={p: 0 for p in result.pools})
+
+    monkeypatch.setattr(plan_cli, "plan", keeps_nothing)
+    assert plan_cli.main([str(profile), "--budget", "30K", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zipmoe-plan: error: ") and "--budget 30K keeps no expert" in err and not out.exists()
 
 
 def test_cli_missing_or_broken_files(tmp_path, capsys):

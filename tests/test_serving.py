@@ -181,6 +181,11 @@ def test_the_slots_in_use_are_what_the_memory_left_holds_and_shrink_and_grow_wit
     assert s.resize(contexts=available) == (0, 1) and s.n_slots() == 2
     level, text = s.logs[-2]
     assert level == 1 and text.startswith("memory is short for the ZipMoE expert cache: available 0.25 GiB (given)")
+    assert text.endswith("(a smaller context, -c or n_ctx, leaves more)")
+    # a context freed with memory still short: said once, when the context was made, not again
+    warned = len([1 for level, _ in s.logs if level == 1])
+    assert s.resize(contexts=available, making=False) == (0, 0)
+    assert len([1 for level, _ in s.logs if level == 1]) == warned
 
 
 def test_a_budget_that_does_not_fit_is_cut_with_a_warning(serving):
@@ -237,3 +242,21 @@ def test_a_null_or_empty_table_is_an_error_not_a_crash(model):
         p.file, p.layer_tensors, p.n_layer, p.available = zf._handle, table, 1, 1 << 30
         assert not lib.ggml_zipmoe_serving_new(ctypes.byref(p), err, len(err))
         assert b"no layer has repacked gate, up and down experts" in err.value
+
+
+def test_pools_given_beyond_the_budget_are_refused_per_layer_as_given(serving):
+    s = serving(budget=18 * 1024, pools=(2, 0, 0, 0), work_slots=8, eviction=_lib.EVICT_RANK)
+    data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()
+    assert s.lib.ggml_zipmoe_serving_reserve_host(s.handle, data, stride, s.err, len(s.err)) == 0
+    cp = s.cache_params = _lib.CacheParams()
+    cp.file, cp.n_slots, cp.eviction = s.zf._handle, s.info().capacity, _lib.EVICT_RANK
+    cp.pool_capacity[:] = [2, 0, 0, 0]
+    cp.n_layer, cp.layer_tensors = s.params.n_layer, s.table
+    cp.slot_data[:], cp.slot_stride[:] = list(data), list(stride)
+    s.cache = s.lib.ggml_zipmoe_cache_new(ctypes.byref(cp), s.err, len(s.err))
+    assert s.cache, s.error
+    assert s.lib.ggml_zipmoe_serving_set_cache(s.handle, s.cache, 0, s.err, len(s.err)) == _lib.ERR_ARG
+    assert s.error == ("zipmoe.pool_* and zipmoe.work_slots need 247.3 KiB: F 2 per MoE layer x 3 layers x 17.7 KiB "
+                       "= 106.0 KiB, 8 working slots x 17.7 KiB = 141.3 KiB (C, S, E: none), more than "
+                       "zipmoe.budget's 18.0 KiB; give a budget of at least 247.3 KiB, or fewer pool experts or "
+                       "working slots")

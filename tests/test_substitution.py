@@ -457,3 +457,73 @@ def test_buddy_profiles_take_an_alpha_per_layer(zipmoe_gguf):
     assert doc["layers"]["0"]["cft"] == 0.3 and sizes["0"] < sizes["1"]
     with pytest.raises(ZipMoEError, match="--cft gives 2 values for the model's 4 MoE layers"):
         make_profile(path, "text", cft=[0.5, 0.5])
+
+
+def test_zipmoe_buddies_help_says_the_profile_goes_to_the_output_file():
+    from zipmoe_py.buddies import build_parser
+
+    ap = build_parser()
+    text = " ".join(ap.format_help().split())
+    assert "beside the model" not in text
+    assert "written to the JSON file -o names" in text and "-o PROFILE.json, --output PROFILE.json" in text
+    with pytest.raises(SystemExit) as exit_:  # -o is required
+        ap.parse_args(["model.gguf", "--text", "calib.txt"])
+    assert exit_.value.code == 2
+
+
+def test_zipmoe_buddies_refuses_an_empty_text_naming_it(zipmoe_gguf, tmp_path, capsys):
+    from zipmoe_py.buddies import main
+
+    model = zipmoe_gguf("qwen2moe")
+    out = tmp_path / "buddies.json"
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(PROMPTS))
+    for args, named in ((["--text", "/dev/null"], "the calibration text (/dev/null) is empty"),
+                        (["--text", str(empty)], f"the calibration text ({empty}) is empty"),
+                        (["--text", str(calib), "--heldout", str(empty)], f"the held-out text ({empty}) is empty")):
+        assert main([str(model), *args, "-o", str(out)]) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith("zipmoe-buddies: error: ") and named in err, err
+        assert "traced" not in err and not out.exists()  # refused before the model runs
+    with pytest.raises(SystemExit) as exit_:  # no calibration token at all
+        main([str(model), "--text", str(calib), "--max-tokens", "0", "-o", str(out)])
+    assert exit_.value.code == 2 and "--max-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_zipmoe_buddies_refuses_a_text_that_routes_no_token(tmp_path, capsys, monkeypatch):
+    """A text that yields no routed token (too short, or all of it tokenizing to nothing) gives no buddy
+    lists and no tau: refused naming the text, calibration and held-out alike, and no profile written."""
+    from zipmoe_py import buddies
+
+    def trace_of(n_tokens):
+        def trace(model, texts, temperature, warmup, threads, n_ctx):
+            n = 4
+            layer = {"activations": np.zeros(n) + n_tokens, "coact": np.ones((n, n)) - np.eye(n),
+                     "coact_weighted": np.ones((n, n)) - np.eye(n), "tae_hist": np.zeros(_lib.TAE_BINS, np.uint64),
+                     "tokens": n_tokens}
+            return {0: layer, 1: dict(layer)}, n_tokens
+        return trace
+
+    monkeypatch.setattr(buddies, "_trace", trace_of(0))
+    with pytest.raises(ZipMoEError, match=r"the calibration text \(calib\.txt\) gives 0 tokens and no token was "
+                                          r"routed: it is too short to route any token"):
+        buddies.make_profile(tmp_path / "model.gguf", "x", text_name="calib.txt")
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\u200b")
+    out = tmp_path / "buddies.json"
+    assert buddies.main([str(tmp_path / "model.gguf"), "--text", str(calib), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"the calibration text ({calib}) gives 0 tokens" in err and not out.exists()
+
+    calls = []
+
+    def calibration_routes_heldout_does_not(*args):
+        calls.append(args)
+        return trace_of(3 if len(calls) == 1 else 0)(*args)
+
+    monkeypatch.setattr(buddies, "_trace", calibration_routes_heldout_does_not)
+    with pytest.raises(ZipMoEError, match=r"the held-out text \(held\.txt\) gives 0 tokens"):
+        buddies.make_profile(tmp_path / "model.gguf", "some text", heldout="y", text_name="calib.txt",
+                             heldout_name="held.txt")

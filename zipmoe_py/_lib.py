@@ -110,7 +110,8 @@ class ServingParams(ctypes.Structure):
     """struct ggml_zipmoe_serving_params (ggml-zipmoe-serving.h): slot sizing and the default pools."""
     _fields_ = [("file", ctypes.c_void_p), ("layer_tensors", ctypes.POINTER(ctypes.c_int32)),
                 ("n_layer", ctypes.c_int32), ("n_expert_used", ctypes.c_int32), ("available", ctypes.c_uint64),
-                ("mem_limit", ctypes.c_uint64), ("budget", ctypes.c_uint64), ("pools", ctypes.c_int32 * 4),
+                ("mem_limit", ctypes.c_uint64), ("budget", ctypes.c_uint64), ("budget_name", ctypes.c_char_p),
+                ("pools", ctypes.c_int32 * 4),
                 ("work_slots", ctypes.c_int32), ("eviction", ctypes.c_int32), ("threads", ctypes.c_int32),
                 ("auto_pools", ctypes.c_int32), ("replan_tokens", ctypes.c_int32), ("log", LOG_FN),
                 ("log_data", ctypes.c_void_p)]

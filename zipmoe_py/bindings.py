@@ -12,6 +12,7 @@ import ctypes
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 from . import _lib, _paths
@@ -52,6 +53,22 @@ def _import_llama_cpp():
 
 
 llama_cpp = _import_llama_cpp()
+
+
+def _use_ggml_log_level_numbers() -> None:
+    """llama-cpp-python 0.3.36 maps ggml's log levels by an older numbering (its WARN as ERROR, its
+    ERROR as DEBUG), so that with verbose=False llama.cpp's warnings were printed ("decode: removing
+    memory module entries ...") and its errors hidden. ggml.h's numbering: NONE 0, DEBUG 1, INFO 2,
+    WARN 3, ERROR 4, CONT 5. verbose=False then prints errors only, as llama-cpp-python means it to."""
+    import logging
+
+    from llama_cpp import _logger
+
+    _logger.GGML_LOG_LEVEL_TO_LOGGING_LEVEL.update(
+        {0: logging.CRITICAL, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG})
+
+
+_use_ggml_log_level_numbers()
 
 
 def _zipmoe_kwargs(kwargs: dict, pop: bool = False) -> dict:
@@ -103,8 +120,8 @@ _load_lock = threading.Lock()
 
 class _LoaderErrors:
     """llama.cpp's error lines while a model and its context are made. llama-cpp-python's
-    exceptions there ("Failed to load model from file") do not carry them, and verbose=False
-    silences them; the loader's lines name the option, file or tensor at fault. One load at a
+    exceptions there ("Failed to load model from file") do not carry them; the loader's lines name
+    the option, file or tensor at fault. One load at a
     time: the log callback is the process's."""
 
     _ERROR, _CONT = 4, 5  # ggml.h ggml_log_level (llama_cpp._logger maps an older numbering)
@@ -211,6 +228,30 @@ class Llama(llama_cpp.Llama):
             from .buddies import apply_profile
 
             apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
+        self._hold_the_whole_context()
+        ignored = sorted(f"zipmoe_{name}" for name, value in given.items() if value is not None)
+        if ignored and not _lib.llama_model_zipmoe_cache(self._model.model):
+            # llama.cpp's loader warns too, in its log (silent with verbose=False)
+            warnings.warn(f"{model_path} is not a ZipMoE GGUF: {', '.join(ignored)} do nothing; convert it with "
+                          "zipmoe-convert to serve its experts under a budget", stacklevel=2)
+
+    def _hold_the_whole_context(self) -> None:
+        """llama.cpp rounds the context size up (to a multiple of 256: n_ctx=16 gives 256, self.n_ctx()),
+        but llama-cpp-python sizes its arrays of evaluated tokens (and, with logits_all, their scores) by
+        the n_ctx asked for: a prompt past it then fails with numpy's "could not broadcast input array
+        from shape (5,) into shape (0,)" while replies run on to llama.cpp's size. Sized to the context
+        llama.cpp made, n_ctx means what it means to llama.cpp's own programs."""
+        import numpy as np
+
+        n_ctx = self.n_ctx()
+        if len(self.input_ids) < n_ctx:
+            ids = np.zeros(n_ctx, dtype=self.input_ids.dtype)
+            ids[:len(self.input_ids)] = self.input_ids
+            self.input_ids = ids
+            if self._logits_all:
+                scores = np.zeros((n_ctx, self.scores.shape[1]), dtype=self.scores.dtype)
+                scores[:len(self.scores)] = self.scores
+                self.scores = scores
 
     def __getstate__(self):
         state = super().__getstate__()  # the zipmoe_* options travel in its kv_overrides

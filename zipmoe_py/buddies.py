@@ -124,10 +124,31 @@ def _trace(model: Path, texts: list[str], temperature: float, warmup: int, threa
         llm.close()
 
 
+def _check_text(text: str, what: str, name: str) -> None:
+    """ZipMoEError naming the text (a file, or a corpus split) when it is empty."""
+    if not text:
+        raise ZipMoEError(f"the {what}{f' ({name})' if name else ''} is empty: give a text of at least one token "
+                          "for the model to route")
+
+
+def _check_routed(traces: dict, n_tokens: int, what: str, name: str) -> None:
+    """ZipMoEError naming the text unless every MoE layer routed at least one of its tokens (a layer
+    that routed none would get no buddy lists and no tau)."""
+    silent = [str(layer) for layer, tr in traces.items() if tr["tokens"] == 0]
+    if n_tokens > 0 and traces and not silent:
+        return
+    routed = f"MoE layers {', '.join(silent)} routed none of them" if n_tokens > 0 and silent else "no token was routed"
+    raise ZipMoEError(f"the {what}{f' ({name})' if name else ''} gives {n_tokens} tokens and {routed}: it is too short "
+                      "to route any token; give a longer text")
+
+
 def make_profile(model: Path, text: str, heldout: str | None = None, cft: float | list[float] = 0.9, k_max: int = 16,
                  percentile: float = 15.0, temperature: float = 1.0, smoothing: float = 1e-3,
                  weighting: str = "probability", warmup: int = 0, threads: int | None = None,
-                 n_ctx: int = 512, text_name: str = "", progress=None) -> dict:
+                 n_ctx: int = 512, text_name: str = "", heldout_name: str = "", progress=None) -> dict:
+    """The buddy profile of `model` from its routing over `text` (and the lists' recall over `heldout`);
+    ZipMoEError for an option out of range, or a text that is empty or routes no token (named by
+    text_name / heldout_name: a file, or a corpus split)."""
     cfts = cft if isinstance(cft, (list, tuple)) else None
     if any(not 0 < c <= 1 for c in (cfts or [cft])):
         raise ZipMoEError(f"--cft must be in (0, 1] (one value, or one per MoE layer); got {cft}")
@@ -144,8 +165,12 @@ def make_profile(model: Path, text: str, heldout: str | None = None, cft: float 
             n_layers = len(zf.moe_layers())
         if len(cfts) != n_layers:
             raise ZipMoEError(f"--cft gives {len(cfts)} values for the model's {n_layers} MoE layers")
+    _check_text(text, "calibration text", text_name)
+    if heldout is not None:
+        _check_text(heldout, "held-out text", heldout_name)
     t0 = time.perf_counter()
     traces, n_tokens = _trace(model, [text], temperature, warmup, threads, n_ctx)
+    _check_routed(traces, n_tokens, "calibration text", text_name)
     if progress:
         progress(f"traced {n_tokens} calibration tokens in {time.perf_counter() - t0:.1f} s")
     layers = {}
@@ -161,16 +186,18 @@ def make_profile(model: Path, text: str, heldout: str | None = None, cft: float 
             "recall_calibration": recall(tr["coact"], buddies),
         }
     heldout_recall = None
-    if heldout:
+    if heldout is not None:
         t0 = time.perf_counter()
         held, held_tokens = _trace(model, [heldout], temperature, 0, threads, n_ctx)
+        _check_routed(held, held_tokens, "held-out text", heldout_name)
         per_layer = {str(layer): recall(tr["coact"], layers[str(layer)]["buddies"]) for layer, tr in held.items()}
         total_cov = sum(held[l]["coact"][i, b].sum() for l in held for i, b in enumerate(layers[str(l)]["buddies"]) if b)
         total = sum(held[l]["coact"].sum() for l in held)
         heldout_recall = {"tokens": held_tokens, "recall": float(total_cov / total) if total else None,
                           "by_layer": per_layer}
         if progress:
-            progress(f"held-out recall {heldout_recall['recall']:.3f} over {held_tokens} tokens "
+            shown = "none" if heldout_recall["recall"] is None else f"{heldout_recall['recall']:.3f}"
+            progress(f"held-out recall {shown} over {held_tokens} tokens "
                      f"({time.perf_counter() - t0:.1f} s)")
     return {"format": FORMAT, "version": VERSION, "model": fingerprint(model),
             "made_with": {"text": text_name, "tokens": n_tokens, "cft": cft, "k_max": k_max,
@@ -232,13 +259,16 @@ def apply_profile(cache, doc: dict) -> None:
             raise ZipMoEError(f"layer {layer}: the buddy lists were refused ({_lib.status_string(status)})")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="zipmoe-buddies",
         description="Make a BuddyMoE buddy profile for a ZipMoE GGUF from its routing over a calibration text "
-                    "(for zipmoe_substitution='buddy', which is LOSSY). The profile is a JSON file beside the model.")
+                    "(for zipmoe_substitution='buddy', which is LOSSY). The profile is written to the JSON file "
+                    "-o names (docs/PLAN_FORMAT.md, BUDDY PROFILE), not into the model, so one model serves "
+                    "several profiles; load one with zipmoe-chat --buddy-profile or Llama(zipmoe_buddy_profile=).")
     ap.add_argument("model", type=Path, help="ZipMoE GGUF (made by zipmoe-convert)")
-    ap.add_argument("-o", "--output", type=Path, required=True, help="buddy profile JSON to write")
+    ap.add_argument("-o", "--output", type=Path, required=True, metavar="PROFILE.json",
+                    help="buddy profile JSON to write (required; its folder must exist)")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", type=Path, help="calibration text file")
     src.add_argument("--corpus", help="the train split of a zipmoe-train-tiny corpus (python-docs, pydoc-topics)")
@@ -263,15 +293,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=0,
                     help="down-weight each layer's first N traced tokens linearly (default: %(default)s)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: llama.cpp's choice)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if not args.output.parent.is_dir():  # before the run, not after it
         ap.error(f"the folder of -o {args.output} does not exist")
+    if args.max_tokens < 1:
+        ap.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         cft = [float(v) for v in args.cft.split(",")]
     except ValueError:
         ap.error(f"--cft must be numbers in (0, 1], like 0.9 or 0.95,0.9,0.85; got {args.cft!r}")
     try:
-        heldout = args.heldout.read_text() if args.heldout else None
+        heldout = args.heldout.read_text() if args.heldout else None  # one given and empty is refused
+        held_name = str(args.heldout) if args.heldout else ""
         if args.text is not None:
             text, name = args.text.read_text(), str(args.text)
         else:
@@ -280,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
             corpus = load_corpus(args.corpus)
             text, held = corpus.train_text, corpus.heldout_text
             name = f"train split of {args.corpus}"
-            heldout = heldout if heldout is not None else held
+            if heldout is None and held:  # the corpus's held-out split, when it has one
+                heldout, held_name = held, f"held-out split of {args.corpus}"
         text = text[: args.max_tokens * 4]  # about max_tokens tokens (English BPE: ~4 characters a token)
-        doc = make_profile(args.model, text, heldout=heldout[: 200_000] if heldout else None,
+        doc = make_profile(args.model, text, heldout=heldout[: 200_000] if heldout is not None else None,
                            cft=cft[0] if len(cft) == 1 else cft,
                            k_max=args.k_max, percentile=args.tae_percentile, temperature=args.temperature,
                            smoothing=args.smoothing, weighting=args.weighting, warmup=args.warmup,
-                           threads=args.threads, text_name=name,
+                           threads=args.threads, text_name=name, heldout_name=held_name,
                            progress=lambda m: print(f"zipmoe-buddies: {m}", file=sys.stderr))
     except (ZipMoEError, OSError) as e:
         print(f"zipmoe-buddies: error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +19,8 @@ from . import _lib
 from .errors import ZipMoEError
 from .options import chat_flag, python_options, zipmoe_overrides
 
-HELP_TEXT = "commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this"
+HELP_TEXT = ("commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this; "
+             "a message that starts with / is typed with //")
 
 
 def demo_model_path(cache_dir: Path | None = None) -> Path:
@@ -120,6 +122,24 @@ class ContextFull(Exception):
     """The conversation (or the one prompt) does not fit the context window."""
 
 
+def context_in_effect(llm, ctx_size: int) -> str:
+    """"the context of N tokens (-c ...)": the tokens a conversation may take, and why."""
+    n_ctx = llm.n_ctx()
+    if n_ctx > ctx_size:
+        return (f"the context of {n_ctx} tokens (-c {ctx_size} was raised to {n_ctx} by llama.cpp, which rounds the "
+                "context size up to a multiple of 256)")
+    if n_ctx < ctx_size:
+        return f"the context of {n_ctx} tokens (-c {ctx_size} was lowered to {n_ctx} by llama.cpp)"
+    return f"the context of {ctx_size} tokens (-c {ctx_size})"
+
+
+def _gpu_offload() -> bool:
+    """llama.cpp's answer to whether this build can offload layers to a GPU."""
+    from .bindings import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def _stream_reply(llm, messages: list[dict], args) -> str:
     parts = []
     before = llm.zipmoe_stats() if args.stats else None
@@ -141,8 +161,10 @@ def _stream_reply(llm, messages: list[dict], args) -> str:
             raise
         if parts:
             sys.stdout.write("\n")
-        raise ContextFull(f"the conversation does not fit the context of {llm.n_ctx()} tokens (-c); "
-                          f"llama-cpp-python: {e}") from None
+        what = "the reply filled" if parts else "the conversation does not fit"
+        needs = re.search(r"Requested tokens \((\d+)\)", str(e))
+        raise ContextFull(f"{what} {context_in_effect(llm, args.ctx_size)}"
+                          + (f": it takes {needs.group(1)} tokens" if needs else "")) from None
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
@@ -161,6 +183,11 @@ def chat(args) -> int:
             options["zipmoe_budget"] = max(1, experts_bytes(model) // 4)
             print(f"zipmoe-chat: expert-cache budget {options['zipmoe_budget'] / 1024:.0f} KiB (a quarter of the "
                   "demo's experts)", file=sys.stderr)
+    if args.batch_size is not None:
+        options["n_batch"] = args.batch_size
+    if args.n_gpu_layers and not _gpu_offload():
+        print(f"zipmoe-chat: warning: -ngl {args.n_gpu_layers} does nothing: this build has no GPU backend "
+              "(bash tools/setup.sh --cuda builds one); every layer runs on the CPU", file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
                 n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -184,13 +211,18 @@ def chat(args) -> int:
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
-            break
-        if text == "/clear":
-            history = list(system)
-            continue
-        if text == "/help":
-            print(HELP_TEXT, file=sys.stderr)
+        if text.startswith("//"):  # a message that starts with /
+            line = text[1:]
+        elif text.startswith("/"):  # a command: never sent to the model
+            command = text.split()[0]
+            if command in ("/exit", "/quit"):
+                break
+            if command == "/clear":
+                history = list(system)
+            elif command == "/help":
+                print(HELP_TEXT, file=sys.stderr)
+            else:
+                print(f"zipmoe-chat: unknown command {command}; /help lists them", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:
@@ -239,14 +271,64 @@ def add_option_flag(ap: argparse.ArgumentParser, option) -> None:
                     choices=option.choices or None, help=help_text.replace("%", "%%"))
 
 
+def batch_size(text: str) -> int:
+    """-b's value: a whole number of tokens > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens > 0 (the batch size, as llama.cpp's -b; "
+                                         f"the expert-cache budget is --budget); got {text!r}")
+    return value
+
+
+def values_may_start_with_dash(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with each flag that takes a value and the value after it joined as FLAG=VALUE where the value
+    starts with - (--budget -5G, -p "-x"): llama.cpp takes the next argument as the value, argparse takes
+    it for a flag ("expected one argument"), and reads FLAG=VALUE as a value. A next argument that is
+    itself a flag stays one (--budget --stats: "expected one argument")."""
+    flags = {s: a for a in ap._actions for s in a.option_strings}
+
+    def flag(text: str):
+        """The flag text names (itself, an unambiguous --prefix of it, or FLAG=VALUE), or None."""
+        name = text.split("=", 1)[0]
+        if name in flags:
+            return name
+        if name.startswith("--") and ap.allow_abbrev:
+            found = [s for s in flags if s.startswith(name)]
+            return found[0] if len(found) == 1 else None
+        return None
+
+    out, i = [], 0
+    while i < len(argv):
+        text = argv[i]
+        if text == "--":
+            out += argv[i:]
+            break
+        name = flag(text) if "=" not in text else None
+        if (name is not None and flags[name].nargs is None and i + 1 < len(argv)
+                and argv[i + 1].startswith("-") and argv[i + 1] not in ("-", "--") and flag(argv[i + 1]) is None):
+            out.append(f"{name}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(text)
+        i += 1
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="zipmoe-chat",
         description="Chat with a GGUF Mixture-of-Experts model on the ZipMoE build of llama.cpp. "
                     "Turns are formatted with the model's own chat template and replies stream as "
                     "they are generated. " + HELP_TEXT + ".")
+    # the short flags mean what they mean to llama.cpp's llama-cli / llama-completion (-b is the batch
+    # size there: the expert-cache budget is --budget only)
     ap.add_argument("model", nargs="?", type=Path, default=None,
                     help="GGUF model file; if omitted, a tiny random Qwen2-MoE demo model is made and used")
+    ap.add_argument("-m", "--model", dest="model_file", type=Path, default=None, metavar="FILE",
+                    help="the GGUF model file, as llama.cpp's -m (or give it as the argument above)")
     ap.add_argument("-p", "--prompt", default=None, help="answer this one prompt and exit (no interactive chat)")
     ap.add_argument("-n", "--n-predict", type=int, default=256,
                     help="most tokens per reply; <= 0 means until the model stops or the context is full "
@@ -257,11 +339,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=None,
                     help="CPU threads for generation (default: llama.cpp's choice, the physical cores)")
     ap.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default: %(default)s)")
+    ap.add_argument("-b", "--batch-size", type=batch_size, default=None, metavar="N",
+                    help="tokens of a prompt evaluated per llama_decode call, as llama.cpp's -b (default: 512, "
+                         "at most -c); the expert-cache budget is --budget")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, metavar="N",
                     help="layers to offload to the GPU in a build with CUDA (bash tools/setup.sh --cuda); with the "
                          "MoE layers offloaded, ZipMoE's expert slots are in GPU memory and --budget is VRAM for "
                          "them (docs/CUDA.md). Default: %(default)s, everything on the CPU")
-    ap.add_argument("-sys", "--system", default=None, help="system message that starts the conversation")
+    ap.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None,
+                    help="system message that starts the conversation")
     for option in python_options():
         add_option_flag(ap, option)
     ap.add_argument("--stats", action="store_true",
@@ -273,7 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args = ap.parse_args(values_may_start_with_dash(ap, sys.argv[1:] if argv is None else [str(a) for a in argv]))
+    if args.model_file is not None:
+        if args.model is not None:
+            ap.error(f"give the model once: -m {args.model_file} or {args.model}, not both")
+        args.model = args.model_file
     for name in ("threads", "ctx_size"):
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -1,21 +1,29 @@
 """zipmoe-convert: Hugging Face MoE checkpoint -> BF16 GGUF.
 
 Runs llama.cpp's own, unmodified convert_hf_to_gguf.py from the pinned source: the
-code path real DeepSeek-V2-Lite and Qwen1.5-MoE checkpoints take. The checkpoint is
-checked first so that unsupported or incomplete input fails with a message naming
-the file at fault, and the output is written under a temporary name and renamed only when
-complete (and, for a ZipMoE GGUF, read back: every chunk checked and decoded), so an interrupted
-conversion (SIGINT, SIGTERM, a full disk) never leaves a file at the output path.
+code path real DeepSeek-V2-Lite and Qwen1.5-MoE checkpoints take. The checkpoint and the options
+are checked first so that unsupported or incomplete input fails with a message naming the file or
+option at fault, and the output is written under a temporary name of its own (OUT.<pid>.<random>.partial)
+and renamed only when complete (and, for a ZipMoE GGUF, read back: every chunk checked and decoded), so an
+interrupted conversion (SIGINT, SIGTERM, a full disk) never leaves a file at the output path. A
+conversion holds OUT.lock (flock) while it writes OUT, so a second one to the same output is refused
+instead of corrupting the first; leftovers of a killed conversion are removed by the next one.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import json
 import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from . import _paths
@@ -67,7 +75,8 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     """Convert hf_dir to a BF16 GGUF at out_path with the vendored converter.
 
     The converter's log and progress bar go to stderr unless quiet; its last lines are
-    kept for the error message either way.
+    kept for the error message either way. It writes under a name of this process's own
+    (_temporary_name), so conversions to one output never write the same file.
     """
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     check_checkpoint(hf_dir)
@@ -76,8 +85,8 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
         raise ZipMoEError(f"output {out_path} is a folder; give a file name such as {out_path / 'model.gguf'}")
     if not out_path.parent.exists():
         raise ZipMoEError(f"output folder does not exist: {out_path.parent}")
-    partial = out_path.with_name(out_path.name + ".partial")
-    cmd = [sys.executable, str(_paths.converter_script()), str(hf_dir),
+    partial = _temporary_name(out_path, ".partial")
+    cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), str(_paths.converter_script()), str(hf_dir),
            "--outfile", str(partial), "--outtype", "bf16"]
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use the gguf-py it ships with
@@ -87,6 +96,8 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
                               text=True, errors="replace", bufsize=1) as proc:
             try:
                 for line in proc.stdout:
+                    # the converter names the file it was given ("exported to ….partial"): the user's is out_path
+                    line = line.replace(str(partial), str(out_path))
                     tail.append(line.rstrip())
                     if not quiet:
                         sys.stderr.write(line)
@@ -103,6 +114,139 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
         if partial.exists():
             partial.unlink()
     return out_path
+
+
+# Runs argv[2:] with Python after asking the kernel to SIGKILL it when process argv[1] (this one) dies
+# (Linux's PR_SET_PDEATHSIG, which exec keeps): a SIGKILLed zipmoe-convert must not leave the converter
+# writing on in its work folder, which the next conversion removes. A wrapper rather than a preexec_fn:
+# a SIGINT/SIGTERM that lands while Popen forks with a preexec_fn is swallowed, and the conversion goes on.
+_DIE_WITH_PARENT = """
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except (OSError, AttributeError):
+    pass  # no prctl here: the converter then stops at its next write to the closed pipe
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the parent died before the call took effect
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+# ---- temporary names, the output lock, and what killed conversions leave behind ----
+
+def _temporary_name(path: Path, suffix: str = "") -> Path:
+    """PATH.<pid>.<random><suffix> beside path: the same filesystem (so that os.replace is atomic)
+    and a name no other process writes. _remove_stale_temporaries knows the pattern."""
+    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove path's temporary files (_temporary_name, and format.repack's .partial of one) that
+    a killed conversion left. Called with path's lock held, so no other zipmoe-convert is writing
+    them; the pid in the name must be dead too, for a caller of the library that takes no lock."""
+    pattern = re.compile(re.escape(path.name) + r"\.(\d+)\.[0-9a-f]{8}(\.partial)?")
+    for leftover in path.parent.iterdir():
+        found = pattern.fullmatch(leftover.name)
+        if found and leftover.is_file() and not _process_alive(int(found[1])):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
+@contextlib.contextmanager
+def _output_lock(path: Path):
+    """Hold an exclusive flock on PATH.lock while path is written; refuse (ZipMoEError naming the
+    holder's pid) if another zipmoe-convert holds it. An flock vanishes with its process, so a
+    killed conversion's lock file blocks no one; the file itself is removed on the way out."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd, held = -1, False
+    try:
+        while not held:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                raise ZipMoEError(f"{path} is being written by another zipmoe-convert"
+                                  + (f" (pid {holder})" if holder.isdigit() else "")
+                                  + f"; wait for it to finish, or write elsewhere (its lock: {lock_path})") from None
+            # the previous holder may have removed the file between our open and our flock: then the lock
+            # we hold guards nothing, and a third process may already hold a new one; start over
+            try:
+                held = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+            except FileNotFoundError:
+                held = False
+            if not held:
+                os.close(fd)
+                fd = -1
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _remove_stale_temporaries(path)
+        yield
+    finally:
+        if held:  # removed while still held, so that whoever opens it next sees it gone (the check above)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+        if fd >= 0:
+            os.close(fd)
+
+
+WORK_FOLDER_PREFIX = ".zipmoe-"
+
+
+@contextlib.contextmanager
+def _work_folder(parent: Path):
+    """A hidden folder .zipmoe-<pid>-<random> in parent for the intermediate BF16 GGUF (beside
+    the output: the same filesystem, whose free space the user chose), removed on the way out.
+    Its owner.lock is flocked for the folder's life, so a later conversion tells a killed
+    process's folder (lock free) from a running one's (_remove_stale_work_folders)."""
+    folder, fd = None, None
+    try:
+        folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{WORK_FOLDER_PREFIX}{os.getpid()}-"))
+        # locked under another name, then renamed: owner.lock never exists unlocked while we live
+        unlocked = folder / "owner.lock.new"
+        fd = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(unlocked, folder / "owner.lock")
+        yield folder
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        if fd is not None:
+            os.close(fd)
+
+
+def _remove_stale_work_folders(parent: Path) -> None:
+    """Remove the work folders in parent of conversions that were killed (SIGKILL, a crash):
+    those whose owner.lock no process holds (or, killed before it was made, whose pid is dead)."""
+    for folder in parent.glob(WORK_FOLDER_PREFIX + "*"):
+        owner = re.fullmatch(re.escape(WORK_FOLDER_PREFIX) + r"(\d+)-.+", folder.name)
+        if not owner or not folder.is_dir() or folder.is_symlink():
+            continue  # not one of ours
+        try:
+            fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not _process_alive(int(owner[1])):
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
+        except OSError:
+            continue  # someone else's, not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)  # a folder removed meanwhile by another cleaner: nothing
+        except BlockingIOError:
+            pass  # its conversion is running
+        finally:
+            os.close(fd)
 
 
 def _progress_bar(total: int, desc: str, quiet: bool):
@@ -126,17 +270,44 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
 
     header = gguf_file.read_header(src_gguf)
     total = sum(t.nbytes() for t in header.tensors)
+    # repack writes STAGING.partial and renames it to STAGING once it reads back; STAGING is this
+    # process's own name (repack's fixed OUT.partial would be shared by conversions to one output)
+    staging = _temporary_name(Path(out_path))
     update, close = _progress_bar(total, f"ZipMoE {codec} K={shards}", quiet)
     try:
-        result = zformat.repack(src_gguf, out_path, codec=codec, level=level, shards=shards, threads=threads,
+        result = zformat.repack(src_gguf, staging, codec=codec, level=level, shards=shards, threads=threads,
                                 progress=update, f32_to_bf16_experts=f32_to_bf16)
+        os.replace(staging, out_path)
     finally:
         close()
+        if staging.exists():
+            staging.unlink()
     if not quiet:
         print("layer  exp. entropy (bits)  expert ratio  bound (8+H)/16", file=sys.stderr)
         for row in result.per_layer():
             print(f"{row['layer']:>5}  {row['exp_entropy_bits']:>19.3f}  {row['ratio']:>12.4f}  {row['bound']:>14.4f}",
                   file=sys.stderr)
+
+
+def _refuse_before_work(args, ap: argparse.ArgumentParser) -> bool:
+    """Everything that can be refused is refused here, before a lock, a file or an hour of work.
+    Returns whether the source is a Hugging Face checkpoint (else a GGUF)."""
+    if args.level is not None:
+        problem = _level_problem(args.codec, args.level)
+        if problem:
+            ap.error(problem)
+    for flag, path in (("-o", args.outfile), ("--keep-bf16", args.keep_bf16)):
+        if path is not None and not path.parent.exists():
+            raise ZipMoEError(f"output folder does not exist: {path.parent}"
+                              + (f" (of {flag} {path})" if flag != "-o" else ""))
+    from_checkpoint = not args.source.is_file()
+    if args.bf16 and not from_checkpoint:
+        raise ZipMoEError(f"{args.source} is a file: --bf16 conversion takes a checkpoint folder "
+                          "(without --bf16, a BF16 GGUF is repacked into ZipMoE)")
+    if from_checkpoint:
+        check_checkpoint(args.source)
+        require_extra("convert", "converting a Hugging Face checkpoint")
+    return from_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                          "ghuf: the layout a GPU decodes, for expert slots in CUDA memory (format version 2; "
                          "on the CPU it decodes about 14x slower than fhuf))")
     ap.add_argument("--level", type=int, default=None,
-                    help="codec level (zstd 1..22, lz4 acceleration >= 1, lz4hc 1..12; default: the codec's own)")
+                    help="codec level (zstd 1..22, or negative for speed; lz4 acceleration >= 1; lz4hc 1..12; "
+                         "huf, fhuf, ghuf and raw take none; default: the codec's own)")
     ap.add_argument("--shards", type=int, default=DEFAULT_SHARDS,
                     help="E-chunks per expert, K (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="compression threads (default: all cores)")
@@ -176,31 +348,35 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
+    if not 1 <= args.shards <= MAX_SHARDS:  # format.repack's limit, checked before hours of conversion
+        ap.error(f"--shards must be between 1 and {MAX_SHARDS}, got {args.shards}")
+    for warning in _drop_ignored_options(args, DEFAULT_CODEC, DEFAULT_SHARDS):
+        print(f"zipmoe-convert: warning: {warning}", file=sys.stderr)
     problem = _outputs_overwrite_inputs(args.source, args.outfile, args.keep_bf16)
     if problem:
         ap.error(problem)
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     previous_sigint = signal.signal(signal.SIGINT, _interrupt)
     try:
-        if args.bf16:
-            if args.source.is_file():
-                raise ZipMoEError(f"{args.source} is a file: --bf16 conversion takes a checkpoint folder "
-                                  "(without --bf16, a BF16 GGUF is repacked into ZipMoE)")
-            out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
-            print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
-            return 0
-        if not args.outfile.parent.exists():
-            raise ZipMoEError(f"output folder does not exist: {args.outfile.parent}")
-        if args.source.is_file():
-            to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
-                      args.f32_to_bf16)
-        else:
-            import tempfile
-
-            with tempfile.TemporaryDirectory(dir=args.outfile.parent, prefix=".zipmoe-") as tmp:
-                bf16 = args.keep_bf16 or Path(tmp) / "bf16.gguf"
-                convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
-                to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
+        from_checkpoint = _refuse_before_work(args, ap)
+        with contextlib.ExitStack() as held:
+            # one writer per output: a second conversion to the same file is refused, not interleaved
+            held.enter_context(_output_lock(args.outfile))
+            if args.keep_bf16 is not None:
+                held.enter_context(_output_lock(args.keep_bf16))
+            _remove_stale_work_folders(args.outfile.parent)
+            if args.bf16:
+                out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
+                print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
+                return 0
+            if not from_checkpoint:
+                to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
+                          args.f32_to_bf16)
+            else:
+                with _work_folder(args.outfile.parent) as work:
+                    bf16 = args.keep_bf16 or work / "bf16.gguf"
+                    convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
+                    to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
         print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {args.codec}, "
               f"K={args.shards})")
         return 0
@@ -240,6 +416,105 @@ def _outputs_overwrite_inputs(source: Path, outfile: Path, keep_bf16: Path | Non
     if keep_bf16 is not None and keep_bf16.resolve() == outfile.resolve():
         return f"--keep-bf16 and -o are the same file ({outfile}): the ZipMoE GGUF would replace the BF16 one"
     return None
+
+
+MAX_SHARDS = 64  # format.repack's bound on K
+# the codecs ggml_zipmoe_compress hands a level to (ggml-zipmoe's zipmoe-codec.c); the others ignore it
+LEVELLED_CODECS = ("zstd", "lz4", "lz4hc")
+_C_INT_MIN, _C_INT_MAX = -2 ** 31, 2 ** 31 - 1  # the C `int level`: ctypes would wrap anything wider silently
+
+
+def _drop_ignored_options(args: argparse.Namespace, default_codec: str, default_shards: int) -> list[str]:
+    """One warning per option given where it has no effect (and reset it, so that nothing downstream,
+    such as the codec_level recorded in the file, depends on it)."""
+    warnings = []
+    from_checkpoint = not args.source.is_file()
+    if args.bf16:
+        for flag, given in (("--codec", args.codec != default_codec), ("--level", args.level is not None),
+                            ("--shards", args.shards != default_shards), ("--threads", args.threads is not None),
+                            ("--f32-to-bf16", args.f32_to_bf16)):
+            if given:
+                warnings.append(f"{flag} has no effect with --bf16: the BF16 GGUF is written as is, "
+                                "nothing is repacked")
+        args.level = None
+    elif args.level is not None and args.codec not in LEVELLED_CODECS:
+        warnings.append(f"--level has no effect with --codec {args.codec}: only "
+                        f"{', '.join(LEVELLED_CODECS[:-1])} and {LEVELLED_CODECS[-1]} take a level")
+        args.level = None
+    if args.f32_to_bf16 and from_checkpoint and not args.bf16:
+        warnings.append("--f32-to-bf16 has no effect with a checkpoint: its BF16 conversion rounds the "
+                        "routed experts to BF16 already")
+    if args.keep_bf16 is not None:
+        if args.bf16:
+            warnings.append(f"--keep-bf16 has no effect with --bf16: the BF16 GGUF is the output, {args.outfile}")
+        elif not from_checkpoint:
+            warnings.append(f"--keep-bf16 has no effect: {args.source} is a GGUF file, repacked directly, "
+                            "so no intermediate BF16 GGUF is made")
+        else:
+            return warnings
+        args.keep_bf16 = None
+    return warnings
+
+
+def _level_accepted(codec: str, level: int) -> bool:
+    from . import codec as _codec
+
+    if not _C_INT_MIN <= level <= _C_INT_MAX:
+        return False
+    try:
+        _codec.compress(bytes(range(256)), codec, level)  # a few bytes: the library checks the level first
+    except _codec.CodecError:
+        return False
+    return True
+
+
+def _level_problem(codec: str, level: int) -> str | None:
+    """Why --level is no level of codec, or None. The valid levels are the linked C library's (zstd's
+    range is its version's), so they are found by compressing a few bytes, not written down here."""
+    if _level_accepted(codec, level):
+        return None
+    return f"--level {level} is not a {codec} level: {codec} takes {_describe_levels(codec)}"
+
+
+def _describe_levels(codec: str) -> str:
+    """The levels the library accepts for codec, as text ("1..22 or -131072..-1"), found by trying:
+    the accepted levels are runs going out from 1 and from -1."""
+    runs = []
+    for start, step in ((1, 1), (-1, -1)):
+        if _level_accepted(codec, start):
+            end = _furthest_accepted(codec, start, step)
+            lo, hi = min(start, end), max(start, end)
+            runs.append("1 or more" if (lo, hi) == (1, _C_INT_MAX) else
+                        "any negative level" if (lo, hi) == (_C_INT_MIN, -1) else
+                        str(lo) if lo == hi else f"{lo}..{hi}")
+    if _level_accepted(codec, 0):
+        runs.append("0")
+    return " or ".join(runs) or "no level"
+
+
+def _furthest_accepted(codec: str, start: int, step: int) -> int:
+    """The accepted level furthest from start (accepted) going in step's direction: doubling out
+    until one is refused, then bisecting back."""
+    bound = _C_INT_MAX if step > 0 else _C_INT_MIN
+    good, distance = start, 1
+    while True:
+        candidate = start + step * distance
+        if (candidate - bound) * step >= 0:
+            candidate = bound
+        if not _level_accepted(codec, candidate):
+            bad = candidate
+            break
+        good = candidate
+        if candidate == bound:
+            return good
+        distance *= 2
+    while abs(bad - good) > 1:
+        middle = (good + bad) // 2
+        if _level_accepted(codec, middle):
+            good = middle
+        else:
+            bad = middle
+    return good
 
 
 class Interrupted(BaseException):

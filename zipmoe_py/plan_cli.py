@@ -38,6 +38,26 @@ def _batch_marginals(profile: dict, batch_size: int, path: Path) -> tuple[np.nda
     return round_to_subset_size(f)
 
 
+def smallest_budget(expert_bytes: dict, pools: tuple[str, ...], n_layer_moe: int) -> tuple[int, str]:
+    """(bytes, pool): the least budget that keeps one expert per MoE layer in the cheapest pool of
+    Lambda (the planner's capacity of a pool is floor(share * budget / (its expert bytes * layers)))."""
+    cheapest = min(pools, key=lambda p: (int(expert_bytes[p]), pools.index(p)))
+    return int(expert_bytes[cheapest]) * n_layer_moe, cheapest
+
+
+def size_text(n_bytes: int) -> str:
+    """n_bytes as a --budget value, rounded up so that it still holds n_bytes: 1800 -> '1.76K'."""
+    for unit, suffix in ((2**30, "G"), (2**20, "M"), (2**10, "K")):
+        if n_bytes >= unit:
+            hundredths = -(-n_bytes * 100 // unit)  # ceiling
+            while True:
+                text = f"{hundredths / 100:g}{suffix}"
+                if parse_size(text, "--budget") >= n_bytes:
+                    return text
+                hundredths += 1
+    return str(n_bytes)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="zipmoe-plan",
@@ -89,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise ZipMoEError(f"--pools/--grid: {e}") from None
         profile = load_profile(args.profile)
+        least, cheapest = smallest_budget(profile["expert_bytes"], pools, profile["n_layer_moe"])
+        if budget < least:
+            ap.error(f"--budget {args.budget} ({budget} bytes) keeps no expert: the smallest budget that keeps one "
+                     f"expert per MoE layer in the cheapest pool of {','.join(pools)} is {least} bytes "
+                     f"(--budget {size_text(least)}: one {cheapest} expert of {profile['expert_bytes'][cheapest]} "
+                     f"bytes in each of the {profile['n_layer_moe']} MoE layers of {args.profile})")
         f, k = _batch_marginals(profile, args.batch_size, args.profile)
         if args.costs is not None:
             costs, threads = load_costs(args.costs)
@@ -103,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
                           profile["n_tensors_per_expert"], profile["n_layer_moe"], grid=args.grid, delta=args.delta)
         except ValueError as e:
             raise ZipMoEError(f"{args.profile}: batch size {args.batch_size}: {e}") from None
+        if not any(result.capacities.values()):  # a plan that keeps nothing is refused by every loader
+            raise ZipMoEError(f"the plan for --budget {args.budget} keeps no expert in any pool of "
+                              f"{','.join(pools)} (keeping none has the least expected makespan under these "
+                              f"costs); no plan written to {args.output}")
         meta = {"model": profile["model"], "profile": str(args.profile), "batch_size": args.batch_size,
                 "grid": args.grid, "threads": threads,
                 "n_shards": profile["n_shards"], "n_tensors_per_expert": profile["n_tensors_per_expert"],

@@ -31,6 +31,7 @@ struct ggml_zipmoe_serving_params {
     uint64_t                        available;     // bytes the process may take (0: measured now, below)
     uint64_t                        mem_limit;     // zipmoe.mem_limit (0: none)
     uint64_t                        budget;        // zipmoe.budget (0: from memory)
+    const char *                    budget_name;   // how the user gave it, for messages (NULL: "zipmoe.budget")
     int32_t                         pools[4];      // zipmoe.pool_f/c/s/e: experts per MoE layer (all 0: none given)
     int32_t                         work_slots;    // zipmoe.work_slots
     int32_t                         eviction;      // zipmoe.eviction

@@ -149,5 +149,28 @@ llama_zipmoe_options llama_zipmoe_options::parse(
     o.buddy.search      = (int32_t) number(GGML_ZIPMOE_OPTION_BUDDY_SEARCH);
     o.buddy.eta         = (float) number(GGML_ZIPMOE_OPTION_BUDDY_ETA);
     o.trace_routing  = number(GGML_ZIPMOE_OPTION_TRACE_ROUTING) != 0;
+    // a budget from the environment is named as the user set it (an override by its key, the default)
+    const ggml_zipmoe_option * budget = ggml_zipmoe_option_at(GGML_ZIPMOE_OPTION_BUDGET);
+    if (is_given[GGML_ZIPMOE_OPTION_BUDGET] && given[GGML_ZIPMOE_OPTION_BUDGET].source.rfind(budget->env, 0) == 0) {
+        o.budget_source = budget->env;
+    }
     return o;
+}
+
+std::vector<std::string> llama_zipmoe_options::given_names(
+        const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
+    std::vector<std::string> names;
+    for (int id = 0; id < ggml_zipmoe_option_count(); ++id) {
+        const char * env = ggml_zipmoe_option_at(id)->env;
+        const char * value = env != nullptr ? getenv(env) : nullptr;
+        if (value != nullptr && value[0] != '\0') {
+            names.push_back(env);
+        }
+    }
+    for (const auto & [key, kv] : overrides) {
+        if (key.rfind("zipmoe.", 0) == 0) {
+            names.push_back(key);
+        }
+    }
+    return names;
 }

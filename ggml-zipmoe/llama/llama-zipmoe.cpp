@@ -63,6 +63,25 @@ bool llama_zipmoe::is_zipmoe(const gguf_context * meta) {
     return meta != nullptr && gguf_find_key(meta, "zipmoe.format_version") >= 0;
 }
 
+void llama_zipmoe::warn_options_ignored(const std::string & fname,
+                                        const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
+    const std::vector<std::string> names = llama_zipmoe_options::given_names(overrides);
+    if (names.empty()) {
+        return;
+    }
+    std::string list;
+    for (const std::string & n : names) {
+        list += (list.empty() ? "" : ", ") + n;
+    }
+    LLAMA_LOG_WARN("%s: %s is not a ZipMoE GGUF (no zipmoe.format_version): the ZipMoE options given (%s) do "
+                   "nothing; convert it with zipmoe-convert to serve its experts under a budget\n", __func__,
+                   fname.c_str(), list.c_str());
+}
+
+uint64_t llama_zipmoe::expert_params() const {
+    return info.all_experts / sizeof(uint16_t); // BF16
+}
+
 bool llama_zipmoe::is_chunk_tensor(const std::string & name) {
     static const std::string suffix = ".zipmoe";
     return name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -119,6 +138,7 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     sp.n_expert_used = n_expert_used;
     sp.mem_limit     = opt.mem_limit;
     sp.budget        = opt.budget;
+    sp.budget_name   = opt.budget_source.c_str();
     std::copy(opt.pools, opt.pools + 4, sp.pools);
     sp.work_slots    = opt.work_slots;
     sp.eviction      = opt.eviction;

@@ -76,16 +76,27 @@ struct llama_zipmoe_options {
     float       smoe_alpha     = 0;     // SMoE's alpha
     ggml_zipmoe_buddy_params buddy = {}; // BuddyMoE's parameters
     bool        trace_routing  = false; // record co-activations (zipmoe-buddies)
+    std::string budget_source  = "zipmoe.budget"; // where the budget came from, for messages
 
     bool with_pools() const { return pools[0] + pools[1] + pools[2] + pools[3] > 0; }
 
     // parses the overrides and the environment; throws naming the option and where it came from
     static llama_zipmoe_options parse(const std::unordered_map<std::string, llama_model_kv_override> & overrides);
+
+    // the ZipMoE options given, as the user gave them ("ZIPMOE_BUDGET", "zipmoe.budget"), unparsed
+    static std::vector<std::string> given_names(const std::unordered_map<std::string, llama_model_kv_override> & overrides);
 };
 
 struct llama_zipmoe {
     // true if the GGUF is a ZipMoE GGUF (has zipmoe.format_version)
     static bool is_zipmoe(const gguf_context * meta);
+
+    // a GGUF that is not a ZipMoE GGUF: warns when ZipMoE options were given, since they do nothing
+    static void warn_options_ignored(const std::string & fname,
+                                     const std::unordered_map<std::string, llama_model_kv_override> & overrides);
+
+    // the routed experts' parameters (values of every repacked tensor): what the chunk tensors stand for
+    uint64_t expert_params() const;
 
     // true for the GGUF tensors that hold an expert tensor's chunks ("blk.N.ffn_up_exps.zipmoe")
     static bool is_chunk_tensor(const std::string & name);

@@ -30,6 +30,7 @@ struct zipmoe_routing_profile {
 struct ggml_zipmoe_serving {
     struct ggml_zipmoe_serving_params p;
     int32_t *                         layer_tensors; // the params' table, copied
+    char                              budget_name[96]; // the params' budget_name, copied
     ggml_zipmoe_log_fn                log;
     void *                            log_data;
 

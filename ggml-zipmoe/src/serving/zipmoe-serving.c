@@ -40,6 +40,10 @@ static int32_t slots_for(const struct ggml_zipmoe_serving * s, uint64_t bytes) {
     return (int32_t) MIN(n, (uint64_t) INT32_MAX);
 }
 
+static const char * budget_name(const struct ggml_zipmoe_serving * s) {
+    return s->budget_name;
+}
+
 static bool with_pools(const struct ggml_zipmoe_serving * s) {
     return s->p.pools[0] + s->p.pools[1] + s->p.pools[2] + s->p.pools[3] > 0;
 }
@@ -151,8 +155,8 @@ static int choose_capacity(struct ggml_zipmoe_serving * s, char * err, size_t er
         in->capacity = pools[0] * in->n_moe_layers + s->p.work_slots;
     } else if (s->p.budget != 0) {
         if (s->p.budget < in->expert_bytes) {
-            snprintf(err, err_size, "zipmoe.budget of %llu bytes cannot hold one expert (%llu bytes: gate + up + down)",
-                     (unsigned long long) s->p.budget, (unsigned long long) in->expert_bytes);
+            snprintf(err, err_size, "%s of %llu bytes cannot hold one expert (%llu bytes: gate + up + down)",
+                     budget_name(s), (unsigned long long) s->p.budget, (unsigned long long) in->expert_bytes);
             return GGML_ZIPMOE_ERR_ARG;
         }
         in->capacity = MIN(slots_for(s, s->p.budget), all_slots); // more slots than experts would never be used
@@ -186,6 +190,8 @@ struct ggml_zipmoe_serving * ggml_zipmoe_serving_new(const struct ggml_zipmoe_se
     s->p                  = *params;
     s->p.n_expert_used    = MAX(1, params->n_expert_used);
     s->p.layer_tensors    = table;
+    snprintf(s->budget_name, sizeof(s->budget_name), "%s", params->budget_name ? params->budget_name : "zipmoe.budget");
+    s->p.budget_name      = s->budget_name;
     s->layer_tensors      = table;
     s->log                = params->log;
     s->log_data           = params->log_data;
@@ -227,8 +233,9 @@ int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const cha
         in->capacity = MAX(MIN(all_slots, fit), fewest);
     } else if (!in->with_pools && in->capacity > fit) {
         const int32_t n = MAX(fit, fewest);
-        zipmoe_serving_log(s, 1, "zipmoe.budget of %s does not fit in %s's %s free beside %s of other weights and "
-                           "buffers: %d slots (%s)", gib(s->p.budget), device, gib(free_bytes), gib(reserve_bytes), n,
+        zipmoe_serving_log(s, 1, "%s of %s does not fit in %s's %s free beside %s of other weights and "
+                           "buffers: %d slots (%s)", budget_name(s), gib(s->p.budget), device, gib(free_bytes),
+                           gib(reserve_bytes), n,
                            gib((uint64_t) n * in->expert_bytes));
         in->capacity = n;
     }
@@ -273,27 +280,68 @@ int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data
     return GGML_ZIPMOE_OK;
 }
 
-// the pools given: their memory against the budget, and a line for the log
+// "18.0 KiB": the unit that keeps the number at 1 or more (whole bytes below 1 KiB), so that no
+// size of a message reads 0.0
+static const char * size_text(uint64_t bytes) {
+    static _Thread_local char bufs[8][32];
+    static _Thread_local int next;
+    char * b = bufs[next++ % 8];
+    if (bytes < 1024) {
+        snprintf(b, sizeof(bufs[0]), "%llu bytes", (unsigned long long) bytes);
+    } else if (bytes < (1u << 20)) {
+        snprintf(b, sizeof(bufs[0]), "%.1f KiB", bytes / 1024.0);
+    } else if (bytes < (1u << 30)) {
+        snprintf(b, sizeof(bufs[0]), "%.1f MiB", bytes / ZIPMOE_MIB);
+    } else {
+        snprintf(b, sizeof(bufs[0]), "%.2f GiB", bytes / ZIPMOE_GIB);
+    }
+    return b;
+}
+
+// snprintf at *used into buf, kept within size
+static void append(char * buf, size_t size, size_t * used, const char * fmt, ...) __attribute__((format(printf, 4, 5)));
+static void append(char * buf, size_t size, size_t * used, const char * fmt, ...) {
+    if (*used >= size) {
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    const int n = vsnprintf(buf + *used, size - *used, fmt, ap);
+    va_end(ap);
+    *used = n < 0 ? size : MIN(size, *used + (size_t) n);
+}
+
+// the pools given, per MoE layer as given: their memory against the budget, and a line for the log
 static int check_given_pools(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
+    const int32_t L = s->info.n_moe_layers;
     uint64_t total = 0;
-    char layout[256] = "";
-    size_t used = 0;
+    char layout[384] = "", none[16] = "";
+    size_t used = 0, n_none = 0;
     for (int p = 0; p < GGML_ZIPMOE_POOL_COUNT; ++p) {
         size_t entry = 0;
-        const int n = ggml_zipmoe_cache_pool_entries(s->cache, p, &entry);
+        const int n = ggml_zipmoe_cache_pool_entries(s->cache, p, &entry); // over every layer
+        if (s->p.pools[p] == 0) {
+            append(none, sizeof(none), &n_none, "%s%s", n_none ? ", " : "", ggml_zipmoe_pool_name(p));
+            continue;
+        }
         total += (uint64_t) n * entry;
-        used += (size_t) snprintf(layout + used, sizeof(layout) - MIN(used, sizeof(layout)), "%s%s %d x %.2f MiB",
-                                  p ? ", " : "", ggml_zipmoe_pool_name(p), n, entry / ZIPMOE_MIB);
+        append(layout, sizeof(layout), &used, "%s%s %d per MoE layer x %d layers x %s = %s", used ? ", " : "",
+               ggml_zipmoe_pool_name(p), s->p.pools[p], L, size_text(entry), size_text((uint64_t) n * entry));
     }
-    total += (uint64_t) s->p.work_slots * s->info.expert_bytes;
-    snprintf(layout + MIN(used, sizeof(layout) - 1), sizeof(layout) - MIN(used, sizeof(layout) - 1),
-             ", %d working slots", s->p.work_slots);
+    const uint64_t work = (uint64_t) s->p.work_slots * s->info.expert_bytes;
+    total += work;
+    append(layout, sizeof(layout), &used, ", %d working slots x %s = %s", s->p.work_slots,
+           size_text(s->info.expert_bytes), size_text(work));
+    if (n_none > 0) {
+        append(layout, sizeof(layout), &used, " (%s: none)", none);
+    }
     if (s->p.budget != 0 && total > s->p.budget) {
-        snprintf(err, err_size, "zipmoe.pool_* and zipmoe.work_slots need %.1f MiB (%s), more than zipmoe.budget's "
-                 "%.1f MiB", total / ZIPMOE_MIB, layout, s->p.budget / ZIPMOE_MIB);
+        snprintf(err, err_size, "zipmoe.pool_* and zipmoe.work_slots need %s: %s, more than %s's %s; give a budget "
+                 "of at least %s, or fewer pool experts or working slots", size_text(total), layout, budget_name(s),
+                 size_text(s->p.budget), size_text(total));
         return GGML_ZIPMOE_ERR_ARG;
     }
-    zipmoe_serving_log(s, 0, "ZipMoE expert cache pools: %s = %.1f MiB", layout, total / ZIPMOE_MIB);
+    zipmoe_serving_log(s, 0, "ZipMoE expert cache pools: %s = %s", layout, size_text(total));
     return GGML_ZIPMOE_OK;
 }
 
@@ -410,14 +458,17 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
         if (s->p.budget != 0) {
             if (capacity > fit) {
                 n = MAX(MIN(capacity, pl.min_slots), fit);
-                zipmoe_serving_log(s, 1, "zipmoe.budget of %s does not fit: %s; using %d slots (%s)", gib(s->p.budget),
-                                   sums, n, gib((uint64_t) n * s->info.expert_bytes));
+                if (d->making) { // a freed context leaves more room, or the same: said once
+                    zipmoe_serving_log(s, 1, "%s of %s does not fit: %s; using %d slots (%s)", budget_name(s),
+                                       gib(s->p.budget), sums, n, gib((uint64_t) n * s->info.expert_bytes));
+                }
             }
         } else {
             n = MIN(capacity, MAX(pl.min_slots, fit));
-            if (fit < pl.min_slots) {
+            if (fit < pl.min_slots && d->making) { // a freed context leaves more room, or the same
                 zipmoe_serving_log(s, 1, "memory is short for the ZipMoE expert cache: %s; keeping the minimum of %d "
-                                   "slots (one token's experts of a layer); weights will be paged from disk", sums, n);
+                                   "slots (one token's experts of a layer); weights will be paged from disk (a "
+                                   "smaller context, -c or n_ctx, leaves more)", sums, n);
             }
         }
     }
