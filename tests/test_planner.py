@@ -333,23 +333,29 @@ def test_plan_rejects_bad_arguments(plan):
         plan([0.5, 0.5, 0.5], **plan_kwargs())  # k = 2: no selection probabilities give these marginals
 
 
+def assert_same_plan(got, reference) -> None:
+    """The runtime's plan is the reference's: every choice exactly; the expected makespan and the fitted
+    selection probabilities to rounding, since C sums in another order and fits q with its own iterations
+    (floating-point planning, not a lossless inference path)."""
+    exact = ("pools", "ratios", "capacities", "thresholds", "delta", "memory_bytes", "budget_bytes", "n_layer_moe",
+             "n_expert", "k")
+    assert {name: getattr(got, name) for name in exact} == {name: getattr(reference, name) for name in exact}
+    assert got.expected_makespan_s == pytest.approx(reference.expected_makespan_s, rel=1e-9)
+    np.testing.assert_allclose(got.selection_probabilities, reference.selection_probabilities, rtol=1e-7, atol=1e-12)
+
+
 @pytest.mark.parametrize("n, k, concentration, budget_experts, pools, grid, delta", [
     (8, 2, 0.5, 3, "FCSE", 0.25, 0), (16, 4, 0.3, 7, "FCSE", 0.1, 1), (64, 6, 0.5, 20, "FCSE", 0.05, 0),
     (64, 6, 5.0, 40, "CSE", 0.05, 2), (60, 4, 0.2, 100, "FC", 0.1, 0), (32, 3, 1.0, 500, "FCSE", 0.05, 0)])
 def test_the_runtimes_plan_is_the_references(n, k, concentration, budget_experts, pools, grid, delta):
     """plan_math.plan (C's grid search and IPF) and the reference give the same PLAN: pools, ratios (the
-    grid point, which plan_math recovers from C's capacities), capacities, thresholds and memory
+    grid point C reports), capacities, thresholds and memory
     exactly; the makespan and q to rounding (sums in another order, an iterative fit)."""
     f = random_marginals(np.random.default_rng(n + k), n, k, concentration, cap=0.95)
     kwargs = plan_kwargs(k=k, budget_bytes=budget_experts * 2000 * 3, pools=pools, grid=grid, delta=delta,
                          costs=Costs(u_s=4.1e-3, v_s=0.28e-3, c_s=0.36e-3), threads=2)
     runtime, reference = plan_math.plan(f, **kwargs), planner.plan(f, **kwargs)
-    exact = ("pools", "ratios", "capacities", "thresholds", "delta", "memory_bytes", "budget_bytes", "n_layer_moe",
-             "n_expert", "k")
-    assert {name: getattr(runtime, name) for name in exact} == {name: getattr(reference, name) for name in exact}
-    assert runtime.expected_makespan_s == pytest.approx(reference.expected_makespan_s, rel=1e-9)
-    np.testing.assert_allclose(runtime.selection_probabilities, reference.selection_probabilities, rtol=1e-7,
-                               atol=1e-12)
+    assert_same_plan(runtime, reference)
 
 
 def test_grid_points_come_in_the_searchs_order():
@@ -479,12 +485,7 @@ def test_zipmoe_plan_writes_the_references_plan(tmp_path, n_expert, k, skew, bat
     reference = planner.plan(f, planned_k, budget, profile["expert_bytes"], pools, costs, 2, 5, 3,
                              profile["n_layer_moe"], grid=float(given.get("--grid", 0.05)),
                              delta=int(given.get("--delta", 0)))
-    exact = ("pools", "ratios", "capacities", "thresholds", "delta", "memory_bytes", "budget_bytes", "n_layer_moe",
-             "n_expert", "k")
-    assert {name: getattr(made, name) for name in exact} == {name: getattr(reference, name) for name in exact}
-    assert made.expected_makespan_s == pytest.approx(reference.expected_makespan_s, rel=1e-9)
-    np.testing.assert_allclose(made.selection_probabilities, reference.selection_probabilities, rtol=1e-7,
-                               atol=1e-12)
+    assert_same_plan(made, reference)
     np.testing.assert_array_equal(meta["inclusion_probabilities"], f)  # what the planner was given
 
 
