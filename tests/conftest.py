@@ -100,3 +100,12 @@ def zipmoe_gguf(models_dir, tiny_gguf):
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def shim(tmp_path_factory) -> Path:
+    """tests/fault_shim.c compiled: the test-only LD_PRELOAD fault injector over pread(2)."""
+    out = tmp_path_factory.mktemp("shim") / "fault_shim.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out),
+                    str(Path(__file__).resolve().parent / "fault_shim.c"), "-ldl", "-lpthread"], check=True)
+    return out

@@ -25,14 +25,6 @@ NAMED = re.compile(r"layer \d+, tensor blk\.\d+\.ffn_(gate|up|down)_exps\.weight
 REASONS = {"eio": "Input/output error", "short": "is truncated", "flip": "checksum mismatch"}
 
 
-@pytest.fixture(scope="module")
-def shim(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("shim") / "fault_shim.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", str(out), str(HERE / "fault_shim.c"),
-                    "-ldl", "-lpthread"], check=True)
-    return out
-
-
 def _env(shim: Path, control: Path, model: Path) -> dict:
     return {**os.environ, "LD_PRELOAD": str(shim), "ZIPMOE_FAULT_CONTROL": str(control),
             "ZIPMOE_FAULT_MATCH": model.name}

@@ -198,6 +198,52 @@ def test_a_config_file_sets_zipmoe_options_per_model(zipmoe_gguf, tmp_path):
         s.close()
 
 
+@pytest.mark.parametrize("route, body, field", [
+    ("/v1/completions", b'{"prompt": "", "max_tokens": 4}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["a", "b"], "max_tokens": 4}', "prompt"),
+    ("/v1/embeddings", b'{"input": "hello"}', "input"),
+])
+def test_what_llama_cpp_pythons_server_answered_with_an_empty_500_is_a_400_naming_it(server, route, body, field):
+    status, reply = server.post(route, body)
+    assert status == 400 and reply["error"]["param"] == field and reply["error"]["message"], reply
+    assert server.chat("Name a colour.", max_tokens=4)
+
+
+def test_a_request_waits_for_a_running_stream_instead_of_cutting_it_off(server):
+    """llama-cpp-python's default interrupts a stream when another request arrives (its client then
+    gets no finish_reason): here the second waits, and both finish."""
+    stream = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                   max_tokens=24, temperature=0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    other = []
+    t = threading.Thread(target=lambda: other.append(server.chat("Count to five.", max_tokens=4)))
+    t.start()
+    rest = list(chunks)
+    t.join()
+    finishes = [c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] and other and other[0]
+
+
+def test_stats_do_not_load_another_model_of_a_config_file(zipmoe_gguf, tmp_path):
+    """With two models, /zipmoe/stats reports the one in use: it neither loads the default one nor
+    resets the counters of the one in use."""
+    config = tmp_path / "server.yaml"
+    port = _free_port()
+    model = zipmoe_gguf("qwen2moe")
+    config.write_text(f"host: 127.0.0.1\nport: {port}\nmodels:\n"
+                      f"  - {{model: {model}, model_alias: first, n_ctx: 256, verbose: false, zipmoe_budget: 60K}}\n"
+                      f"  - {{model: {model}, model_alias: second, n_ctx: 256, verbose: false, zipmoe_budget: 80K}}\n")
+    s = Server("--config_file", str(config), port=port)
+    try:
+        s.client.chat.completions.create(model="second", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        first_look, second_look = s.get("/zipmoe/stats"), s.get("/zipmoe/stats")
+        assert first_look["model"] == second_look["model"] == "second"
+        assert second_look["zipmoe"]["expert_misses"] == first_look["zipmoe"]["expert_misses"] > 0
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--zipmoe_budget", "lots"], "zipmoe_budget"),
     (["--zipmoe_eviction", "random"], "zipmoe_eviction"),

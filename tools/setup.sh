@@ -2,7 +2,8 @@
 # Install ZipMoE and everything it needs into ./.venv, from scratch or incrementally.
 #
 #   bash tools/setup.sh          # the fork, its bindings, the server and the Hugging Face converter (zipmoe[server,convert])
-#   bash tools/setup.sh --dev    # + pytest, the OpenAI client, llama.cpp's own test programs, nvcc if absent
+#   bash tools/setup.sh --dev    # + pytest, the OpenAI client, Selenium and chromium (web UI test),
+#                                #   llama.cpp's own test programs, nvcc if absent
 #   bash tools/setup.sh --cuda   # with CUDA: ggml's CUDA backend, expert slots in GPU memory
 #                                # (needs the CUDA toolkit; architectures: the GPU found, else 90;
 #                                # CUDA_ARCHITECTURES=87 bash tools/setup.sh --cuda for Jetson Orin)
@@ -17,7 +18,7 @@ for arg in "$@"; do
     case "$arg" in
         --dev) dev=1 ;;
         --cuda) cuda=1 ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option '$arg' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -37,6 +38,10 @@ apt_install() {  # PACKAGE... (as root; otherwise say what is missing)
 if ! command -v patch >/dev/null; then
     echo "setup: installing patch(1)"
     apt_install patch || exit 1
+fi
+if [ "$dev" = 1 ] && ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium and its driver (the web UI test of llama-server)"
+    apt_install chromium chromium-driver || echo "setup: the web UI test will fail without chromium" >&2
 fi
 if [ "$dev" = 1 ] && ! dpkg -s libclang-rt-14-dev >/dev/null 2>&1 && command -v apt-get >/dev/null; then
     echo "setup: installing clang and libFuzzer (for the fuzz test)"

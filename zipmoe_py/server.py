@@ -78,11 +78,20 @@ def zipmoe_kwargs(settings) -> dict:
     return {name: getattr(settings, name) for name in names if getattr(settings, name, None) is not None}
 
 
-class ZipMoESettings(ServerSettings, ZipMoEModelSettings):
+class ZipMoEServerSettings(ServerSettings):
+    """llama-cpp-python's server settings, with requests queued rather than interrupting each other."""
+
+    # llama-cpp-python's default (True) stops a running stream when another request arrives, and the
+    # stopped client gets no finish_reason and no [DONE]; here a request waits for the one before it
+    interrupt_requests: bool = Field(default=False, description="Whether a new request interrupts a running "
+                                     "one (default false: requests wait their turn).")
+
+
+class ZipMoESettings(ZipMoEServerSettings, ZipMoEModelSettings):
     """Command-line settings: the server's and one model's."""
 
 
-class ZipMoEConfigFileSettings(ServerSettings):
+class ZipMoEConfigFileSettings(ZipMoEServerSettings):
     """A config file (JSON or YAML): the server's settings and its models, each with zipmoe_* fields."""
 
     models: List[ZipMoEModelSettings] = Field(default=[], description="Model configs")
@@ -134,9 +143,10 @@ router = APIRouter()
 @router.get("/zipmoe/stats", dependencies=[Depends(server_app.authenticate)], tags=["ZipMoE"])
 async def zipmoe_stats(llama_proxy: server_model.LlamaProxy = Depends(server_app.get_llama_proxy)) -> dict:
     """The model in use: its expert cache's cumulative statistics and memory sizing (null for a model
-    that is not a ZipMoE GGUF)."""
-    llama = llama_proxy(None)
-    return {"model": llama_proxy._current_model_alias, "zipmoe": llama.zipmoe_stats()}
+    that is not a ZipMoE GGUF). Never loads a model: with several, asking for one would load it."""
+    llama = llama_proxy._current_model
+    stats = llama.zipmoe_stats() if llama is not None else None
+    return {"model": llama_proxy._current_model_alias if llama is not None else None, "zipmoe": stats}
 
 
 # the request body of each POST route of the stock server
@@ -149,6 +159,7 @@ REQUEST_MODELS = {
     "/extras/tokenize/count": TokenizeInputRequest,
     "/extras/detokenize": DetokenizeInputRequest,
 }
+_EMBEDDING_MODELS: set = set()  # aliases (or paths) of the models started with embedding=True
 
 
 def _invalid_request(message: str, param: str | None = None) -> JSONResponse:
@@ -161,6 +172,15 @@ def _semantic_problem(path: str, request: dict) -> tuple[str, str] | None:
     """(message, field) for what the request models let through but generation cannot take (the
     stock server then fails with a 500): a chat without messages, a user or system message without
     text, a negative temperature."""
+    prompt = request.get("prompt")
+    if path.endswith("/completions") and not path.endswith("/chat/completions"):
+        if prompt == "" or prompt == []:
+            return "prompt: a completion needs a prompt that is not empty", "prompt"
+        if isinstance(prompt, list) and len(prompt) > 1:
+            return ("prompt: one prompt per request here (llama-server takes several, each in its own "
+                    "slot)"), "prompt"
+    if path.endswith("/embeddings") and not _EMBEDDING_MODELS:
+        return "embeddings: no model of this server was started with --embedding true", "input"
     temperature = request.get("temperature")
     if isinstance(temperature, (int, float)) and not temperature >= 0:
         return f"temperature must be >= 0, got {temperature}", "temperature"
@@ -222,6 +242,8 @@ class RequestValidation:
 def create_app(server_settings: ServerSettings, model_settings: List[ModelSettings]):
     """llama-cpp-python's FastAPI app with ZipMoELlamaProxy, plus GET /zipmoe/stats and 400s for
     malformed requests. The default model is loaded here."""
+    _EMBEDDING_MODELS.clear()
+    _EMBEDDING_MODELS.update(m.model_alias or m.model for m in model_settings if m.embedding)
     with _module_name(server_app, "LlamaProxy", ZipMoELlamaProxy), _without_env("CONFIG_FILE"):
         app = server_app.create_app(server_settings=server_settings, model_settings=model_settings)
     app.include_router(router)
@@ -245,7 +267,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, List[ZipMoE
     """The server's and the models' settings: from --config_file (or CONFIG_FILE) if given, else the flags."""
     config_file = os.environ.get("CONFIG_FILE", args.config_file)
     if not config_file:
-        return parse_model_from_args(ServerSettings, args), [parse_model_from_args(ZipMoEModelSettings, args)]
+        return parse_model_from_args(ZipMoEServerSettings, args), [parse_model_from_args(ZipMoEModelSettings, args)]
     path = Path(config_file)
     try:
         text = path.read_bytes()
@@ -261,7 +283,7 @@ def load_settings(args: argparse.Namespace) -> tuple[ServerSettings, List[ZipMoE
         raise ZipMoEError(f"config file {path}: {e}") from e
     if not config.models:
         raise ZipMoEError(f"config file {path}: no models (give a list 'models' with at least one 'model' path)")
-    return ServerSettings.model_validate(config.model_dump(exclude={"models"})), config.models
+    return ZipMoEServerSettings.model_validate(config.model_dump(exclude={"models"})), config.models
 
 
 def _checked_flag(option):

@@ -129,6 +129,11 @@ GGML_ZIPMOE_API int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s);
 GGML_ZIPMOE_API void ggml_zipmoe_serving_get_plan(const struct ggml_zipmoe_serving * s,
                                                   struct ggml_zipmoe_serving_plan * plan);
 
+// a sizing as Prometheus text (zipmoe:memory_bytes{part=...}, zipmoe:expert_slot_bytes, zipmoe:contexts)
+// written to buf like snprintf; returns the length the whole text needs (0 for a NULL plan)
+GGML_ZIPMOE_API size_t ggml_zipmoe_serving_format_metrics(const struct ggml_zipmoe_serving_plan * plan, char * buf,
+                                                          size_t size);
+
 // the default pools are in use (resident views stay off then)
 GGML_ZIPMOE_API int ggml_zipmoe_serving_auto_pools_active(const struct ggml_zipmoe_serving * s);
 

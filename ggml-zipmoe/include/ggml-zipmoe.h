@@ -455,6 +455,11 @@ GGML_ZIPMOE_API int  ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_get_stats  (const struct ggml_zipmoe_cache * cache, struct ggml_zipmoe_cache_stats * stats);
 GGML_ZIPMOE_API void         ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * cache);
 
+// the statistics above, and the slots in use and reserved, as Prometheus text (metrics named
+// zipmoe:NAME) written to buf like snprintf: at most size bytes with the terminating NUL; returns the
+// length the whole text needs (0 for a NULL cache). Safe while other threads fetch.
+GGML_ZIPMOE_API size_t       ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, char * buf, size_t size);
+
 // the rate (enum ggml_zipmoe_rate, bytes per second) the scheduler's cost model uses now: the params'
 // rate when one was given; else, for reads and decodes, the running average of this cache's own
 // fetches (stored bytes over read time; BF16 bytes over decode + recovery time per thread), the

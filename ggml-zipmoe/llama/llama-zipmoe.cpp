@@ -512,13 +512,18 @@ void llama_zipmoe::resize(const llama_context * making) {
     sized = true;
 }
 
-llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
+ggml_zipmoe_serving_plan llama_zipmoe::serving_plan() const {
     std::lock_guard<std::mutex> lock(state_mutex);
     ggml_zipmoe_serving_plan p;
     ggml_zipmoe_serving_get_plan(serving, &p);
     if (!sized) {
         p.non_expert = non_expert_bytes; // no context made yet
     }
+    return p;
+}
+
+llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
+    const ggml_zipmoe_serving_plan p = serving_plan();
     static_assert(sizeof(p.source) == sizeof(llama_zipmoe_memory_plan::source) &&
                   sizeof(p.pools_why) == sizeof(llama_zipmoe_memory_plan::pools_why), "plan fields differ");
     llama_zipmoe_memory_plan out = {};
@@ -546,6 +551,27 @@ bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct lla
     }
     *plan = model->zipmoe->memory_plan();
     return true;
+}
+
+size_t llama_model_zipmoe_metrics(const struct llama_model * model, char * buf, size_t buf_size) {
+    if (buf != nullptr && buf_size > 0) {
+        buf[0] = '\0';
+    }
+    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr) {
+        return 0;
+    }
+    const ggml_zipmoe_serving_plan plan = model->zipmoe->serving_plan();
+    std::string text(ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, nullptr, 0), '\0');
+    ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, text.data(), text.size() + 1);
+    std::string sizing(ggml_zipmoe_serving_format_metrics(&plan, nullptr, 0), '\0');
+    ggml_zipmoe_serving_format_metrics(&plan, sizing.data(), sizing.size() + 1);
+    text += sizing;
+    if (buf != nullptr && buf_size > 0) {
+        const size_t n = std::min(text.size(), buf_size - 1);
+        memcpy(buf, text.data(), n);
+        buf[n] = '\0';
+    }
+    return text.size();
 }
 
 struct ggml_zipmoe_cache * llama_model_zipmoe_cache(const struct llama_model * model) {

@@ -186,6 +186,7 @@ struct llama_zipmoe {
 
     // how the slots in use were last sized
     llama_zipmoe_memory_plan memory_plan() const;
+    ggml_zipmoe_serving_plan serving_plan() const; // the last sizing (what memory_plan reports)
 
     ggml_zipmoe_file  * file  = nullptr;
     ggml_zipmoe_cache * cache = nullptr;

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Servers under a memory cap with 1, 4 and 8 concurrent clients: zipmoe-server (llama-cpp-python's,
+one request at a time), the fork's llama-server with -np 8 on the ZipMoE GGUF, and the same
+llama-server on the BF16 GGUF (stock llama.cpp's path: the patches change nothing for a GGUF that is
+not a ZipMoE GGUF).
+
+    .venv/bin/python bench/llama_server_bench.py --zipmoe M.zipmoe.gguf --bf16 M-bf16.gguf --cap 4G \\
+        [--clients 1 4 8] [--max-tokens 16] [--rounds 1] [--out docs/benchmarks/llama_server_qwen6.json]
+
+Each server runs under `capped-run --mem CAP --evict MODEL` (../shared/tools/capped-run: a memory
+cgroup, page cache included; the model evicted first). Once it answers, one warm-up request, then for
+each client count N: N OpenAI clients released together by a barrier, each sending one chat completion
+(max_tokens, temperature 0, prompts differing). Per level: the wall time, throughput (completion tokens
+over the wall time), p50 and p95 latency, failures. Rounds repeat the three servers in turn
+(interleaved). The disk's O_DIRECT read bandwidth is measured in the same invocation.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPPED_RUN = ROOT.parent / "shared" / "tools" / "capped-run"
+BIN = Path(sys.executable).parent
+PROMPTS = ["Tell me a story.", "What is a mixture of experts?", "Count to five.", "Name a colour.",
+           "Why is the sky blue?", "Write a haiku about disks.", "Explain caching in one sentence.",
+           "List three prime numbers."]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, args, port: int) -> tuple[list[str], Path]:
+    host = ["--host", "127.0.0.1", "--port", str(port)]
+    if kind == "zipmoe-server":
+        return [str(BIN / "zipmoe-server"), "--model", str(args.zipmoe), "--model_alias", "m",
+                "--n_ctx", str(args.n_ctx), "--verbose", "false", *host], args.zipmoe
+    model = args.zipmoe if kind == "llama-server zipmoe" else args.bf16
+    return [str(BIN / "llama-server"), "-m", str(model), "-np", str(max(args.clients)),
+            "-c", str(args.n_ctx * max(args.clients)), "--no-warmup", *host], model
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    start = time.monotonic()
+    while time.monotonic() < start + timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        for route in ("/health", "/v1/models"):
+            try:
+                if urllib.request.urlopen(url + route, timeout=2).status == 200:
+                    return
+            except Exception:
+                pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not answer")
+
+
+def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
+    latencies, tokens, errors = [], [], []
+    barrier = threading.Barrier(n)
+
+    def run(i: int):
+        barrier.wait()
+        t = time.perf_counter()
+        try:
+            r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                                               max_tokens=max_tokens, temperature=0)
+            latencies.append(time.perf_counter() - t)
+            tokens.append(r.usage.completion_tokens)
+        except Exception as e:  # counted as a failure
+            errors.append(repr(e))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    latencies.sort()
+    return {"clients": n, "wall_s": wall, "tokens": sum(tokens), "tok_per_s": sum(tokens) / wall,
+            "p50_s": statistics.median(latencies) if latencies else None,
+            "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] if latencies else None,
+            "failures": len(errors), "errors": errors[:3]}
+
+
+def bench_server(kind: str, args) -> dict:
+    port = free_port()
+    cmd, model = server_command(kind, args, port)
+    capped = [sys.executable, str(CAPPED_RUN), "--mem", args.cap, "--evict", str(model), "--"]
+    proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t = time.perf_counter()
+        wait_ready(url, proc)
+        load_s = time.perf_counter() - t
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
+        one_level(client, 1, 4)  # warm-up
+        levels = [one_level(client, n, args.max_tokens) for n in args.clients]
+    finally:
+        subprocess.run(["pkill", "-TERM", "-f", f"--port {port}"], check=False)
+        proc.wait(timeout=120)
+    return {"server": kind, "load_s": load_s, "levels": levels}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--zipmoe", type=Path, required=True, help="the ZipMoE GGUF")
+    ap.add_argument("--bf16", type=Path, required=True, help="its BF16 GGUF (stock's path)")
+    ap.add_argument("--cap", required=True, help="memory cap of each server, e.g. 4G")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--n-ctx", type=int, default=512, help="context per client (default %(default)s)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--servers", nargs="+", default=["zipmoe-server", "llama-server zipmoe", "llama-server bf16"])
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    bw = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(args.bf16)], capture_output=True, text=True)
+    runs = []
+    for r in range(args.rounds):
+        for kind in args.servers:
+            print(f"round {r + 1}: {kind} ...", flush=True)
+            res = bench_server(kind, args)
+            res["round"] = r + 1
+            runs.append(res)
+            for lv in res["levels"]:
+                print(f"  {lv['clients']} clients: {lv['tok_per_s']:.2f} tok/s, p50 {lv['p50_s']:.1f} s, "
+                      f"p95 {lv['p95_s']:.1f} s, failures {lv['failures']}", flush=True)
+    out = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+           "build": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True).stdout.strip(),
+           "disk_bw": bw.stdout.strip(), "cap": args.cap, "max_tokens": args.max_tokens, "rounds": args.rounds,
+           "runs": runs}
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
