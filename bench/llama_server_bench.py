@@ -113,9 +113,25 @@ def bench_server(kind: str, args) -> dict:
         one_level(client, 1, 4)  # warm-up
         levels = [one_level(client, n, args.max_tokens) for n in args.clients]
     finally:
-        subprocess.run(["pkill", "-TERM", "-f", f"--port {port}"], check=False)
+        subprocess.run(["pkill", "-TERM", "-f", f"[-]-port {port}"], check=False)  # the server, not capped-run
         proc.wait(timeout=120)
     return {"server": kind, "load_s": load_s, "levels": levels}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per server and client count: the median over rounds (min and max of throughput), failures summed."""
+    rows = []
+    for kind in dict.fromkeys(r["server"] for r in runs):
+        levels = [lv for r in runs if r["server"] == kind for lv in r["levels"]]
+        for n in dict.fromkeys(lv["clients"] for lv in levels):
+            at = [lv for lv in levels if lv["clients"] == n]
+            tps = [lv["tok_per_s"] for lv in at]
+            rows.append({"server": kind, "clients": n, "rounds": len(at), "tok_per_s": statistics.median(tps),
+                         "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
+                         "p50_s": statistics.median(lv["p50_s"] for lv in at if lv["p50_s"] is not None),
+                         "p95_s": statistics.median(lv["p95_s"] for lv in at if lv["p95_s"] is not None),
+                         "failures": sum(lv["failures"] for lv in at)})
+    return rows
 
 
 def main() -> int:
@@ -146,8 +162,19 @@ def main() -> int:
                                    text=True).stdout.strip(),
            "disk_bw": bw.stdout.strip(), "cap": args.cap, "max_tokens": args.max_tokens, "rounds": args.rounds,
            "runs": runs}
+    out["summary"] = summarize(runs)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    table = ["| server | clients | tok/s median (min-max) | p50 latency s median | p95 latency s median | failures |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in out["summary"]:
+        table.append(f"| {row['server']} | {row['clients']} | {row['tok_per_s']:.2f} ({row['tok_per_s_min']:.2f}-"
+                     f"{row['tok_per_s_max']:.2f}) | {row['p50_s']:.1f} | {row['p95_s']:.1f} | {row['failures']} |")
+    md = args.out.with_suffix(".md")
+    md.write_text(f"# {args.out.stem}\n\n{out['date']}, build {out['build']}, cap {args.cap} bytes, "
+                  f"{args.rounds} interleaved round(s), {args.max_tokens} tokens per request; disk: {out['disk_bw']}\n\n"
+                  f"```\n{out['command']}\n```\n\n" + "\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {args.out} and {md}")
     return 0
 
 

@@ -61,11 +61,13 @@ def test_environment_reaches_llama_bench(model):
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert slots_in_use(proc.stderr) == 9
     assert b"tg4" in proc.stdout and b"pp8" in proc.stdout
-    # llama-bench shows no load log, errors included, unless -v
-    bad = run([VENV_BIN / "llama-bench", "-m", path, "-p", 8, "-n", 4, "-r", 1, "-v"], env=env(ZIPMOE_EVICTION="random"))
-    assert bad.returncode != 0
-    assert b"ZIPMOE_EVICTION (environment) must be one of lru, fifo, marking, lfu, rank, score; got 'random'" in (
-        bad.stderr + bad.stdout)
+    # llama-bench shows no load log unless -v, but its errors (patch 0017): why the model failed to load
+    for verbose in (["-v"], []):
+        bad = run([VENV_BIN / "llama-bench", "-m", path, "-p", 8, "-n", 4, "-r", 1, *verbose],
+                  env=env(ZIPMOE_EVICTION="random"))
+        assert bad.returncode != 0
+        assert b"ZIPMOE_EVICTION (environment) must be one of lru, fifo, marking, lfu, rank, score; got 'random'" in (
+            bad.stderr + bad.stdout)
 
 
 def test_environment_reaches_llama_perplexity_which_matches_the_bf16_gguf(model, tiny_gguf, tmp_path):

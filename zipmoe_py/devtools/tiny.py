@@ -55,10 +55,10 @@ DEEPSEEK_V2_LITE_CONFIG = {
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "rms_norm_eps": 1e-06,
-    "rope_scaling": {  # beta_fast/beta_slow as floats: the real config's integers make transformers warn
+    "rope_scaling": {  # beta_fast, beta_slow and factor as floats: the real config's integers make transformers warn
         "beta_fast": 32.0,
         "beta_slow": 1.0,
-        "factor": 40,
+        "factor": 40.0,
         "mscale": 0.707,
         "mscale_all_dim": 0.707,
         "original_max_position_embeddings": 4096,

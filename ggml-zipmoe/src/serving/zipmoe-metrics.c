@@ -24,6 +24,15 @@ static void put(struct metrics_text * t, const char * fmt, ...) {
     }
 }
 
+// an empty text in buf (which may be NULL with size 0: only the length is counted)
+static struct metrics_text text_in(char * buf, size_t size) {
+    struct metrics_text t = { buf, buf ? size : 0, 0 };
+    if (t.size > 0) {
+        t.buf[0] = '\0';
+    }
+    return t;
+}
+
 static void put_header(struct metrics_text * t, const char * type, const char * name, const char * help) {
     put(t, "# HELP zipmoe:%s %s\n# TYPE zipmoe:%s %s\n", name, help, name, type);
 }
@@ -41,10 +50,7 @@ static void put_seconds(struct metrics_text * t, const char * name, const char *
 }
 
 size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, char * buf, size_t size) {
-    struct metrics_text t = { buf, buf ? size : 0, 0 };
-    if (t.size > 0) {
-        t.buf[0] = '\0';
-    }
+    struct metrics_text t = text_in(buf, size);
     if (cache == NULL) {
         return 0;
     }
@@ -85,10 +91,7 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
 }
 
 size_t ggml_zipmoe_serving_format_metrics(const struct ggml_zipmoe_serving_plan * plan, char * buf, size_t size) {
-    struct metrics_text t = { buf, buf ? size : 0, 0 };
-    if (t.size > 0) {
-        t.buf[0] = '\0';
-    }
+    struct metrics_text t = text_in(buf, size);
     if (plan == NULL) {
         return 0;
     }
