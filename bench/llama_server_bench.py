@@ -128,8 +128,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             tps = [lv["tok_per_s"] for lv in at]
             rows.append({"server": kind, "clients": n, "rounds": len(at), "tok_per_s": statistics.median(tps),
                          "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
-                         "p50_s": statistics.median(lv["p50_s"] for lv in at if lv["p50_s"] is not None),
-                         "p95_s": statistics.median(lv["p95_s"] for lv in at if lv["p95_s"] is not None),
+                         **{f"{q}_s{suffix}": f([lv[f"{q}_s"] for lv in at if lv[f"{q}_s"] is not None])
+                            for q in ("p50", "p95") for suffix, f in (("", statistics.median), ("_min", min),
+                                                                     ("_max", max))},
                          "failures": sum(lv["failures"] for lv in at)})
     return rows
 
@@ -164,11 +165,13 @@ def main() -> int:
            "runs": runs}
     out["summary"] = summarize(runs)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    table = ["| server | clients | tok/s median (min-max) | p50 latency s median | p95 latency s median | failures |",
+    table = ["| server | clients | tok/s median (min-max) | p50 latency s median (min-max) | p95 latency s median (min-max) "
+             "| failures |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in out["summary"]:
         table.append(f"| {row['server']} | {row['clients']} | {row['tok_per_s']:.2f} ({row['tok_per_s_min']:.2f}-"
-                     f"{row['tok_per_s_max']:.2f}) | {row['p50_s']:.1f} | {row['p95_s']:.1f} | {row['failures']} |")
+                     f"{row['tok_per_s_max']:.2f}) | {row['p50_s']:.1f} ({row['p50_s_min']:.1f}-{row['p50_s_max']:.1f}) | "
+                     f"{row['p95_s']:.1f} ({row['p95_s_min']:.1f}-{row['p95_s_max']:.1f}) | {row['failures']} |")
     md = args.out.with_suffix(".md")
     md.write_text(f"# {args.out.stem}\n\n{out['date']}, build {out['build']}, cap {args.cap} bytes, "
                   f"{args.rounds} interleaved round(s), {args.max_tokens} tokens per request; disk: {out['disk_bw']}\n\n"
