@@ -209,7 +209,11 @@ def test_ggml_zipmoe_version_through_its_header():
     compiled = _lib.build_info().split("recovery: ")[1].rstrip(")").split()
     from zipmoe_py import codec
 
-    assert codec.recover_impl() in compiled and compiled[-1] == "scalar"
+    assert compiled == codec.recover_paths() and compiled[-1] == "scalar"
+    assert codec.recover_impl() == codec.supported_recover_paths()[0]
+    import platform
+
+    assert compiled[0] == {"x86_64": "avx512bw", "aarch64": "sve"}[platform.machine()]
 
 
 def _nvcc() -> str:

@@ -14,7 +14,7 @@ import itertools
 import numpy as np
 import pytest
 
-from zipmoe_py import _lib
+from zipmoe_py import _lib, codec
 from zipmoe_py import format as zformat
 
 from test_cache import Cache, assert_resident, corrupt_chunk
@@ -132,15 +132,7 @@ def test_slots_stay_bit_exact_under_every_pool_mix(make, model, pools, nth):
         assert (s[f"{p.lower()}_hits"] > 0) == (n > 0), (p, s)
 
 
-def supported_recover_impls() -> list[str]:
-    """The recovery paths this CPU runs (scalar always; avx2 / avx512bw where present)."""
-    lib = _lib.lib()
-    names = [name for name in ("scalar", "avx2", "avx512bw") if lib.ggml_zipmoe_set_recover_impl(name.encode()) == 0]
-    lib.ggml_zipmoe_set_recover_impl(None)
-    return names
-
-
-@pytest.mark.parametrize("impl", supported_recover_impls())
+@pytest.mark.parametrize("impl", codec.supported_recover_paths())
 def test_in_place_recovery_is_exact_on_every_recovery_path(make, model, impl):
     lib = _lib.lib()
     assert lib.ggml_zipmoe_set_recover_impl(impl.encode()) == 0

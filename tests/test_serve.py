@@ -58,17 +58,18 @@ def trace_and_close(llm, n_seq: int):
         llm.close()
 
 
-def load(path, **zipmoe_options):
+def load(path, threads: int = THREADS, **zipmoe_options):
     """A model served on demand: no preload unless asked, so that every budget's misses, reads and passes
     run (test_preload_fills_the_slots_and_stays_bit_identical covers the preload)."""
     from zipmoe_py import Llama
 
     if str(path).endswith(".zipmoe.gguf"):
         zipmoe_options.setdefault("zipmoe_preload", False)
-    return Llama(model_path=str(path), n_ctx=512, n_threads=THREADS, verbose=False, **zipmoe_options)
+    return Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False, **zipmoe_options)
 
 
-def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE) -> tuple[np.ndarray, list[list[int]]]:
+def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE,
+                 threads: int = THREADS) -> tuple[np.ndarray, list[list[int]]]:
     """Logits (raw float32) of every prompt position and n_decode greedy steps, sequences decoded together."""
     from zipmoe_py.bindings import llama_cpp as lc
 
@@ -77,7 +78,7 @@ def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE) -> tuple[np.
     cparams = lc.llama_context_default_params()
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 512, 512, 512
     cparams.n_seq_max = len(prompts)
-    cparams.n_threads = cparams.n_threads_batch = THREADS
+    cparams.n_threads = cparams.n_threads_batch = threads
     ctx = lc.llama_init_from_model(model, cparams)
     assert ctx, "llama_init_from_model failed"
     batch = lc.llama_batch_init(512, 0, len(prompts))

@@ -260,3 +260,18 @@ def test_pools_given_beyond_the_budget_are_refused_per_layer_as_given(serving):
                        "= 106.0 KiB, 8 working slots x 17.7 KiB = 141.3 KiB (C, S, E: none), more than "
                        "zipmoe.budget's 18.0 KiB; give a budget of at least 247.3 KiB, or fewer pool experts or "
                        "working slots")
+
+
+
+def test_slots_on_an_integrated_gpu_count_only_the_memory_the_process_may_take(serving):
+    """A Jetson's GPU memory is the host's: ggml reports all of MemAvailable free there, but the process's
+    own limit (here 6.5 experts) bounds the slots; a discrete GPU's free memory is its own."""
+    one = serving().info().expert_bytes
+    device_free, reserve = 20 * one, one
+    discrete = serving(available=int(6.5 * one))
+    assert discrete.lib.ggml_zipmoe_serving_fit_device(discrete.handle, b"CUDA0", device_free, reserve, 0) == 19
+    assert not any("shares the host's memory" in text for _, text in discrete.logs)
+    integrated = serving(available=int(6.5 * one))
+    assert integrated.lib.ggml_zipmoe_serving_fit_device(integrated.handle, b"CUDA0", device_free, reserve, 1) == 5
+    assert any(level == 0 and "CUDA0 shares the host's memory" in text and "counted (given)" in text
+               for level, text in integrated.logs), integrated.logs

@@ -3,7 +3,8 @@
 #
 #   bash tools/setup.sh          # the fork, its bindings, the server and the Hugging Face converter (zipmoe[server,convert])
 #   bash tools/setup.sh --dev    # + pytest, the OpenAI client, Selenium and chromium (web UI test),
-#                                #   llama.cpp's own test programs, nvcc if absent
+#                                #   llama.cpp's own test programs, nvcc if absent, and the AArch64
+#                                #   build with qemu-user and an arm64 Python (tools/aarch64.py)
 #   bash tools/setup.sh --cuda   # with CUDA: ggml's CUDA backend, expert slots in GPU memory
 #                                # (needs the CUDA toolkit; architectures: the GPU found, else 90;
 #                                # CUDA_ARCHITECTURES=87 bash tools/setup.sh --cuda for Jetson Orin)
@@ -18,7 +19,7 @@ for arg in "$@"; do
     case "$arg" in
         --dev) dev=1 ;;
         --cuda) cuda=1 ;;
-        -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "setup.sh: unknown option '$arg' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -94,3 +95,13 @@ echo "setup: building and installing zipmoe (first build takes several minutes)"
 start=$(date +%s)
 "${pip[@]}" install -q ${cmake_args[@]+"${cmake_args[@]}"} ".$extras"
 echo "setup: zipmoe installed in $(( $(date +%s) - start )) s; commands are in $venv/bin"
+
+# with --dev, the AArch64 build run under qemu-user (tests/test_aarch64.py): Debian's cross compilers,
+# qemu-user and an arm64 Python (as root), then the fork cross-compiled into build/aarch64
+if [ "$dev" = 1 ]; then
+    echo "setup: the AArch64 build (cross compilers, qemu-user, an arm64 Python; first build takes minutes)"
+    start=$(date +%s)
+    "$venv/bin/python" tools/aarch64.py setup && "$venv/bin/python" tools/aarch64.py build ||
+        echo "setup: the AArch64 tests will fail without it (tools/aarch64.py --help)" >&2
+    echo "setup: AArch64 build in $(( $(date +%s) - start )) s"
+fi

@@ -70,9 +70,24 @@ def recover_impl() -> str:
     return _lib.lib().ggml_zipmoe_recover_impl().decode()
 
 
+def recover_paths() -> list[str]:
+    """The BF16 recovery paths compiled in, best first ("avx512bw", "avx2", "scalar" on x86-64; "sve",
+    "neon", "scalar" on AArch64), whether or not this CPU has them."""
+    return _lib.lib().ggml_zipmoe_recover_paths().decode().split()
+
+
+def supported_recover_paths() -> list[str]:
+    """The compiled-in recovery paths this CPU runs, best first (scalar always last). Test-only: it
+    forces each in turn (set_recover_impl) and restores the best."""
+    names = [name for name in recover_paths() if _lib.lib().ggml_zipmoe_set_recover_impl(name.encode()) == _lib.OK]
+    _lib.lib().ggml_zipmoe_set_recover_impl(None)
+    return names
+
+
 def set_recover_impl(name: str | None) -> None:
-    """Test-only: force the process's BF16 recovery path ("avx512bw", "avx2", "scalar"; None: the best
-    available) so that tests and benchmarks compare them; CodecError where the CPU lacks it."""
+    """Test-only: force the process's BF16 recovery path (one of recover_paths(), or "cuda-grid": the CUDA
+    kernel's index arithmetic on the host; None: the best available) so that tests and benchmarks compare
+    them; CodecError where the CPU lacks it."""
     status = _lib.lib().ggml_zipmoe_set_recover_impl(None if name is None else name.encode())
     if status != _lib.OK:
         raise CodecError(f"recovery path {name!r} is not available on this CPU", status)

@@ -9,7 +9,7 @@
 extern "C" {
 #endif
 
-// test-only: force a recovery path ("avx512bw", "avx2", "scalar", or "cuda-grid": the CUDA
+// test-only: force a recovery path (one of ggml_zipmoe_recover_paths(), or "cuda-grid": the CUDA
 // kernel's index arithmetic run on the host; NULL = best available) for the
 // whole process (tests and benchmarks compare the paths); returns GGML_ZIPMOE_ERR_ARG if the CPU
 // lacks it. Must not race with recovery on another thread.

@@ -77,8 +77,12 @@ GGML_ZIPMOE_API void ggml_zipmoe_split_bf16(const uint16_t * src, size_t n, uint
 // recover n BF16 values from their planes (SIMD path chosen once at run time)
 GGML_ZIPMOE_API void ggml_zipmoe_recover_bf16(const uint8_t * exp, const uint8_t * sm, size_t n, uint16_t * dst);
 
-// the recovery path in use: "avx512bw", "avx2" or "scalar"
+// the recovery path in use: "avx512bw", "avx2", "sve", "neon" or "scalar"
 GGML_ZIPMOE_API const char * ggml_zipmoe_recover_impl(void);
+
+// the recovery paths compiled in, best first, space-separated ("avx512bw avx2 scalar" on x86-64,
+// "sve neon scalar" on AArch64); the first one this CPU has is used
+GGML_ZIPMOE_API const char * ggml_zipmoe_recover_paths(void);
 
 
 //

@@ -200,7 +200,8 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     gpu_zero_slots = info.max_expert;
     // the non-expert weights, KV cache and compute buffers, cuBLAS' workspace, the zero slots
     const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) gpu_zero_slots * info.expert_bytes;
-    const int32_t capacity = ggml_zipmoe_serving_fit_device(serving, ggml_backend_dev_name(dev), free_bytes, reserve);
+    const bool    igpu     = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_IGPU; // Jetson: the host's memory
+    const int32_t capacity = ggml_zipmoe_serving_fit_device(serving, ggml_backend_dev_name(dev), free_bytes, reserve, igpu);
     ggml_zipmoe_serving_get_info(serving, &info);
     gpu_zero_slot = capacity;
 

@@ -31,6 +31,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #    include <immintrin.h>
 #    define ZIPMOE_PAUSE() _mm_pause()
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#    define ZIPMOE_PAUSE() __asm__ __volatile__("yield" ::: "memory")
 #else
 #    define ZIPMOE_PAUSE() ((void) 0)
 #endif

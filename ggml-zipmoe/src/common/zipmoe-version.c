@@ -2,6 +2,9 @@
 
 #include "ggml-zipmoe.h"
 
+#include <pthread.h>
+#include <stdio.h>
+
 #define ZIPMOE_STR_(x) #x
 #define ZIPMOE_STR(x)  ZIPMOE_STR_(x)
 
@@ -9,13 +12,6 @@
     ZIPMOE_STR(GGML_ZIPMOE_VERSION_MAJOR) "."         \
     ZIPMOE_STR(GGML_ZIPMOE_VERSION_MINOR) "."         \
     ZIPMOE_STR(GGML_ZIPMOE_VERSION_PATCH)
-
-// the recovery paths zipmoe-recover.c compiles in (it picks among them at run time)
-#if defined(__x86_64__) || defined(__i386__)
-#    define ZIPMOE_RECOVERY_PATHS "avx512bw avx2 scalar"
-#else
-#    define ZIPMOE_RECOVERY_PATHS "scalar"
-#endif
 
 #if defined(__clang__)
 #    define ZIPMOE_COMPILER "clang " __clang_version__
@@ -33,6 +29,16 @@ int ggml_zipmoe_version_number(void) {
     return GGML_ZIPMOE_VERSION_MAJOR * 10000 + GGML_ZIPMOE_VERSION_MINOR * 100 + GGML_ZIPMOE_VERSION_PATCH;
 }
 
+static char           build_info[256];
+static pthread_once_t build_info_once = PTHREAD_ONCE_INIT;
+
+static void format_build_info(void) {
+    // the recovery paths compiled in (zipmoe-recover.c picks among them at run time)
+    snprintf(build_info, sizeof(build_info), "ggml-zipmoe %s (%s; recovery: %s)", ZIPMOE_VERSION_STRING,
+             ZIPMOE_COMPILER, ggml_zipmoe_recover_paths());
+}
+
 const char * ggml_zipmoe_build_info(void) {
-    return "ggml-zipmoe " ZIPMOE_VERSION_STRING " (" ZIPMOE_COMPILER "; recovery: " ZIPMOE_RECOVERY_PATHS ")";
+    pthread_once(&build_info_once, format_build_info);
+    return build_info;
 }

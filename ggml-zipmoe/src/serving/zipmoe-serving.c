@@ -224,8 +224,15 @@ void ggml_zipmoe_serving_get_info(const struct ggml_zipmoe_serving * s, struct g
 }
 
 int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const char * device, uint64_t free_bytes,
-                                       uint64_t reserve_bytes) {
+                                       uint64_t reserve_bytes, int shares_host_memory) {
     struct ggml_zipmoe_serving_info * in = &s->info;
+    if (shares_host_memory && s->available != 0 && s->available < free_bytes) {
+        // an integrated GPU's memory is the host's: the process's limit (its cgroup, zipmoe.mem_limit)
+        // bounds the slots too, where the device reports all the RAM free
+        zipmoe_serving_log(s, 0, "%s shares the host's memory: %s of %s free counted (%s)", device,
+                           gib(s->available), gib(free_bytes), s->source);
+        free_bytes = s->available;
+    }
     const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
     const int32_t fit       = slots_for(s, free_bytes > reserve_bytes ? free_bytes - reserve_bytes : 0);
     const int32_t fewest    = MIN(all_slots, s->p.n_expert_used);

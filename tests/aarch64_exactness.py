@@ -1,0 +1,52 @@
+"""Exactness on AArch64, run under qemu-user by tests/test_aarch64.py (its name keeps the host's pytest
+from collecting it): the ZipMoE GGUF against the BF16 GGUF on the same aarch64 build, through
+test_serve's logit trace (every logit of every prompt position and greedy decode step, as raw bits,
+four sequences decoded together).
+
+Budgets of one token's experts per layer (several passes per layer in the prefill), half and all of
+them with two graph threads, and the smallest again with one. Eight decode steps instead of
+test_serve's 32: emulation is slow, and the steps after the first eight run the same code.
+"""
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from test_serve import PROMPTS, budget_of, load, logits_trace
+
+N_DECODE = 8
+CASES = [(2, "top-k"), (2, "half"), (2, "everything"), (1, "top-k")]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gguf):
+    made = {}
+
+    def get(arch: str, threads: int):
+        if (arch, threads) not in made:
+            llm = load(tiny_gguf(arch), threads)
+            try:
+                made[arch, threads] = logits_trace(llm, PROMPTS, N_DECODE, threads)
+            finally:
+                llm.close()
+        return made[arch, threads]
+
+    return get
+
+
+@pytest.mark.parametrize("threads, budget_name", CASES)
+def test_logits_on_aarch64_are_bit_identical_to_the_bf16_gguf(arch, threads, budget_name, zipmoe_gguf, reference):
+    assert platform.machine() == "aarch64"
+    path = zipmoe_gguf(arch)
+    want, want_tokens = reference(arch, threads)
+    llm = load(path, threads, zipmoe_budget=budget_of(path, arch, budget_name))
+    try:
+        got, got_tokens = logits_trace(llm, PROMPTS, N_DECODE, threads)
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert got_tokens == want_tokens and got.shape == want.shape
+    differing = int((got != want).any(axis=1).sum())
+    assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF on aarch64"
+    assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
