@@ -28,8 +28,11 @@ def _bf16_patterns(rng, n: int) -> np.ndarray:
 
 
 def make_moe_gguf(path, expert_dtype="bf16", shape=(67, 45, 3), layers=2, seed=0):
-    """A small GGUF with routed-expert tensors of awkward sizes and a few ordinary tensors."""
+    """A small GGUF with routed-expert tensors of awkward sizes and a few ordinary tensors. expert_dtype:
+    bf16, f32, or any type gguf-py quantizes to (f16, q8_0, q4_0, ...; shape[0] a whole number of blocks)."""
     gguf = _paths.import_gguf()
+    from gguf import quants
+
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "qwen2moe")
     w.add_block_count(layers)
@@ -40,13 +43,16 @@ def make_moe_gguf(path, expert_dtype="bf16", shape=(67, 45, 3), layers=2, seed=0
         w.add_tensor(f"blk.{layer}.ffn_norm.weight", rng.normal(size=67).astype(np.float32))
         for kind in ("gate", "up", "down"):
             n_expert, n_ff, n_embd = shape[2], shape[1], shape[0]
+            name = f"blk.{layer}.ffn_{kind}_exps.weight"
             if expert_dtype == "bf16":
                 data = _bf16_patterns(rng, n_expert * n_ff * n_embd).reshape(n_expert, n_ff, n_embd)
-                w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", data, raw_shape=data.shape,
-                             raw_dtype=gguf.GGMLQuantizationType.BF16)
+                w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            elif expert_dtype == "f32":
+                w.add_tensor(name, rng.normal(size=(n_expert, n_ff, n_embd)).astype(np.float32))
             else:
-                w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight",
-                             rng.normal(size=(n_expert, n_ff, n_embd)).astype(np.float32))
+                qtype = gguf.GGMLQuantizationType[expert_dtype.upper()]
+                data = quants.quantize(rng.normal(size=(n_expert, n_ff, n_embd)).astype(np.float32), qtype)
+                w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -185,13 +191,50 @@ def test_truncated_file_wrong_version_and_bad_offsets_are_clear_errors(small_src
     assert proc.returncode == 1 and b"lies outside its tensor" in proc.stderr
 
 
-def test_non_bf16_experts_are_refused_with_the_tensor_named(tmp_path):
-    src = make_moe_gguf(tmp_path / "f32.gguf", expert_dtype="f32")
-    with pytest.raises(ZipMoEError, match="expert tensor blk.0.ffn_gate_exps.weight is F32, not BF16.*--f32-to-bf16"):
-        zformat.repack(src, tmp_path / "z.gguf")
-    assert not (tmp_path / "z.gguf").exists() and not (tmp_path / "z.gguf.partial").exists()
-    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", tmp_path / "z.gguf", "--zipmoe", "-q"])
-    assert proc.returncode == 1 and b"is F32, not BF16" in proc.stderr
+@pytest.mark.parametrize("dtype, width", [("f32", 67), ("f16", 67), ("q8_0", 64), ("q4_0", 64)])
+def test_experts_of_any_other_type_are_stored_raw_and_read_back_bit_for_bit(tmp_path, dtype, width):
+    """Format version 3: an expert that is not BF16 is its own bytes in chunk 0, its E-chunks empty."""
+    src = make_moe_gguf(tmp_path / f"{dtype}.gguf", expert_dtype=dtype, shape=(width, 45, 3))
+    out = tmp_path / "z.gguf"
+    proc = run([zipmoe_command("zipmoe-convert"), src, "-o", out, "--shards", "3"])
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert f"6 routed-expert tensors stored raw ({dtype.upper()}: nothing to decompress".encode() in proc.stderr
+    assert zformat.verify(out, against=src) == {"tensors": 6, "experts": 18, "chunks": 18 * 4, "other_tensors": 3}
+    header = gguf_file.read_header(out)
+    assert header.value("zipmoe.format_version") == 3
+    source = gguf_file.read_header(src)
+    t = source.by_name["blk.1.ffn_up_exps.weight"]
+    one = t.nbytes() // 3
+    with zformat.ZipMoEFile(out) as zf:
+        assert zf.type("blk.1.ffn_up_exps.weight") == t.type and zf.is_raw("blk.1.ffn_up_exps.weight")
+        got = zf.read_expert("blk.1.ffn_up_exps.weight", 2)
+        chunks = zf.chunks("blk.1.ffn_up_exps.weight", 2)
+        sizes = zf.expert_bytes()
+    assert got.dtype == np.uint8 and got.tobytes() == src.read_bytes()[source.data_offset + t.offset + 2 * one:][:one]
+    assert [c.size for c in chunks] == [one, 0, 0, 0] and all(c.codec == 0 for c in chunks)
+    assert sizes.by_kind == {"gate": one, "up": one, "down": one} and sizes.all_experts == 2 * 3 * 3 * one
+
+
+def test_a_raw_type_in_a_version_2_file_and_a_raw_tensors_nonempty_e_chunk_are_refused(tmp_path):
+    """A raw tensor's type in a file that claims format version 1 or 2 (which have BF16 only) is refused,
+    naming the key; and a raw tensor's E-chunk that is not empty is a corrupt index."""
+    src = make_moe_gguf(tmp_path / "q.gguf", expert_dtype="q8_0", shape=(64, 45, 3))
+    good_path = tmp_path / "z.gguf"
+    zformat.repack(src, good_path, shards=2)
+    good = good_path.read_bytes()
+    dst = tmp_path / "bad.gguf"
+    version_key = gguf_file.pack_string("zipmoe.format_version") + struct.pack("<I", gguf_file.T_U32)
+    at = good.index(version_key) + len(version_key)
+    dst.write_bytes(good[:at] + struct.pack("<I", 2) + good[at + 4:])
+    with pytest.raises(ZipMoEError, match=r"zipmoe.tensor.blk.0.ffn_gate_exps.weight.type is 8, not BF16 \(30\), "
+                                          "the only type format versions 1 and 2 have"):
+        zformat.verify(dst)
+    sizes_key = gguf_file.pack_string("zipmoe.tensor.blk.0.ffn_gate_exps.weight.chunk_size")
+    at = good.index(sizes_key) + len(sizes_key) + 4 + 4 + 8 + 8  # type, item type, count, chunk 0's size
+    dst.write_bytes(good[:at] + struct.pack("<Q", 16) + good[at + 8:])
+    with pytest.raises(ZipMoEError, match="layer 0, tensor blk.0.ffn_gate_exps.weight, expert 0, E-chunk \\(shard 0\\) "
+                                          "is not empty, as a raw tensor's E-chunks are"):
+        zformat.verify(dst)
 
 
 def test_f32_experts_are_rounded_only_when_asked(tmp_path):

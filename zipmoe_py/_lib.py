@@ -89,7 +89,7 @@ class CacheParams(ctypes.Structure):
                 ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
                 ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32),
-                ("slot_memory", ctypes.c_int32)]
+                ("slot_memory", ctypes.c_int32), ("slot_fill", ctypes.c_void_p), ("slot_fill_data", ctypes.c_void_p)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),
@@ -120,7 +120,8 @@ class ServingParams(ctypes.Structure):
 class ServingInfo(ctypes.Structure):
     _fields_ = [("expert_bytes", ctypes.c_uint64), ("all_experts", ctypes.c_uint64),
                 ("slot_ne", (ctypes.c_int64 * 2) * 3), ("n_moe_layers", ctypes.c_int32), ("max_expert", ctypes.c_int32),
-                ("capacity", ctypes.c_int32), ("fewest", ctypes.c_int32), ("with_pools", ctypes.c_int32)]
+                ("capacity", ctypes.c_int32), ("fewest", ctypes.c_int32), ("with_pools", ctypes.c_int32),
+                ("raw", ctypes.c_int32), ("slot_bytes", ctypes.c_uint64 * 3)]
 
 
 class ServingDemand(ctypes.Structure):
@@ -248,6 +249,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_file_tensor_name": (ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_tensor_layer": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_tensor_shape": (None, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]),
+    "ggml_zipmoe_file_tensor_type": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_file_tensor_expert_bytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_find_tensor": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_char_p]),
     "ggml_zipmoe_file_chunk": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                               ctypes.POINTER(ChunkInfo)]),
@@ -258,7 +261,7 @@ _PROTOTYPES = {
                                                    ctypes.c_void_p, ctypes.c_size_t]),
     "ggml_zipmoe_reader_new": (ctypes.c_void_p, [ctypes.c_void_p]),
     "ggml_zipmoe_reader_free": (None, [ctypes.c_void_p]),
-    "ggml_zipmoe_read_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, c_uint16_p]),
+    "ggml_zipmoe_read_expert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
     "ggml_zipmoe_reader_error": (ctypes.c_char_p, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_new": (ctypes.c_void_p, [ctypes.POINTER(CacheParams), ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_cache_free": (None, [ctypes.c_void_p]),

@@ -264,7 +264,8 @@ def _progress_bar(total: int, desc: str, quiet: bool):
 
 def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, shards: int,
               threads: int | None, quiet: bool, f32_to_bf16: bool = False) -> None:
-    """Repack a BF16 GGUF as a ZipMoE GGUF and report per-layer entropy and ratio."""
+    """Repack a GGUF as a ZipMoE GGUF (BF16 experts split, others raw) and report per-layer entropy and
+    ratio of its BF16 experts, or the types stored raw."""
     from . import format as zformat
     from . import gguf_file
 
@@ -283,10 +284,17 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
         if staging.exists():
             staging.unlink()
     if not quiet:
-        print("layer  exp. entropy (bits)  expert ratio  bound (8+H)/16", file=sys.stderr)
-        for row in result.per_layer():
+        rows = result.per_layer()
+        if rows:
+            print("layer  exp. entropy (bits)  expert ratio  bound (8+H)/16", file=sys.stderr)
+        for row in rows:
             print(f"{row['layer']:>5}  {row['exp_entropy_bits']:>19.3f}  {row['ratio']:>12.4f}  {row['bound']:>14.4f}",
                   file=sys.stderr)
+        raw = sorted({gguf_file.ggml_type_name(header.by_name[t.name].type) for t in result.tensors if t.raw})
+        if raw:
+            count = sum(t.raw for t in result.tensors)
+            print(f"{count} routed-expert tensors stored raw ({', '.join(raw)}: nothing to decompress; served "
+                  "bit for bit as in the source)", file=sys.stderr)
 
 
 def _refuse_before_work(args, ap: argparse.ArgumentParser) -> bool:
@@ -319,10 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Convert a Hugging Face DeepSeek-V2(-Lite) or Qwen1.5-MoE/Qwen2-MoE checkpoint to a "
                     "ZipMoE GGUF: llama.cpp's own converter (pinned, unmodified) makes a BF16 GGUF, whose "
                     "routed experts are then repacked into the ZipMoE split-bitfield format (docs/FORMAT.md); "
-                    "the intermediate BF16 file is deleted unless --keep-bf16. The input may also be a BF16 "
-                    "GGUF (repacked directly). With --bf16, write the plain BF16 GGUF instead.")
+                    "the intermediate BF16 file is deleted unless --keep-bf16. The input may also be a GGUF "
+                    "(repacked directly): BF16 experts are split, experts of any other type (a quantized GGUF "
+                    "from llama-quantize: Q8_0, Q4_K, ...; F16, F32) are stored raw, as they are. With --bf16, "
+                    "write the plain BF16 GGUF instead.")
     ap.add_argument("source", type=Path, help="Hugging Face checkpoint folder (config.json, *.safetensors, "
-                                              "tokenizer), or a BF16 GGUF file with --zipmoe")
+                                              "tokenizer), or a GGUF file (BF16 or quantized)")
     ap.add_argument("-o", "--outfile", type=Path, required=True, help="GGUF file to write (replaced if it exists)")
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument("--zipmoe", action="store_true",
@@ -340,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="E-chunks per expert, K (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None, help="compression threads (default: all cores)")
     ap.add_argument("--f32-to-bf16", action="store_true",
-                    help="round F32 routed experts to BF16 (nearest even, as llama.cpp does); "
-                         "lossy, so without it non-BF16 experts are refused")
+                    help="round F32 routed experts to BF16 (nearest even, as llama.cpp does) and split them; "
+                         "lossy, so without it F32 experts are stored raw, as F32")
     ap.add_argument("--keep-bf16", type=Path, default=None, metavar="FILE",
                     help="when converting a checkpoint: also keep the intermediate BF16 GGUF at FILE")
     ap.add_argument("-q", "--quiet", action="store_true", help="hide logs, progress bars and the ratio table")

@@ -1,6 +1,6 @@
 """The fork's own llama.cpp programs on the venv's PATH: `llama-completion`, `llama-bench`,
-`llama-perplexity` and `llama-server` run the binaries built with ZipMoE (zipmoe_py/bin), with their
-own arguments.
+`llama-perplexity`, `llama-server` and `llama-quantize` run the binaries built with ZipMoE
+(zipmoe_py/bin), with their own arguments.
 
 They take every ZipMoE option as a KV override (--override-kv zipmoe.budget=str:4G,zipmoe.direct_io=bool:true)
 or as an environment variable (ZIPMOE_BUDGET=4G); llama-bench has no --override-kv, so there the
@@ -39,3 +39,7 @@ def llama_perplexity() -> int:
 
 def llama_server() -> int:
     return _exec("llama-server")
+
+
+def llama_quantize() -> int:
+    return _exec("llama-quantize")

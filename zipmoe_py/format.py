@@ -24,6 +24,7 @@ from .errors import ZipMoEError
 
 FORMAT_VERSION = 1  # what files without codec ghuf are written as, so that older readers keep reading them
 GHUF_FORMAT_VERSION = 2  # version 2 adds codec ghuf (docs/FORMAT.md)
+RAW_FORMAT_VERSION = 3  # version 3 adds raw experts of any other ggml type (quantized, F16, F32)
 CHUNK_ALIGNMENT = 4096
 # a routed expert's tensors, in ggml-zipmoe's kind order (slot_data[k], layer_tensors[3 * layer + k])
 EXPERT_KINDS = ("gate", "up", "down")
@@ -53,9 +54,10 @@ def _align(x: int, a: int = CHUNK_ALIGNMENT) -> int:
 class TensorStats:
     name: str
     layer: int
-    bf16_bytes: int = 0
+    bf16_bytes: int = 0  # its experts' bytes as served (BF16; a raw tensor's own type)
     stored_bytes: int = 0
     exp_histogram: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))
+    raw: bool = False  # stored raw (not BF16): no exponents
 
 
 @dataclass
@@ -64,9 +66,11 @@ class RepackResult:
     tensors: list[TensorStats]
 
     def per_layer(self) -> list[dict]:
-        """Exponent entropy H, achieved ratio and the bound (8 + H) / 16, per layer."""
+        """Exponent entropy H, achieved ratio and the bound (8 + H) / 16, per layer (its BF16 tensors)."""
         rows = {}
         for t in self.tensors:
+            if t.raw:
+                continue
             row = rows.setdefault(t.layer, {"layer": t.layer, "bf16": 0, "stored": 0, "hist": np.zeros(256, np.int64)})
             row["bf16"] += t.bf16_bytes
             row["stored"] += t.stored_bytes
@@ -89,6 +93,12 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return np.where(nan, ((u >> 16) | 64).astype(np.uint16), rounded)
 
 
+def _raw_expert(data: bytes, shards: int):
+    """A raw expert's chunks: its bytes as chunk 0 (the SM-chunk's place), then K empty E-chunks."""
+    raw = _codec.CODECS["raw"]
+    return [(data, raw)] + [(b"", raw)] * shards, np.zeros(256, np.int64)
+
+
 def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: int):
     """One expert's chunks: [(bytes, codec id)], SM first; plus its exponent histogram."""
     if values.dtype == np.float32:
@@ -107,10 +117,12 @@ def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: 
 def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: int | None = None,
            shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None,
            f32_to_bf16_experts: bool = False) -> RepackResult:
-    """Write the ZipMoE GGUF of the BF16 GGUF src to dst (atomically: dst appears complete or not at all).
+    """Write the ZipMoE GGUF of the GGUF src to dst (atomically: dst appears complete or not at all).
 
-    progress, if given, is called with the number of source bytes done after each step.
-    f32_to_bf16_experts rounds F32 routed experts to BF16 (lossy, so never implicit).
+    BF16 routed experts are split (exponents compressed); experts of any other type (quantized, F16,
+    F32) are stored raw, as they are. progress, if given, is called with the number of source bytes
+    done after each step. f32_to_bf16_experts rounds F32 routed experts to BF16 instead (lossy, so
+    never implicit).
     """
     src, dst = Path(src), Path(dst)
     _codec.codec_id(codec)
@@ -123,22 +135,21 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     if not experts:
         raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
     for t in experts:
-        if t.type == gf.GGML_TYPE_F32 and f32_to_bf16_experts:
-            continue
-        if t.type != gf.GGML_TYPE_BF16:
-            hint = " or pass --f32-to-bf16 to round them" if t.type == gf.GGML_TYPE_F32 else ""
-            raise ZipMoEError(f"{src}: expert tensor {t.name} is {gf.ggml_type_name(t.type)}, not BF16; "
-                              f"ZipMoE stores BF16 experts losslessly (convert the checkpoint with --outtype bf16{hint})")
         if len(t.dims) != 3:
             raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
+        gf.expert_row_bytes(t)  # a type ggml knows, whole blocks per row
+    # the type each expert tensor is served as: BF16 (split, F32 too when asked to round), or its own (raw)
+    served = {t.name: gf.GGML_TYPE_BF16 if t.type == gf.GGML_TYPE_BF16 or
+              (t.type == gf.GGML_TYPE_F32 and f32_to_bf16_experts) else t.type for t in experts}
+    raw_tensors = {name for name, typ in served.items() if typ != gf.GGML_TYPE_BF16}
+    version = RAW_FORMAT_VERSION if raw_tensors else GHUF_FORMAT_VERSION if codec == "ghuf" else FORMAT_VERSION
     expert_names = {t.name for t in experts}
     n_chunks = {t.name: t.dims[2] * (1 + shards) for t in experts}
 
     def kv_bytes(index: dict) -> bytes:
         out = [kv.raw for key, kv in header.kv.items() if key != "general.alignment"]
         out.append(gf.pack_kv("general.alignment", gf.T_U32, CHUNK_ALIGNMENT))
-        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32,
-                              GHUF_FORMAT_VERSION if codec == "ghuf" else FORMAT_VERSION))
+        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32, version))
         out.append(gf.pack_kv("zipmoe.shards", gf.T_U32, shards))
         out.append(gf.pack_kv("zipmoe.codec", gf.T_STRING, codec))
         out.append(gf.pack_kv("zipmoe.codec_level", gf.T_I32,
@@ -148,7 +159,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
         out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in experts], gf.T_STRING))
         for t in experts:
             offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 4
-            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, gf.GGML_TYPE_BF16))  # as served
+            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, served[t.name]))
             out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
             out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
             out.append(gf.pack_kv(_key(t.name, "chunk_size"), gf.T_ARRAY, sizes, gf.T_U64))
@@ -195,15 +206,18 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                     continue
                 n = t.dims[0] * t.dims[1]
                 layer = int(EXPERT_TENSOR.match(t.name).group(1))
-                st = TensorStats(t.name, layer, bf16_bytes=BF16_BYTES * n * t.dims[2])
+                raw = t.name in raw_tensors
+                one = gf.expert_row_bytes(t) * t.dims[1]  # one expert's bytes in the source
+                st = TensorStats(t.name, layer, bf16_bytes=(one if raw else BF16_BYTES * n) * t.dims[2], raw=raw)
                 offsets, sizes, codecs, sums = [], [], [], []
                 dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
-                item = np.dtype(dtype).itemsize
 
-                def expert(e, begin=begin, n=n, dtype=dtype, item=item):
+                def expert(e, begin=begin, one=one, dtype=dtype, raw=raw):
                     # a copy, not a view: no view may outlive the mmap, even when an error unwinds
-                    values = np.frombuffer(smap[begin + e * n * item: begin + (e + 1) * n * item], dtype)
-                    return _compress_expert(values, codec, level, shards)
+                    data = smap[begin + e * one: begin + (e + 1) * one]
+                    if raw:
+                        return _raw_expert(data, shards)
+                    return _compress_expert(np.frombuffer(data, dtype), codec, level, shards)
 
                 blob_start = out.tell()
                 # map() keeps results in order; the window of experts in flight stays near `workers`
@@ -219,7 +233,7 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
                         sizes.append(len(blob))
                         codecs.append(cid)
                         sums.append(_codec.checksum(blob))
-                    done += BF16_BYTES * n
+                    done += one
                     if progress:
                         progress(done)
                 blob_size = out.tell() - blob_start
@@ -246,17 +260,14 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
 
 @dataclass(frozen=True)
 class ExpertBytes:
-    """BF16 sizes of the routed experts of a ZipMoE GGUF, from their tensor shapes. One expert's are
-    the first MoE layer's: the runtime's slots, shared by all layers, need every layer's to match."""
+    """Sizes of the routed experts of a ZipMoE GGUF as served (BF16, or a raw tensor's own type), from
+    their shapes and types. One expert's are a slot's: by kind, the largest over the MoE layers (the
+    runtime's slots are shared by all layers; a quantized file may use another type in some layers)."""
 
     by_kind: dict[str, int]  # one expert's tensor of each kind (gate, up, down)
     one_expert: int          # one expert: gate + up + down
     all_experts: int         # every routed expert of every MoE layer
-
-    @property
-    def sm_chunks(self) -> int:
-        """One expert's SM-chunks, stored raw: the sign+mantissa byte of each of its values."""
-        return self.one_expert // BF16_BYTES
+    sm_chunks: int = 0       # one expert's SM-chunks, stored raw (a raw tensor's: its bytes), by kind the largest
 
 
 @dataclass
@@ -351,16 +362,28 @@ class ZipMoEFile:
             self._moe_layers = {layer: tuple(kinds[layer][kind] for kind in EXPERT_KINDS) for layer in sorted(kinds)}
         return dict(self._moe_layers)
 
+    def type(self, tensor: str) -> int:
+        """The ggml type the tensor is served as: BF16 (split) or its own (stored raw)."""
+        return self._lib.ggml_zipmoe_file_tensor_type(self._handle, self._tensor_index(tensor))
+
+    def is_raw(self, tensor: str) -> bool:
+        return self.type(tensor) != gf.GGML_TYPE_BF16
+
+    def tensor_expert_bytes(self, tensor: str) -> int:
+        """One expert of the tensor in its served type."""
+        return self._lib.ggml_zipmoe_file_tensor_expert_bytes(self._handle, self._tensor_index(tensor))
+
     def expert_bytes(self) -> ExpertBytes:
-        """BF16 bytes of one routed expert (by kind and in all) and of every routed expert."""
+        """Bytes of one routed expert as served (by kind and in all: a slot's) and of every routed expert."""
         layers = self.moe_layers()
         if not layers:
             raise ZipMoEError(f"{self.path}: the ZipMoE index holds no routed-expert tensor")
-        shapes = [self.shape(name) for name in self.tensors]
-        first = layers[min(layers)]
-        by_kind = {kind: shapes[t][0] * shapes[t][1] * BF16_BYTES for kind, t in zip(EXPERT_KINDS, first)}
-        return ExpertBytes(by_kind=by_kind, one_expert=sum(by_kind.values()),
-                           all_experts=sum(ne0 * ne1 * n_expert * BF16_BYTES for ne0, ne1, n_expert in shapes))
+        sizes = [self._lib.ggml_zipmoe_file_tensor_expert_bytes(self._handle, i) for i in range(len(self.tensors))]
+        sm = [size if self.is_raw(name) else size // BF16_BYTES for name, size in zip(self.tensors, sizes)]
+        by_kind = {kind: max(sizes[tensors[k]] for tensors in layers.values()) for k, kind in enumerate(EXPERT_KINDS)}
+        sm_chunks = sum(max(sm[tensors[k]] for tensors in layers.values()) for k in range(len(EXPERT_KINDS)))
+        return ExpertBytes(by_kind=by_kind, one_expert=sum(by_kind.values()), sm_chunks=sm_chunks,
+                           all_experts=sum(size * self.shape(name)[2] for name, size in zip(self.tensors, sizes)))
 
     def chunks(self, tensor: str, expert: int) -> list[ChunkRef]:
         t = self._tensor_index(tensor)
@@ -379,7 +402,8 @@ class ZipMoEFile:
             return os.pread(f.fileno(), size, offset)
 
     def read_expert(self, tensor: str, expert: int) -> np.ndarray:
-        """The expert's BF16 bit patterns (uint16, flat): every chunk checked, decoded and recovered in C."""
+        """The expert's BF16 bit patterns (uint16, flat), or a raw tensor's expert bytes (uint8): every
+        chunk checked, decoded and recovered in C."""
         t = self._tensor_index(tensor)
         shape = self.shape(tensor)
         if not 0 <= expert < shape[2]:
@@ -388,9 +412,11 @@ class ZipMoEFile:
             self._reader = self._lib.ggml_zipmoe_reader_new(self._handle)
             if not self._reader:
                 raise ZipMoEError(f"{self.path}: out of memory for a reader")
-        out = np.empty(shape[0] * shape[1], np.uint16)
-        status = self._lib.ggml_zipmoe_read_expert(self._reader, t, expert,
-                                                   out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint16)))
+        if self.is_raw(tensor):
+            out = np.empty(self.tensor_expert_bytes(tensor), np.uint8)
+        else:
+            out = np.empty(shape[0] * shape[1], np.uint16)
+        status = self._lib.ggml_zipmoe_read_expert(self._reader, t, expert, out.ctypes.data)
         if status != _lib.OK:
             raise ZipMoEError(f"{self.path}: {self._lib.ggml_zipmoe_reader_error(self._reader).decode()}")
         return out
@@ -412,28 +438,31 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
             done = 0
             for tensor in zf.tensors:
                 shape = zf.shape(tensor)
-                n = shape[0] * shape[1]
+                served = zf.type(tensor)
                 ref = None
                 if ref_header is not None:
                     ref = ref_header.by_name.get(tensor)
-                    if ref is None or ref.dims != shape or ref.type not in (gf.GGML_TYPE_BF16, gf.GGML_TYPE_F32):
-                        raise ZipMoEError(f"{against} has no BF16 or F32 tensor {tensor} of shape {shape}")
+                    # the source's type, or F32 that was rounded to BF16 at repacking
+                    if ref is None or ref.dims != shape or not (ref.type == served or (
+                            served == gf.GGML_TYPE_BF16 and ref.type == gf.GGML_TYPE_F32)):
+                        raise ZipMoEError(f"{against} has no {gf.ggml_type_name(served)} tensor {tensor} of shape "
+                                          f"{shape}")
+                    one = gf.expert_row_bytes(ref) * shape[1]  # one expert's bytes in the source
                 for e in range(shape[2]):
                     values = zf.read_expert(tensor, e)
                     expected = None
                     if ref is not None:
-                        dtype = np.float32 if ref.type == gf.GGML_TYPE_F32 else np.uint16
-                        item = np.dtype(dtype).itemsize
-                        start = ref_header.data_offset + ref.offset + e * n * item
-                        expected = np.frombuffer(ref_map[start:start + n * item], dtype)  # a copy, not a view
-                        if dtype == np.float32:
+                        start = ref_header.data_offset + ref.offset + e * one
+                        expected = np.frombuffer(ref_map[start:start + one], values.dtype
+                                                 if ref.type == served else np.float32)  # a copy, not a view
+                        if ref.type != served:
                             expected = f32_to_bf16(expected)  # an F32 source was rounded at repacking
                     if expected is not None and not np.array_equal(values, expected):
                         raise ZipMoEError(f"{path}: layer {EXPERT_TENSOR.match(tensor).group(1)}, tensor {tensor}, "
                                           f"expert {e} differs from {against}")
                     counts["experts"] += 1
                     counts["chunks"] += 1 + zf.shards
-                    done += BF16_BYTES * n
+                    done += values.nbytes
                     if progress:
                         progress(done)
                 counts["tensors"] += 1

@@ -82,6 +82,19 @@ def _type_size(ggml_type: int) -> tuple[int, int]:
         raise ZipMoEError(f"unknown ggml type {ggml_type}") from None
 
 
+def expert_row_bytes(t: TensorInfo) -> int:
+    """Bytes of one row (dims[0] values) of t in its ggml type; ZipMoEError naming t when ggml has no
+    such type or the row is not a whole number of its blocks."""
+    try:
+        block, size = _type_size(t.type)
+    except ZipMoEError:
+        raise ZipMoEError(f"tensor {t.name} has ggml type {t.type}, which this build does not know") from None
+    if t.dims[0] % block:
+        raise ZipMoEError(f"tensor {t.name} is {t.dims[0]} wide, not a whole number of {ggml_type_name(t.type)} "
+                          f"blocks of {block}")
+    return t.dims[0] // block * size
+
+
 def ggml_type_name(ggml_type: int) -> str:
     from . import _paths
 

@@ -38,6 +38,12 @@ def expert_bytes_by_pool(path: Path) -> tuple[dict, int, int]:
     from . import format as zformat
 
     with zformat.ZipMoEFile(path) as zf:
+        raw = sorted({zf.type(t) for t in zf.tensors if zf.is_raw(t)})
+        if raw:
+            from .gguf_file import ggml_type_name
+
+            raise ZipMoEError(f"{path}: its routed experts are stored raw ({', '.join(map(ggml_type_name, raw))}: "
+                              "nothing to decompress), so there are no pools to plan: it serves from one F pool")
         sizes = zf.expert_bytes()
         largest_e = max(sum(chunk.size for t in tensors for chunk in zf.chunks(zf.tensors[t], e)[1:])
                         for tensors in zf.moe_layers().values() for e in range(zf.shape(zf.tensors[tensors[0]])[2]))

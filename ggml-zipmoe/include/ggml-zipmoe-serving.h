@@ -44,7 +44,7 @@ struct ggml_zipmoe_serving_params {
 
 // the served experts' geometry and the slots to reserve
 struct ggml_zipmoe_serving_info {
-    uint64_t expert_bytes;   // gate + up + down of one expert, BF16
+    uint64_t expert_bytes;   // gate + up + down of one expert in its slot (BF16, or a raw tensor's type)
     uint64_t all_experts;    // bytes of every routed expert
     int64_t  slot_ne[3][2];  // by kind: ne0, ne1 of a slot
     int32_t  n_moe_layers;
@@ -52,6 +52,8 @@ struct ggml_zipmoe_serving_info {
     int32_t  capacity;       // slots to reserve
     int32_t  fewest;         // the fewest slots the sizing keeps
     int32_t  with_pools;     // pools were given
+    int32_t  raw;            // the experts are stored raw (not BF16: a quantized file): one F pool
+    uint64_t slot_bytes[3];  // by kind: bytes of a slot (the largest of any layer's expert tensor)
 };
 
 // the last sizing: what llama.h's llama_zipmoe_memory_plan reports, field for field
@@ -100,6 +102,11 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_servin
 // gets kind k's first slot, stride[k] the bytes between slots. OK, or ERR_NOMEM with a message in err.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data[3], size_t stride[3],
                                                      char * err, size_t err_size);
+
+// slots in host memory the caller allocated instead (a ggml-cpu buffer type that lays weights out its
+// own way, for quantized experts): info.capacity slots of info.slot_bytes[k] each from data[k]; the
+// pages of slots given up are returned to the system as with reserve_host
+GGML_ZIPMOE_API void ggml_zipmoe_serving_adopt_host(struct ggml_zipmoe_serving * s, void * const data[3]);
 
 // the cache made on the slots (info.capacity of them; on_gpu: in device memory): checks that given
 // pools fit the budget, uses the fewest slots until a context is sized, and logs the layout.

@@ -140,8 +140,8 @@ GGML_ZIPMOE_API uint64_t ggml_zipmoe_checksum(const void * data, size_t n);
 // ZipMoE GGUF files (docs/FORMAT.md): the chunk index and chunk reads
 //
 
-#define GGML_ZIPMOE_FORMAT_VERSION  2    // the newest zipmoe.format_version this library reads (1 and 2;
-                                         // 2 adds codec ghuf)
+#define GGML_ZIPMOE_FORMAT_VERSION  3    // the newest zipmoe.format_version this library reads (1 to 3;
+                                         // 2 adds codec ghuf, 3 raw experts of any ggml type)
 #define GGML_ZIPMOE_CHUNK_ALIGNMENT 4096 // every chunk starts at a multiple of this file offset
 
 enum ggml_zipmoe_open_flags {
@@ -166,21 +166,27 @@ GGML_ZIPMOE_API int          ggml_zipmoe_file_n_shards (const struct ggml_zipmoe
 GGML_ZIPMOE_API int          ggml_zipmoe_file_n_tensors(const struct ggml_zipmoe_file * file); // repacked expert tensors
 GGML_ZIPMOE_API size_t       ggml_zipmoe_file_max_chunk_size(const struct ggml_zipmoe_file * file); // largest stored chunk
 
-// repacked tensor i (0 <= i < n_tensors): its GGUF name ("blk.3.ffn_up_exps.weight"), layer and
-// ggml shape [ne0, ne1, n_expert]; an expert holds ne0*ne1 BF16 values
+// repacked tensor i (0 <= i < n_tensors): its GGUF name ("blk.3.ffn_up_exps.weight"), layer, ggml
+// shape [ne0, ne1, n_expert] and the ggml type it is served as: BF16 (an expert's ne0*ne1 values
+// split into its planes), or, from format version 3, any other type (F16, Q8_0, Q4_K, ...), whose
+// experts are stored raw: their bytes as the source had them (nothing to decode). expert_bytes: one
+// expert in that type (the bytes of its slot)
 GGML_ZIPMOE_API const char * ggml_zipmoe_file_tensor_name (const struct ggml_zipmoe_file * file, int tensor);
 GGML_ZIPMOE_API int          ggml_zipmoe_file_tensor_layer(const struct ggml_zipmoe_file * file, int tensor);
 GGML_ZIPMOE_API void         ggml_zipmoe_file_tensor_shape(const struct ggml_zipmoe_file * file, int tensor, int64_t ne[3]);
+GGML_ZIPMOE_API int          ggml_zipmoe_file_tensor_type (const struct ggml_zipmoe_file * file, int tensor);
+GGML_ZIPMOE_API size_t       ggml_zipmoe_file_tensor_expert_bytes(const struct ggml_zipmoe_file * file, int tensor);
 
 // index of the repacked tensor with this GGUF name, or -1
 GGML_ZIPMOE_API int          ggml_zipmoe_file_find_tensor (const struct ggml_zipmoe_file * file, const char * name);
 
-// chunk c of an expert: c = 0 is the SM-chunk, c = 1 + k is E-chunk (shard) k
+// chunk c of an expert: c = 0 is the SM-chunk, c = 1 + k is E-chunk (shard) k. A raw tensor's chunk 0
+// holds the expert's bytes, and its E-chunks are empty.
 struct ggml_zipmoe_chunk_info {
     uint64_t offset;       // absolute file offset of the stored bytes (multiple of GGML_ZIPMOE_CHUNK_ALIGNMENT)
     uint64_t size;         // stored bytes
     uint64_t first;        // index within the expert of the first value it covers
-    uint64_t count;        // values it covers (= decoded bytes)
+    uint64_t count;        // values it covers (= decoded bytes; a raw tensor's chunk 0: the expert's bytes)
     uint64_t checksum;     // XXH64 (seed 0) of the stored bytes
     int32_t  codec;        // enum ggml_zipmoe_codec; SM-chunks are always raw
     int32_t  shard;        // -1 for the SM-chunk, else k
@@ -210,9 +216,10 @@ struct ggml_zipmoe_reader;
 GGML_ZIPMOE_API struct ggml_zipmoe_reader * ggml_zipmoe_reader_new (const struct ggml_zipmoe_file * file);
 GGML_ZIPMOE_API void                        ggml_zipmoe_reader_free(struct ggml_zipmoe_reader * reader);
 
-// read, check, decode and recover one expert's ne0*ne1 BF16 values into dst. On failure the
-// status is returned and ggml_zipmoe_reader_error names the chunk and the reason.
-GGML_ZIPMOE_API int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * reader, int tensor, int expert, uint16_t * dst);
+// read, check, decode and recover one expert's ne0*ne1 BF16 values into dst (a raw tensor: its
+// expert_bytes as stored). On failure the status is returned and ggml_zipmoe_reader_error names the
+// chunk and the reason.
+GGML_ZIPMOE_API int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * reader, int tensor, int expert, void * dst);
 
 // message of the reader's last failure ("" if none); valid until the reader's next call
 GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_reader * reader);
@@ -327,6 +334,12 @@ struct ggml_zipmoe_cache_params {
     int32_t                         prefetch_experts; // experts a prefetch may read ahead (0: no prefetch; see
                                                       // ggml_zipmoe_cache_prefetch)
     int32_t                         slot_memory;    // enum ggml_zipmoe_slot_memory: where slot_data points
+    // a raw (non-BF16) expert's bytes into its slot: NULL copies them into slot memory; else this is
+    // called with them, from graph threads, concurrently (a backend's set_tensor: ggml-cpu's repacking
+    // buffer types lay weights out their own way). Returns 0, or nonzero with a message in err.
+    int (*slot_fill)(void * user_data, int kind, int tensor, int32_t slot, const void * data, size_t size, char * err,
+                     size_t err_size);
+    void * slot_fill_data;
 };
 
 struct ggml_zipmoe_cache_stats {

@@ -222,8 +222,8 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
         ggml_tensor * v[3];
         for (int k = 0; k < 3; ++k) {
-            v[k] = ggml_view_3d(ctx0, slots[k], slots[k]->ne[0], slots[k]->ne[1], n_expert, slots[k]->nb[1],
-                                slots[k]->nb[2], (size_t) view_base * slots[k]->nb[2]);
+            ggml_tensor * s = slots_of(il, k);
+            v[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) view_base * s->nb[2]);
             ggml_format_name(v[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
         }
         return build(selected_experts, v[0], v[1], v[2]);
@@ -251,7 +251,7 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
                                                 zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
         ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
-        ggml_tensor * out = build(slot_ids, slots[0], slots[1], slots[2]);
+        ggml_tensor * out = build(slot_ids, slots_of(il, 0), slots_of(il, 1), slots_of(il, 2));
         if (n_passes == 1) {
             return out;
         }

@@ -8,6 +8,7 @@
 #include "llama-model.h"
 
 #include "ggml-alloc.h"
+#include "ggml-cpp.h"
 #include "ggml-backend.h"
 #include "gguf.h"
 
@@ -79,7 +80,13 @@ void llama_zipmoe::warn_options_ignored(const std::string & fname,
 }
 
 uint64_t llama_zipmoe::expert_params() const {
-    return info.all_experts / sizeof(uint16_t); // BF16
+    uint64_t n = 0;
+    for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
+        int64_t ne[3];
+        ggml_zipmoe_file_tensor_shape(file, i, ne);
+        n += (uint64_t) ne[0] * (uint64_t) ne[1] * (uint64_t) ne[2];
+    }
+    return n;
 }
 
 bool llama_zipmoe::is_chunk_tensor(const std::string & name) {
@@ -157,13 +164,18 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
 llama_zipmoe::~llama_zipmoe() {
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
-        for (ggml_tensor * t : slots) {
-            g_registry.erase(t);
+        for (const auto & of_kind : slots) {
+            for (ggml_tensor * t : of_kind) {
+                g_registry.erase(t);
+            }
         }
     }
     ggml_zipmoe_cache_free(cache);
     ggml_zipmoe_serving_free(serving); // and the host slots it reserved
     ggml_zipmoe_file_close(file);
+    if (plain_buf) {
+        ggml_backend_buffer_free(plain_buf); // a view of buf's memory: frees nothing of it
+    }
     if (buf) {
         ggml_backend_buffer_free(buf);
     }
@@ -187,10 +199,21 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     }
     for (int k = 0; k < 3; ++k) {
         if (name.find(std::string("ffn_") + k_zipmoe_kinds[k] + "_exps") != std::string::npos) {
-            return slots[k];
+            return slots_of(ggml_zipmoe_file_tensor_layer(file, t), k);
         }
     }
     return nullptr;
+}
+
+ggml_tensor * llama_zipmoe::slots_of(int il, int kind) const {
+    const int t = il >= 0 && 3 * il + kind < (int) layer_tensors.size() ? layer_tensors[3 * il + kind] : -1;
+    const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(file, t) : GGML_TYPE_BF16;
+    for (ggml_tensor * s : slots[kind]) {
+        if (s->type == type) {
+            return s;
+        }
+    }
+    return slots[kind].empty() ? nullptr : slots[kind][0];
 }
 
 // the slots in a CUDA device's memory: every slot in use, plus zero slots (absent_slot)
@@ -206,10 +229,11 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     gpu_zero_slot = capacity;
 
     const size_t align = 256;
-    size_t section[3], off = 0;
+    size_t section[3], stride[3], off = 0;
     for (int k = 0; k < 3; ++k) {
         section[k] = off;
-        off += GGML_PAD((size_t) (capacity + gpu_zero_slots) * info.slot_ne[k][0] * info.slot_ne[k][1] * sizeof(uint16_t), align);
+        stride[k]  = (size_t) info.slot_bytes[k];
+        off += GGML_PAD((size_t) (capacity + gpu_zero_slots) * stride[k], align);
     }
     buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), off);
     if (buf == nullptr) {
@@ -220,38 +244,181 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     ggml_backend_buffer_clear(buf, 0);
     char * base = (char *) ggml_backend_buffer_get_base(buf);
     void * const data[3] = { base + section[0], base + section[1], base + section[2] };
-    make_slot_tensors(data);
+    make_slot_tensors(data, stride, {});
 }
 
-// the slots in host memory: address space reserved by ggml-zipmoe, committed where a slot is written
-void llama_zipmoe::place_in_host() {
+// by (kind, ggml type) of the file's expert tensors: the host buffer type stock llama.cpp gives them
+static std::map<std::pair<int, int>, ggml_backend_buffer_type_t> stock_host_bufts(
+        const ggml_zipmoe_file * file, const std::vector<int32_t> & layer_tensors,
+        const llama_zipmoe::weight_buft_fn & weight_buft) {
+    ggml_init_params params = { /*.mem_size =*/ layer_tensors.size() * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr,
+                                /*.no_alloc =*/ true };
+    ggml_context_ptr meta { ggml_init(params) };
+    std::map<std::pair<int, int>, ggml_backend_buffer_type_t> bufts;
+    for (size_t i = 0; i < layer_tensors.size(); ++i) {
+        const int t = layer_tensors[i], kind = (int) (i % 3);
+        const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(file, t) : GGML_TYPE_COUNT;
+        if (type == GGML_TYPE_COUNT || bufts.count({ kind, type })) {
+            continue;
+        }
+        int64_t ne[3];
+        ggml_zipmoe_file_tensor_shape(file, t, ne);
+        ggml_tensor * w = ggml_new_tensor_3d(meta.get(), type, ne[0], ne[1], ne[2]);
+        ggml_set_name(w, ggml_zipmoe_file_tensor_name(file, t));
+        bufts[{ kind, type }] = weight_buft ? weight_buft(w) : nullptr;
+    }
+    return bufts;
+}
+
+// a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
+static bool is_cpu_extra_buft(ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = buft != nullptr ? ggml_backend_buft_get_device(buft) : nullptr;
+    return dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
+           buft != ggml_backend_cpu_buffer_type();
+}
+
+// the slots in host memory: address space reserved by ggml-zipmoe, committed where a slot is written;
+// or, where stock llama.cpp puts the experts in one of ggml-cpu's repacking buffer types (quantized
+// experts), a buffer of that type, so that the products run stock's kernels on stock's layout
+void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
+    const auto bufts = stock_host_bufts(file, layer_tensors, weight_buft);
+    ggml_backend_buffer_type_t extra = nullptr;
+    std::map<std::pair<int, int>, bool> expected_extra;
+    for (const auto & [key, buft] : bufts) {
+        expected_extra[key] = is_cpu_extra_buft(buft);
+        if (!expected_extra[key]) {
+            continue;
+        }
+        if (extra != nullptr && extra != buft) {
+            throw std::runtime_error(format("%s: stock llama.cpp puts the routed experts in two buffer types (%s and %s), "
+                                            "which one set of ZipMoE slots cannot follow", fname.c_str(),
+                                            ggml_backend_buft_name(extra), ggml_backend_buft_name(buft)));
+        }
+        extra = buft;
+    }
     void * data[3];
     size_t stride[3];
     char err[512];
-    if (ggml_zipmoe_serving_reserve_host(serving, data, stride, err, sizeof(err)) != GGML_ZIPMOE_OK) {
-        throw std::runtime_error(err);
+    if (extra == nullptr) {
+        if (ggml_zipmoe_serving_reserve_host(serving, data, stride, err, sizeof(err)) != GGML_ZIPMOE_OK) {
+            throw std::runtime_error(err);
+        }
+        ggml_zipmoe_serving_get_info(serving, &info);
+        const size_t bytes = (size_t) ((char *) data[2] - (char *) data[0]) + (size_t) info.capacity * stride[2];
+        buf = ggml_backend_cpu_buffer_from_ptr(data[0], bytes);
+    } else {
+        // memory of the buffer type itself (committed where a slot is written, as malloc's large blocks are)
+        const size_t page = 4096;
+        size_t section[3], off = 0;
+        for (int k = 0; k < 3; ++k) {
+            section[k] = off;
+            stride[k]  = (size_t) info.slot_bytes[k];
+            off += GGML_PAD((size_t) info.capacity * stride[k], page);
+        }
+        buf = ggml_backend_buft_alloc_buffer(extra, off);
+        if (buf == nullptr) {
+            throw std::runtime_error(format("%s: cannot allocate %s of %s memory for %d ZipMoE expert slots: give a "
+                                            "smaller zipmoe.budget", fname.c_str(), gib(off).c_str(),
+                                            ggml_backend_buft_name(extra), info.capacity));
+        }
+        char * base = (char *) ggml_backend_buffer_get_base(buf);
+        for (int k = 0; k < 3; ++k) {
+            data[k] = base + section[k];
+        }
+        // the types stock keeps in the plain CPU buffer (Q6_K beside Q4_K in a Q4_K_M file) alias the memory
+        // through a plain buffer: a tensor in the repacking buffer without its layout would run on no backend
+        plain_buf = ggml_backend_cpu_buffer_from_ptr(base, off);
+        ggml_zipmoe_serving_adopt_host(serving, data);
+        ggml_zipmoe_serving_get_info(serving, &info);
     }
-    ggml_zipmoe_serving_get_info(serving, &info);
-    const size_t bytes = (size_t) ((char *) data[2] - (char *) data[0]) + (size_t) info.capacity * stride[2];
-    buf = ggml_backend_cpu_buffer_from_ptr(data[0], bytes);
-    make_slot_tensors(data);
+    make_slot_tensors(data, stride, expected_extra);
 }
 
-void llama_zipmoe::make_slot_tensors(void * const data[3]) {
-    ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ true };
+void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3],
+                                     const std::map<std::pair<int, int>, bool> & expected_extra) {
+    // the types of each kind, in file order
+    std::vector<ggml_type> types[3];
+    for (size_t i = 0; i < layer_tensors.size(); ++i) {
+        const int t = layer_tensors[i];
+        const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(file, t) : GGML_TYPE_COUNT;
+        auto & of_kind = types[i % 3];
+        if (type != GGML_TYPE_COUNT && std::find(of_kind.begin(), of_kind.end(), type) == of_kind.end()) {
+            of_kind.push_back(type);
+        }
+    }
+    const int32_t n_slots = info.capacity + gpu_zero_slots;
+    size_t n_tensors = 0;
+    for (int k = 0; k < 3; ++k) {
+        n_tensors += types[k].size() * (1 + (size_t) n_slots); // a per-slot view where the layout is the buffer's own
+    }
+    ggml_init_params params = { /*.mem_size =*/ n_tensors * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr,
+                                /*.no_alloc =*/ true };
     ctx = ggml_init(params);
     if (ctx == nullptr || buf == nullptr) {
         throw std::runtime_error("cannot make the ZipMoE slot tensors");
     }
     ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    if (plain_buf != nullptr) {
+        ggml_backend_buffer_set_usage(plain_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    }
     for (int k = 0; k < 3; ++k) {
-        slots[k] = ggml_new_tensor_3d(ctx, GGML_TYPE_BF16, info.slot_ne[k][0], info.slot_ne[k][1],
-                                      info.capacity + gpu_zero_slots);
-        ggml_format_name(slots[k], "zipmoe.slots.%s", k_zipmoe_kinds[k]);
-        if (ggml_backend_tensor_alloc(buf, slots[k], data[k]) != GGML_STATUS_SUCCESS) {
-            throw std::runtime_error("cannot place the ZipMoE slot tensors");
+        for (ggml_type type : types[k]) {
+            const auto want  = expected_extra.find({ k, (int) type });
+            const bool extra = want != expected_extra.end() && want->second;
+            ggml_backend_buffer_t in = !extra && plain_buf != nullptr ? plain_buf : buf;
+            // every type's slots over the same memory: slot s of any type starts at data[k] + s * stride[k]
+            ggml_tensor * t = ggml_new_tensor_3d(ctx, type, info.slot_ne[k][0], info.slot_ne[k][1], n_slots);
+            t->nb[2] = stride[k];
+            t->nb[3] = stride[k] * (size_t) n_slots;
+            ggml_format_name(t, "zipmoe.slots.%s.%s", k_zipmoe_kinds[k], ggml_type_name(type));
+            if (ggml_backend_tensor_alloc(in, t, data[k]) != GGML_STATUS_SUCCESS) {
+                throw std::runtime_error("cannot place the ZipMoE slot tensors");
+            }
+            slots[k].push_back(t);
+            if (!extra) {
+                if (t->extra != nullptr) { // the buffer would run other kernels than stock's plain buffer does
+                    throw std::runtime_error(format("%s: %s experts: the slots' buffer type %s would lay them out its own "
+                                                    "way, stock llama.cpp does not", fname.c_str(), ggml_type_name(type),
+                                                    ggml_backend_buffer_name(buf)));
+                }
+                continue;
+            }
+            if (t->extra == nullptr) {
+                throw std::runtime_error(format("%s: %s experts: stock llama.cpp lays them out for %s's kernels, and the "
+                                                "slots cannot be", fname.c_str(), ggml_type_name(type),
+                                                ggml_backend_buffer_name(buf)));
+            }
+            auto & views = fill_views[{ k, (int) type }];
+            for (int32_t s = 0; s < n_slots; ++s) {
+                ggml_tensor * v = ggml_new_tensor_2d(ctx, type, info.slot_ne[k][0], info.slot_ne[k][1]);
+                ggml_format_name(v, "zipmoe.slot.%s.%s.%d", k_zipmoe_kinds[k], ggml_type_name(type), s);
+                if (ggml_backend_tensor_alloc(buf, v, (char *) data[k] + (size_t) s * stride[k]) != GGML_STATUS_SUCCESS ||
+                    v->extra == nullptr) {
+                    throw std::runtime_error("cannot place the ZipMoE slot views");
+                }
+                views.push_back(v);
+            }
         }
     }
+}
+
+int llama_zipmoe::slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
+                            size_t err_size) {
+    const llama_zipmoe * zm = (const llama_zipmoe *) data;
+    const int type = ggml_zipmoe_file_tensor_type(zm->file, tensor);
+    const auto it = zm->fill_views.find({ kind, type });
+    if (it == zm->fill_views.end()) {
+        ggml_tensor * s = zm->slots[kind][0];
+        memcpy((char *) s->data + (size_t) slot * s->nb[2], src, size);
+        return 0;
+    }
+    if (slot < 0 || slot >= (int32_t) it->second.size() || size != ggml_nbytes(it->second[slot])) {
+        snprintf(err, err_size, "slot %d of %zu bytes for %zu bytes", slot,
+                 slot >= 0 && slot < (int32_t) it->second.size() ? ggml_nbytes(it->second[slot]) : 0, size);
+        return 1;
+    }
+    ggml_backend_tensor_set(it->second[slot], src, 0, size); // laid out for the buffer type's kernels
+    return 0;
 }
 
 void llama_zipmoe::log_substitution() const {
@@ -298,12 +465,13 @@ ggml_backend_dev_t llama_zipmoe::slot_device(const layer_buft_fn & layer_buft,
     return on_gpu ? dev : nullptr;
 }
 
-void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides) {
+void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
+                              const llama_model_tensor_buft_override * overrides) {
     ggml_backend_dev_t dev = slot_device(layer_buft, overrides);
     if (on_gpu) {
         place_on_device(dev);
     } else {
-        place_in_host();
+        place_in_host(weight_buft);
     }
 
     ggml_zipmoe_cache_params cp = {};
@@ -314,8 +482,12 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const llama_mode
     cp.rank_delta = opt.rank_delta;
     std::copy(opt.pools, opt.pools + 4, cp.pool_capacity);
     for (int k = 0; k < 3; ++k) {
-        cp.slot_data[k]   = slots[k]->data;
-        cp.slot_stride[k] = slots[k]->nb[2];
+        cp.slot_data[k]   = slots[k][0]->data; // every type's slots of a kind lie over the same memory
+        cp.slot_stride[k] = slots[k][0]->nb[2];
+    }
+    if (!fill_views.empty()) {
+        cp.slot_fill      = slot_fill;
+        cp.slot_fill_data = this;
     }
     cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
     cp.layer_tensors = layer_tensors.data();
@@ -342,8 +514,10 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const llama_mode
     }
     {
         std::lock_guard<std::mutex> lock(g_registry_mutex);
-        for (ggml_tensor * s : slots) {
-            g_registry[s] = this;
+        for (const auto & of_kind : slots) {
+            for (ggml_tensor * s : of_kind) {
+                g_registry[s] = this;
+            }
         }
     }
     const char * reads = ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache";
@@ -353,9 +527,11 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const llama_mode
                        __func__, info.capacity, info.expert_bytes / k_mib, ggml_backend_dev_name(dev),
                        info.all_experts / k_mib, opt.budget != 0 ? ", zipmoe.budget" : "", reads);
     } else {
-        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB); sized when a "
-                       "context is made; chunks read %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
-                       info.all_experts / k_mib, reads);
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB%s%s%s); sized when "
+                       "a context is made; chunks read %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
+                       info.all_experts / k_mib, info.raw ? ", stored raw" : "",
+                       fill_views.empty() ? "" : ", laid out for ", fill_views.empty() ? "" : ggml_backend_buffer_name(buf),
+                       reads);
     }
 }
 

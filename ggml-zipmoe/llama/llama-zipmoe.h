@@ -112,12 +112,17 @@ struct llama_zipmoe {
 
     // where a layer's weights go (its buffer type list's first)
     using layer_buft_fn = std::function<ggml_backend_buffer_type_t (int il)>;
+    // the host buffer type the loader gives routed-expert weight w (a meta tensor) in host memory: the
+    // plain CPU one, or one of ggml-cpu's that lay weights out their own way (repacking quantized types)
+    using weight_buft_fn = std::function<ggml_backend_buffer_type_t (ggml_tensor * w)>;
 
     // makes the slot tensors and the expert cache, before the model's tensors are created: the slots
     // go where the first served layer's weights go, or where a tensor override sends its experts; a
     // CUDA device's own (not host) buffer type puts them in its memory (a build with ZIPMOE_CUDA,
-    // docs/CUDA.md). Throws on error.
-    void make_cache(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
+    // docs/CUDA.md). Host slots take the buffer type stock llama.cpp gives the experts (weight_buft),
+    // so that the products run the same kernels. Throws on error.
+    void make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
+                    const llama_model_tensor_buft_override * overrides);
 
     // the slot tensor to use for routed-expert tensor `name` (shape ne); nullptr if `name` is not
     // repacked in the file. Throws if the shape is not the file's.
@@ -221,8 +226,16 @@ private:
     // slot memory for capacity slots: a CUDA device's, or reserved host address space
     ggml_backend_dev_t slot_device(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
     void place_on_device(ggml_backend_dev_t dev);
-    void place_in_host();
-    void make_slot_tensors(void * const data[3]);
+    void place_in_host(const weight_buft_fn & weight_buft);
+    // slot tensors at data[k], nb[2] stride[k]: one per kind and ggml type of the file's tensors of that
+    // kind; expected_extra: by (kind, type), whether the buffer's type must lay them out its own way
+    void make_slot_tensors(void * const data[3], const size_t stride[3],
+                           const std::map<std::pair<int, int>, bool> & expected_extra);
+    ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
+    // a raw expert's bytes into its slot (ggml_zipmoe_cache_params.slot_fill): through a per-slot view's
+    // set_tensor where its buffer lays weights out its own way, else copied
+    static int slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
+                         size_t err_size);
     void log_substitution() const;
     bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
 
@@ -254,10 +267,16 @@ private:
     int32_t  gpu_zero_slot  = -1; // the first zero slot
     int32_t  gpu_zero_slots = 0;  // as many as a layer's experts: a warmup token selects them all
 
-    // the slot tensors
-    ggml_context *        ctx      = nullptr;
-    ggml_backend_buffer_t buf      = nullptr;
-    ggml_tensor *         slots[3] = { nullptr, nullptr, nullptr };
+    // the slot tensors: by kind, one per ggml type the file's tensors of that kind have (a quantized file
+    // may type layers apart: Q4_K_M), all over the same memory with the largest expert as stride
+    ggml_context *             ctx = nullptr;
+    ggml_backend_buffer_t      buf = nullptr;
+    ggml_backend_buffer_t      plain_buf = nullptr; // with buf of a repacking type: a plain CPU buffer over its
+                                                    // memory, for the types stock does not repack
+    std::vector<ggml_tensor *> slots[3];
+    // slots in a buffer whose type lays weights out its own way (ggml-cpu's repacking): by (kind, type),
+    // a [ne0, ne1] view per slot, set through the buffer
+    std::map<std::pair<int, int>, std::vector<ggml_tensor *>> fill_views;
 
     // graphs and contexts
     std::mutex                  compute_mutex; // held by lock_compute, and by resize

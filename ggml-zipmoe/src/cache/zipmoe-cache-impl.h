@@ -101,8 +101,12 @@ struct zipmoe_layout {
     int32_t * layer_n_expert; // [n_layer]
     int32_t   max_expert;     // largest n_expert over layers
     int32_t   n_served;       // layers served
-    uint64_t  kind_n[3];      // values of one expert tensor, by kind
+    uint64_t  kind_n[3];      // bytes of one expert tensor's SM-chunk (its values; a raw tensor's bytes), by
+                              // kind the largest over the layers
+    uint64_t  kind_bytes[3];  // one expert tensor in its slot (2 x values; a raw tensor's bytes), by kind the largest
     uint64_t  sm_bytes;       // an expert's SM-chunks: kind_n[0] + kind_n[1] + kind_n[2]
+    uint64_t  expert_bytes;   // an expert in its slot: kind_bytes[0] + kind_bytes[1] + kind_bytes[2]
+    int       any_raw;        // some served tensor is raw (not BF16): nothing to decompress, no C/S/E pools
     double    rho;            // stored E bytes over exponent bytes, over the file
     uint64_t  max_e_bytes;    // the largest stored E bytes of one expert (gate + up + down): a store entry's E part
 };
@@ -113,6 +117,9 @@ struct zipmoe_slots {
     int32_t    capacity;   // slots the caller's tensors hold; per-slot arrays are this long
     uint8_t *  data[3];    // by kind: the caller's slot tensors
     size_t     stride[3];
+    // a raw expert's bytes into its slot through the caller (ggml_zipmoe_cache_params.slot_fill), or NULL: copied
+    int (*fill)(void *, int, int, int32_t, const void *, size_t, char *, size_t);
+    void *     fill_data;
     int32_t *  of_key;     // [n_keys] slot holding the key, or -1
     int64_t *  key;        // [capacity] key held, or -1
     uint64_t * last_use;   // [capacity] tick of the last use (LRU)

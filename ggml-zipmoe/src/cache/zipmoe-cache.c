@@ -204,7 +204,17 @@ static int map_layers(struct ggml_zipmoe_cache * c, const struct ggml_zipmoe_cac
             if (slot_ne[k][0] == 0) {
                 slot_ne[k][0] = ne[0];
                 slot_ne[k][1] = ne[1];
-                lay->kind_n[k] = file->tensors[t].n;
+            }
+            // a quantized file may give some layers' experts another type (Q4_K_M: Q6_K in some): its
+            // slots are the largest
+            const struct zipmoe_tensor * ft = &file->tensors[t];
+            lay->kind_n[k]     = ft->sm_size > lay->kind_n[k] ? ft->sm_size : lay->kind_n[k];
+            lay->kind_bytes[k] = ft->bytes > lay->kind_bytes[k] ? ft->bytes : lay->kind_bytes[k];
+            lay->any_raw      |= ft->raw;
+            if (ft->bytes > c->slots.stride[k] && c->slots.stride[k] != 0) {
+                snprintf(msg, msg_size, "%s: an expert of %s takes %llu bytes, more than the %zu bytes between "
+                         "%s slots", file->path, ft->name, (unsigned long long) ft->bytes, c->slots.stride[k], kinds[k]);
+                return GGML_ZIPMOE_ERR_ARG;
             }
             if (ne[0] != slot_ne[k][0] || ne[1] != slot_ne[k][1]) {
                 snprintf(msg, msg_size, "%s: %s is %lld x %lld, other layers' %s experts are %lld x %lld: one slot "
@@ -228,7 +238,8 @@ static int map_layers(struct ggml_zipmoe_cache * c, const struct ggml_zipmoe_cac
         lay->max_expert = lay->layer_n_expert[l] > lay->max_expert ? lay->layer_n_expert[l] : lay->max_expert;
         lay->n_served += found == 3;
     }
-    lay->sm_bytes = lay->kind_n[0] + lay->kind_n[1] + lay->kind_n[2];
+    lay->sm_bytes     = lay->kind_n[0] + lay->kind_n[1] + lay->kind_n[2];
+    lay->expert_bytes = lay->kind_bytes[0] + lay->kind_bytes[1] + lay->kind_bytes[2];
     return GGML_ZIPMOE_OK;
 }
 
@@ -352,6 +363,8 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         c->slots.data[k]   = (uint8_t *) p->slot_data[k];
         c->slots.stride[k] = p->slot_stride[k];
     }
+    c->slots.fill      = p->slot_fill;
+    c->slots.fill_data = p->slot_fill_data;
     char msg[1024] = "ggml_zipmoe_cache_new: out of memory";
     int status = map_layers(c, p, msg, sizeof(msg));
     if (status == GGML_ZIPMOE_OK) {
@@ -363,6 +376,15 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     }
     if (status == GGML_ZIPMOE_OK) {
         status = zipmoe_prefetch_init(c, p->prefetch_experts);
+    }
+    const int32_t compressed_pools = p->pool_capacity[GGML_ZIPMOE_POOL_C] + p->pool_capacity[GGML_ZIPMOE_POOL_S] +
+                                     p->pool_capacity[GGML_ZIPMOE_POOL_E];
+    if (status == GGML_ZIPMOE_OK && c->layout.any_raw && (compressed_pools > 0 || p->slot_memory == GGML_ZIPMOE_SLOTS_CUDA)) {
+        // nothing to decompress: no compressed pool to keep, and no recovery kernel for them
+        snprintf(msg, sizeof(msg), "%s: its routed experts are not BF16 (a quantized file: stored raw, nothing to "
+                 "decompress), so %s", c->file->path, compressed_pools > 0 ? "pools C, S and E do not apply: give F "
+                 "only, or no pools" : "this build serves them from host memory only, not from slots in CUDA memory");
+        status = GGML_ZIPMOE_ERR_ARG;
     }
     if (status == GGML_ZIPMOE_OK && p->slot_memory == GGML_ZIPMOE_SLOTS_CUDA) {
         // staging for the largest shard of any served tensor
@@ -395,7 +417,7 @@ int ggml_zipmoe_cache_pool_entries(const struct ggml_zipmoe_cache * c, int pool,
     }
     if (pool == GGML_ZIPMOE_POOL_F) {
         if (entry_bytes != NULL) {
-            *entry_bytes = (size_t) (2 * c->layout.sm_bytes);
+            *entry_bytes = (size_t) c->layout.expert_bytes;
         }
         return c->pools.f_capacity;
     }
@@ -548,7 +570,7 @@ size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_t
         total += c->pools.store[p].entry_size * (size_t) c->pools.store[p].n_entries;
     }
     // the staging rings as ensure_staging makes them, and a decoder per decoding thread
-    const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     const size_t e_region  = c->pipe.e_region != 0 ? c->pipe.e_region : zipmoe_cache_e_region_bytes(c);
     total += ZIPMOE_N_STAGING * (sm_region + (size_t) c->file->n_shards * e_region);
     total += zipmoe_prefetch_bytes(c);

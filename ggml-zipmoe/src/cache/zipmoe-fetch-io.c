@@ -61,7 +61,7 @@ int zipmoe_cache_ensure_staging(struct ggml_zipmoe_cache * c) {
     if (c->pipe.sm_ring[0].mem != NULL) {
         return GGML_ZIPMOE_OK;
     }
-    c->pipe.sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    c->pipe.sm_region = (size_t) zipmoe_align_up(c->file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     c->pipe.e_region  = zipmoe_cache_e_region_bytes(c);
     for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
         void * sm = NULL, * e = NULL;

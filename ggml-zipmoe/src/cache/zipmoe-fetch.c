@@ -57,7 +57,7 @@ void zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c) {
         c->plan.sched_tasks[i].expert = t->expert;
         c->plan.sched_tasks[i].state  = t->state;
         // an expert's products read its three tensors once per token that chose it
-        c->plan.sched_tasks[i].p = (double) c->plan.tokens[t->expert] * 2.0 * (double) c->layout.sm_bytes / c->plan.rate_compute;
+        c->plan.sched_tasks[i].p = (double) c->plan.tokens[t->expert] * (double) c->layout.expert_bytes / c->plan.rate_compute;
     }
     const double n0 = (double) c->layout.kind_n[0];
     const struct ggml_zipmoe_sched_params sp = {
@@ -137,7 +137,7 @@ static uint16_t * slot_tensor(const struct ggml_zipmoe_cache * c, const struct z
 static void shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
     if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
         if (t->sm_dst != NULL) {
-            memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].n);
+            memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].sm_size);
         }
         if (t->sm_src == NULL) {
             atomic_store(&c->pipe.sm_ring[atomic_load(&t->sm_buf)].state, STAGE_FREE);
@@ -165,16 +165,52 @@ static void shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) 
     }
 }
 
-static void recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
-    const uint64_t t0 = zipmoe_now_ns();
-    zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
-    *recover_ns += zipmoe_now_ns() - t0;
-    shard_recovered(c, t);
+// a raw (non-BF16) expert's share k (1..K) of its bytes, in the SM-chunk's place, into its slot: copied,
+// or the whole expert through the caller's slot_fill at k = 1 (a backend lays it out its own way)
+static int fill_raw(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k) {
+    const int      K    = c->file->n_shards;
+    const uint64_t size = c->file->tensors[t->tensor].sm_size;
+    if (c->slots.fill == NULL) {
+        const uint64_t lo = size * (uint64_t) (k - 1) / (uint64_t) K, hi = size * (uint64_t) k / (uint64_t) K;
+        memcpy((uint8_t *) slot_tensor(c, t) + lo, task_sm(c, t) + lo, hi - lo);
+        return 1;
+    }
+    char why[512] = "";
+    if (k == 1 && c->slots.fill(c->slots.fill_data, t->kind, t->tensor, t->slot, task_sm(c, t), size, why,
+                                sizeof(why)) != 0) {
+        int ok = GGML_ZIPMOE_OK;
+        if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+            snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d: filling its slot failed: %s",
+                     c->file->path, c->file->tensors[t->tensor].name, t->expert, why);
+        }
+        return 0;
+    }
+    return 1;
 }
 
-// shard k (1..K) of a task: decode its E-chunk into the slot; 1 if it decoded (0: a failure)
+// 1 if shard k of t went into its slot (0: a failure, in c->status)
+static int recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, uint64_t * recover_ns) {
+    const uint64_t t0 = zipmoe_now_ns();
+    if (c->file->tensors[t->tensor].raw) {
+        if (!fill_raw(c, t, k)) {
+            return 0;
+        }
+    } else {
+        zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
+    }
+    *recover_ns += zipmoe_now_ns() - t0;
+    shard_recovered(c, t);
+    return 1;
+}
+
+// shard k (1..K) of a task: decode its E-chunk into the slot; 1 if it decoded (0: a failure). A raw
+// tensor's E-chunks are empty: nothing to decode.
 static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w,
                         uint64_t * decode_ns) {
+    if (c->file->tensors[t->tensor].raw) {
+        shard_decoded(c, t);
+        return 1;
+    }
     const int K = c->file->n_shards;
     const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
     const uint64_t t0 = zipmoe_now_ns();
@@ -326,7 +362,9 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                 } else if (!decode_shard(c, t, k, w, &decode_ns)) {
                     break;
                 } else if (sm_ready(t)) {
-                    recover_shard(c, t, k, &recover_ns);
+                    if (!recover_shard(c, t, k, &recover_ns)) {
+                        break;
+                    }
                     atomic_store(&c->pipe.op_state[j], OP_DONE);
                 } else {
                     atomic_store(&c->pipe.op_state[j], OP_DECODED);
@@ -341,8 +379,8 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                     if (!gpu_recover_parked(c, t, k, ith, &recover_ns)) {
                         break;
                     }
-                } else {
-                    recover_shard(c, t, k, &recover_ns);
+                } else if (!recover_shard(c, t, k, &recover_ns)) {
+                    break;
                 }
                 atomic_store(&c->pipe.op_state[j], OP_DONE);
                 worked = 1;
@@ -395,7 +433,7 @@ static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
     if (c->plan.measure_decode != RATE_GIVEN) {
         double out = 0;
         for (int i = 0; i < c->plan.n_tasks; i++) {
-            out += 2.0 * (double) c->file->tensors[c->plan.tasks[i].tensor].n;
+            out += (double) c->file->tensors[c->plan.tasks[i].tensor].bytes;
         }
         update_rate(&c->plan.rate_decode, &c->plan.measure_decode, out, dec_ns - c->plan.seen_decode_ns);
     }

@@ -381,7 +381,7 @@ static uint64_t entry_c_bytes(const struct ggml_zipmoe_cache * c) {
 // the rates (bytes per second), the selection probabilities q (NULL: uniform)
 static struct ggml_zipmoe_plan_params cost_model(const struct ggml_zipmoe_cache * c, int32_t k, const double * q,
                                                  uint64_t budget, double read, double decode, int32_t n_threads) {
-    const uint64_t X = 2 * c->layout.sm_bytes; // a full expert: its slot
+    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
     const double   n = 3, K = c->file->n_shards;
     struct ggml_zipmoe_plan_params p = { 0 };
     p.n_expert   = c->layout.max_expert;
@@ -428,7 +428,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     memset(out, 0, sizeof(*out));
     const int32_t  L = c->layout.n_served;
     const int32_t  N = c->layout.max_expert;
-    const uint64_t X = 2 * c->layout.sm_bytes; // a full expert: its slot
+    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
     const uint64_t entry_c = entry_c_bytes(c);
     out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
     if (L < 1 || N < 1 || k > N) {

@@ -40,7 +40,7 @@ int zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity) {
     c->pipe.idle_work     = read_locked;
     // more experts than a layer has would never be predicted
     pf->capacity  = capacity < c->layout.max_expert ? capacity : c->layout.max_expert;
-    pf->sm_region = (size_t) zipmoe_align_up(c->file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    pf->sm_region = (size_t) zipmoe_align_up(c->file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     pf->e_region  = (size_t) c->file->n_shards * zipmoe_cache_e_region_bytes(c);
     for (int b = 0; b < 2; b++) {
         pf->bank[b].predicted = (int32_t *) malloc(sizeof(int32_t) * (size_t) c->layout.max_expert);

@@ -389,6 +389,12 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         t->state     = cur == NO_POOL ? GGML_ZIPMOE_STATE_M : pool_state[cur];
         t->sm_src    = cur != NO_POOL ? entry_sm(c, cur, cur_entry, k) : NULL;
         t->e_src     = cur != NO_POOL ? entry_e(c, cur, cur_entry, layer, e, k) : NULL;
+        if (c->file->tensors[t->tensor].raw) {
+            // a raw expert's E-chunks are empty: held already, only its bytes (the SM-chunk's place) are read
+            static const uint8_t no_e_chunks[1];
+            t->state = GGML_ZIPMOE_STATE_E;
+            t->e_src = no_e_chunks;
+        }
         t->dst_pool  = dst_pool;
         t->dst_entry = dst_entry;
         t->sm_dst    = dst_pool != NO_POOL ? entry_sm(c, dst_pool, dst_entry, k) : NULL;

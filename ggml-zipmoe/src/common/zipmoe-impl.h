@@ -54,6 +54,10 @@ struct zipmoe_tensor {
     int                   layer;
     int64_t               ne[3];       // [ne0, ne1, n_expert]
     uint64_t              n;           // values per expert
+    int                   type;        // ggml type served: BF16 (split), or any other (raw, format version 3)
+    int                   raw;         // not BF16: chunk 0 holds the expert's bytes as they are, chunks 1..K are empty
+    uint64_t              sm_size;     // chunk 0's bytes: the SM plane (n), or a raw expert's bytes
+    uint64_t              bytes;       // one expert in its served type (a slot's share): 2n, or sm_size when raw
     struct zipmoe_chunk * chunks;      // n_expert * (1 + K), expert-major
 };
 
@@ -66,7 +70,7 @@ struct ggml_zipmoe_file {
     int                    n_tensors;
     struct zipmoe_tensor * tensors;
     uint64_t               max_chunk_size;  // largest stored chunk
-    uint64_t               max_values;      // largest expert, in values
+    uint64_t               max_sm_size;      // largest SM-chunk (chunk 0) in bytes: the SM plane, or a raw expert
 };
 
 // the chunk record, or NULL when tensor/expert/chunk is out of range
@@ -74,6 +78,8 @@ const struct zipmoe_chunk * zipmoe_file_chunk(const struct ggml_zipmoe_file * fi
 
 // [first, first + count) values of shard k of an expert of n values
 void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count);
+// the same for a tensor's expert: a raw tensor's shards are empty (0, 0)
+void zipmoe_tensor_shard_range(const struct zipmoe_tensor * t, int shards, int k, uint64_t * first, uint64_t * count);
 
 uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
 

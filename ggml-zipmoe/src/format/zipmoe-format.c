@@ -27,6 +27,15 @@ uint64_t zipmoe_align_up(uint64_t x, uint64_t a) {
     return (x + a - 1) / a * a;
 }
 
+void zipmoe_tensor_shard_range(const struct zipmoe_tensor * t, int shards, int k, uint64_t * first, uint64_t * count) {
+    if (t->raw) { // a raw expert has no exponent plane: its E-chunks are empty
+        *first = 0;
+        *count = 0;
+        return;
+    }
+    zipmoe_shard_range(t->n, shards, k, first, count);
+}
+
 void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count) {
     // same split as the converter: shard k holds [k*n/K, (k+1)*n/K)
     const uint64_t lo = n * (uint64_t) k / (uint64_t) shards;
@@ -115,8 +124,18 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
 
     snprintf(key, sizeof(key), "zipmoe.tensor.%s.type", name);
     uint32_t type = 0;
-    if (!typed_u32(ctx, key, &type) || type != GGML_TYPE_BF16) {
-        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not BF16 (30)", path, key);
+    if (!typed_u32(ctx, key, &type)) {
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not a u32", path, key);
+        return false;
+    }
+    // BF16 experts are split; from format version 3, an expert of any other ggml type is stored raw
+    t->type = (int) type;
+    t->raw  = type != GGML_TYPE_BF16;
+    if (t->raw && (file->version < 3 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type) type) <= 0 ||
+                   ggml_type_size((enum ggml_type) type) == 0)) {
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is %u, %s", path, key, type,
+                  file->version < 3 ? "not BF16 (30), the only type format versions 1 and 2 have"
+                                    : "not a ggml type this build serves");
         return false;
     }
 
@@ -131,6 +150,14 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
         t->ne[d] = (int64_t) shape[d];
     }
     t->n = shape[0] * shape[1];
+    if (t->raw && shape[0] % (uint64_t) ggml_blck_size((enum ggml_type) type) != 0) {
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is %llu wide, not a whole number of %s blocks of %lld",
+                  path, name, (unsigned long long) shape[0], ggml_type_name((enum ggml_type) type),
+                  (long long) ggml_blck_size((enum ggml_type) type));
+        return false;
+    }
+    t->sm_size = t->raw ? (uint64_t) ggml_row_size((enum ggml_type) type, t->ne[0]) * shape[1] : t->n;
+    t->bytes   = t->raw ? t->sm_size : 2 * t->n;
 
     // the chunks live in the I8 tensor named like the served one with .zipmoe for .weight
     char blob[512];
@@ -174,9 +201,9 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
     }
     for (uint64_t j = 0; j < n_chunks; j++) {
         const int expert = (int) (j / per), c = (int) (j % per);
-        uint64_t first = 0, count = t->n;
+        uint64_t first = 0, count = t->sm_size;
         if (c > 0) {
-            zipmoe_shard_range(t->n, file->n_shards, c - 1, &first, &count);
+            zipmoe_tensor_shard_range(t, file->n_shards, c - 1, &first, &count);
         }
         const char * problem = NULL;
         if (sizes[j] > blob_size || offsets[j] > blob_size - sizes[j]) {
@@ -187,8 +214,10 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
             problem = "has an unknown codec";
         } else if (codecs[j] == GGML_ZIPMOE_CODEC_GHUF && file->version < 2) {
             problem = "uses codec ghuf, which format version 1 does not have";
-        } else if (c == 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != t->n)) {
-            problem = "is not a raw chunk of one byte per value";
+        } else if (c == 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != t->sm_size)) {
+            problem = t->raw ? "is not a raw chunk of the expert's bytes" : "is not a raw chunk of one byte per value";
+        } else if (t->raw && c > 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != 0)) {
+            problem = "is not empty, as a raw tensor's E-chunks are";
         } else if (codecs[j] == GGML_ZIPMOE_CODEC_RAW && sizes[j] != count) {
             problem = "is raw but its size is not its value count";
         } else if (count > 0 && sizes[j] == 0) {
@@ -214,8 +243,8 @@ static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_contex
                   "the file is truncated", path, name, (unsigned long long) file_size);
         return false;
     }
-    if (t->n > file->max_values) {
-        file->max_values = t->n;
+    if (t->sm_size > file->max_sm_size) {
+        file->max_sm_size = t->sm_size;
     }
     return true;
 }
@@ -392,6 +421,16 @@ int ggml_zipmoe_file_tensor_layer(const struct ggml_zipmoe_file * file, int tens
     return t != NULL ? t->layer : -1;
 }
 
+int ggml_zipmoe_file_tensor_type(const struct ggml_zipmoe_file * file, int tensor) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    return t != NULL ? t->type : -1;
+}
+
+size_t ggml_zipmoe_file_tensor_expert_bytes(const struct ggml_zipmoe_file * file, int tensor) {
+    const struct zipmoe_tensor * t = tensor_at(file, tensor);
+    return t != NULL ? (size_t) t->bytes : 0;
+}
+
 void ggml_zipmoe_file_tensor_shape(const struct ggml_zipmoe_file * file, int tensor, int64_t ne[3]) {
     const struct zipmoe_tensor * t = tensor_at(file, tensor);
     for (int d = 0; d < 3; d++) {
@@ -429,9 +468,9 @@ int ggml_zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int
     info->codec    = c->codec;
     info->shard    = chunk - 1;
     info->first    = 0;
-    info->count    = t->n;
+    info->count    = t->sm_size;
     if (chunk > 0) {
-        zipmoe_shard_range(t->n, file->n_shards, chunk - 1, &info->first, &info->count);
+        zipmoe_tensor_shard_range(t, file->n_shards, chunk - 1, &info->first, &info->count);
     }
     return GGML_ZIPMOE_OK;
 }

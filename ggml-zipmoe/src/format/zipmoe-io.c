@@ -97,7 +97,7 @@ struct ggml_zipmoe_reader * ggml_zipmoe_reader_new(const struct ggml_zipmoe_file
         return NULL;
     }
     r->file       = file;
-    r->sm_cap     = (size_t) zipmoe_align_up(file->max_values, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    r->sm_cap     = (size_t) zipmoe_align_up(file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     r->stored_cap = ggml_zipmoe_file_chunk_buffer_size(file);
     r->decoder    = ggml_zipmoe_decoder_new();
     r->sm         = (uint8_t *) aligned_buffer(r->sm_cap);
@@ -150,7 +150,7 @@ static int fail(struct ggml_zipmoe_reader * r, int status, int tensor, int exper
     return status;
 }
 
-int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * r, int tensor, int expert, uint16_t * dst) {
+int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * r, int tensor, int expert, void * dst) {
     if (r == NULL || dst == NULL) {
         return GGML_ZIPMOE_ERR_ARG;
     }
@@ -167,11 +167,16 @@ int ggml_zipmoe_read_expert(struct ggml_zipmoe_reader * r, int tensor, int exper
     if (status != GGML_ZIPMOE_OK) {
         return fail(r, status, tensor, expert, 0, sys_errno);
     }
+    if (file->tensors[tensor].raw) { // the expert's bytes, as stored (its E-chunks are empty)
+        memcpy(dst, r->sm, sm->size);
+        return GGML_ZIPMOE_OK;
+    }
     for (int k = 0; k < file->n_shards; k++) {
         const struct zipmoe_chunk * c = zipmoe_file_chunk(file, tensor, expert, 1 + k);
         status = read_chunk(file, c, r->stored, r->stored_cap, &sys_errno);
         if (status == GGML_ZIPMOE_OK) {
-            status = zipmoe_shard_decode_recover(r->decoder, c->codec, r->stored, c->size, r->sm, n, file->n_shards, k, dst);
+            status = zipmoe_shard_decode_recover(r->decoder, c->codec, r->stored, c->size, r->sm, n, file->n_shards, k,
+                                                 (uint16_t *) dst);
         }
         if (status != GGML_ZIPMOE_OK) {
             return fail(r, status, tensor, expert, 1 + k, sys_errno);

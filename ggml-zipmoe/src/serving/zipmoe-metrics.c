@@ -105,7 +105,7 @@ size_t ggml_zipmoe_serving_format_metrics(const struct ggml_zipmoe_serving_plan 
     for (size_t i = 0; i < sizeof(parts) / sizeof(parts[0]); i++) {
         put(&t, "zipmoe:memory_bytes{part=\"%s\"} %llu\n", parts[i].part, (unsigned long long) parts[i].value);
     }
-    put_count(&t, "gauge", "expert_slot_bytes", "One expert's slot (gate + up + down, BF16)", plan->expert_bytes);
+    put_count(&t, "gauge", "expert_slot_bytes", "One expert's slot (gate + up + down, as served: BF16 or the file's type)", plan->expert_bytes);
     put_count(&t, "gauge", "contexts", "Live contexts the sizing counts", (uint64_t) plan->n_contexts);
     return t.len;
 }

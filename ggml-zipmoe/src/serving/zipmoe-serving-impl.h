@@ -42,9 +42,9 @@ struct ggml_zipmoe_serving {
     // slots
     struct ggml_zipmoe_cache * cache;
     bool                       on_gpu;
-    void *                     mapping;       // host slots: one reserved region (NULL: none)
+    void *                     mapping;       // host slots reserved here: one region (NULL: none, or the caller's)
     size_t                     mapping_bytes;
-    size_t                     section[3];    // offset of each kind's slots in it
+    uint8_t *                  slot_base[3];  // host slots: each kind's first (NULL: slots in device memory)
     size_t                     stride[3];
     int32_t                    n_slots;       // in use
 

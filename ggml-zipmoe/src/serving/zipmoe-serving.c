@@ -125,12 +125,20 @@ static int measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t er
         ggml_zipmoe_file_tensor_shape(file, s->layer_tensors[3 * first + k], ne);
         in->slot_ne[k][0] = ne[0];
         in->slot_ne[k][1] = ne[1];
-        in->expert_bytes += (uint64_t) ne[0] * ne[1] * sizeof(uint16_t);
     }
+    for (int l = 0; l < s->p.n_layer; ++l) {
+        // a slot of a kind holds any layer's expert: the largest (a quantized file may type layers apart)
+        for (int k = 0; k < 3 && s->layer_tensors[3 * l] >= 0; ++k) {
+            const int t = s->layer_tensors[3 * l + k];
+            in->slot_bytes[k] = MAX(in->slot_bytes[k], (uint64_t) ggml_zipmoe_file_tensor_expert_bytes(file, t));
+            in->raw |= ggml_zipmoe_file_tensor_type(file, t) != 30 /* GGML_TYPE_BF16 */;
+        }
+    }
+    in->expert_bytes = in->slot_bytes[0] + in->slot_bytes[1] + in->slot_bytes[2];
     for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
         int64_t ne[3];
         ggml_zipmoe_file_tensor_shape(file, i, ne);
-        in->all_experts += (uint64_t) ne[0] * ne[1] * ne[2] * sizeof(uint16_t);
+        in->all_experts += (uint64_t) ggml_zipmoe_file_tensor_expert_bytes(file, i) * (uint64_t) ne[2];
         in->n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != NULL;
         in->max_expert = MAX(in->max_expert, (int32_t) ne[2]);
     }
@@ -256,14 +264,15 @@ int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data
     struct ggml_zipmoe_serving_info * in = &s->info;
     const size_t page = (size_t) sysconf(_SC_PAGESIZE);
     for (int k = 0; k < 3; ++k) {
-        s->stride[k] = (size_t) in->slot_ne[k][0] * (size_t) in->slot_ne[k][1] * sizeof(uint16_t);
+        s->stride[k] = (size_t) in->slot_bytes[k];
     }
     // address space for every slot, committed only where a slot is written (MAP_NORESERVE); where
     // the kernel refuses that much, fewer slots
+    size_t section[3];
     for (;;) {
         size_t off = 0;
         for (int k = 0; k < 3; ++k) {
-            s->section[k] = off;
+            section[k] = off;
             off += ((size_t) in->capacity * s->stride[k] + page - 1) / page * page;
         }
         s->mapping_bytes = off;
@@ -281,10 +290,20 @@ int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data
     }
     in->fewest = in->with_pools ? in->capacity : MIN(in->capacity, s->p.n_expert_used);
     for (int k = 0; k < 3; ++k) {
-        data[k]   = (char *) s->mapping + s->section[k];
+        s->slot_base[k] = (uint8_t *) s->mapping + section[k];
+        data[k]   = s->slot_base[k];
         stride[k] = s->stride[k];
     }
     return GGML_ZIPMOE_OK;
+}
+
+void ggml_zipmoe_serving_adopt_host(struct ggml_zipmoe_serving * s, void * const data[3]) {
+    struct ggml_zipmoe_serving_info * in = &s->info;
+    for (int k = 0; k < 3; ++k) {
+        s->stride[k]    = (size_t) in->slot_bytes[k];
+        s->slot_base[k] = (uint8_t *) data[k];
+    }
+    in->fewest = in->with_pools ? in->capacity : MIN(in->capacity, s->p.n_expert_used);
 }
 
 // "18.0 KiB": the unit that keeps the number at 1 or more (whole bytes below 1 KiB), so that no
@@ -388,14 +407,14 @@ int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct g
         memset(pools->capacity, 0, sizeof(pools->capacity));
     }
     s->n_slots = n;
-    if (n < old && s->mapping != NULL) {
-        // give the memory of the slots given up back to the system
-        const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    if (n < old && s->slot_base[0] != NULL) {
+        // give the memory of the slots given up back to the system (whole pages within them)
+        const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
         for (int k = 0; k < 3; ++k) {
-            const size_t lo = (s->section[k] + (size_t) n * s->stride[k] + page - 1) / page * page;
-            const size_t hi = (s->section[k] + (size_t) old * s->stride[k]) / page * page;
+            const uintptr_t lo = ((uintptr_t) s->slot_base[k] + (uintptr_t) n * s->stride[k] + page - 1) / page * page;
+            const uintptr_t hi = ((uintptr_t) s->slot_base[k] + (uintptr_t) old * s->stride[k]) / page * page;
             if (hi > lo) {
-                madvise((char *) s->mapping + lo, hi - lo, MADV_DONTNEED);
+                madvise((void *) lo, hi - lo, MADV_DONTNEED);
             }
         }
     }
@@ -495,6 +514,11 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
     }
     if (s->on_gpu) {
         snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in GPU memory");
+        return false;
+    }
+    if (s->info.raw) {
+        snprintf(choice->why, sizeof(choice->why), "one F pool: the experts are stored raw (not BF16: nothing to "
+                 "decompress, so no compressed pool)");
         return false;
     }
     if (!s->p.auto_pools) {

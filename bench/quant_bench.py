@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Stock llama.cpp (mmap) against ZipMoE on the same quantized MoE GGUF, both through the fork's
+llama-completion with no options and its default context, under memory caps, in interleaved rounds.
+
+    .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
+        [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
+
+Every run is `capped-run --mem CAP --evict FILE -- python -c IO_WRAPPER llama-completion -m FILE -p
+PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T -v` (../shared/tools/capped-run: a child memory
+cgroup, page cache included, the model evicted from the page cache first). Rounds interleave: each
+round runs every cap and system once. TPOT is llama-completion's own eval time per token; TTFT its
+load time plus prompt eval time (a cold start); bytes read are the process's read_bytes from
+/proc/self/io (the storage reads of llama-completion and everything it does: mmap faults, O_DIRECT
+chunk reads), which IO_WRAPPER reads after llama-completion exits. The O_DIRECT bandwidth of the disk is
+measured in the same invocation, before the first round and after the last. Cells: median (min-max)
+of the rounds. Saves --out (JSON, every run) and a Markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion  # noqa: E402
+
+# 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
+PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
+          "so most of the weights sit idle at any moment and can wait on disk until they are needed. A cache "
+          "of the experts that were used recently, sized to the memory the machine has, keeps the hot ones at "
+          "hand, and the rest are read when the router asks for them.")
+LOAD = __import__("re").compile(r"load time =\s*([0-9.]+) ms")
+# runs the command, then prints this process's /proc/self/io, which counts the reaped child's reads too
+IO_WRAPPER = ("import subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+              "print('IO ' + ' '.join(open('/proc/self/io').read().split()), file=sys.stderr); sys.exit(r.returncode)")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def disk_bw(path: Path) -> float:
+    out = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(path)], capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["odirect_gbps"]
+
+
+def run_one(cap: int, model: Path, args) -> dict:
+    cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--", sys.executable, "-c",
+           IO_WRAPPER, str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp",
+           "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
+                          stdin=subprocess.DEVNULL)
+    row = {"command": cmd[cmd.index("--") + 4:], "wall_s": time.perf_counter() - t}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    capped = json.loads(lines[-1]) if lines else {}
+    row.update({"rc": capped.get("rc", proc.returncode), "peak_bytes": capped.get("peak_bytes")})
+    stats = STATS.findall(proc.stderr)
+    if stats:
+        row["zipmoe_stats"] = stats[-1].strip()
+    io = [line.split()[1:] for line in proc.stderr.splitlines() if line.startswith("IO ")]
+    if io:
+        fields = dict(zip(io[-1][::2], io[-1][1::2]))
+        row["read_bytes"] = int(fields.get("read_bytes:", 0))
+    perf = {kind: (float(ms), int(n)) for kind, ms, n in PERF.findall(proc.stderr)}
+    load = LOAD.findall(proc.stderr)
+    if row["rc"] != 0 or "eval" not in perf or "prompt eval" not in perf or not load:
+        row["error"] = proc.stderr[-1500:]
+        return row
+    ms, n = perf["eval"]
+    row.update({"tpot_s": ms / 1e3 / n, "decode_tokens": n, "prompt_tokens": perf["prompt eval"][1],
+                "prompt_s": perf["prompt eval"][0] / 1e3, "load_s": float(load[-1]) / 1e3})
+    row["ttft_s"] = row["load_s"] + row["prompt_s"]
+    if "read_bytes" in row:
+        row["read_per_token"] = row["read_bytes"] / (n + 1)  # the first token comes from the prompt's pass
+    return row
+
+
+def cell(values: list[float], fmt: str) -> str:
+    if not values:
+        return "failed"
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# {Path(result['out']).stem}", "",
+             f"{result['date']}, build {result['build']}, {result['threads']} threads, {result['rounds']} interleaved "
+             f"rounds, {result['gen_tokens']} generated tokens after a {result['prompt_tokens']}-token prompt, the "
+             f"CLI's default context, page cache evicted before each run; O_DIRECT "
+             f"{result['odirect_gbps_before']:.2f} GB/s before the first round, {result['odirect_gbps_after']:.2f} "
+             f"after the last.", "",
+             f"Stock: `{Path(result['stock']).name}` ({result['stock_bytes'] / 1e9:.2f} GB). ZipMoE: "
+             f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
+             "```", result["command"], "```", "",
+             "| cap | system | TPOT ms | stock TPOT / TPOT | TTFT s (load + prompt) | GB read per token | peak GB | "
+             "failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cap in result["caps"]:
+        rows = [r for r in result["rows"] if r["cap_bytes"] == cap]
+        stock = [r["tpot_s"] for r in rows if r["system"] == "stock" and "tpot_s" in r]
+        for system in ("stock", "zipmoe"):
+            mine = [r for r in rows if r["system"] == system]
+            ok = [r for r in mine if "tpot_s" in r]
+            tpot = [r["tpot_s"] * 1e3 for r in ok]
+            # per round, stock's TPOT over this system's: the ratio's own median and spread
+            by_round = {r["round"]: r["tpot_s"] for r in rows if r["system"] == "stock" and "tpot_s" in r}
+            ratio = [by_round[r["round"]] / r["tpot_s"] for r in ok if r["round"] in by_round]
+            lines.append(f"| {cap / (1 << 30):.0f} GiB | {system} | {cell(tpot, '{:.0f}')} | "
+                         f"{cell(ratio, '{:.2f}') if system == 'zipmoe' and stock else ''} | "
+                         f"{cell([r['ttft_s'] for r in ok], '{:.1f}')} | "
+                         f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
+                         f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
+                         f"{len(mine) - len(ok)} of {len(mine)} |")
+    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
+    if counters:
+        lines += ["", "ZipMoE's counters when the context was freed (whole run), by cap and round:", ""]
+        lines += [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stock", type=Path, required=True, help="the quantized GGUF stock llama.cpp runs")
+    ap.add_argument("--zipmoe", type=Path, default=None, help="its ZipMoE GGUF (default: made beside it)")
+    ap.add_argument("--caps", default="4G,6G", help="memory caps (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: %(default)s)")
+    ap.add_argument("--gen-tokens", type=int, default=64, help="tokens sampled at temperature 1 (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/quant_bench.json"))
+    args = ap.parse_args()
+    if args.rounds < 1 or args.gen_tokens < 1:
+        ap.error("--rounds and --gen-tokens must be at least 1")
+
+    stock = args.stock.resolve()
+    zipmoe = args.zipmoe
+    if zipmoe is None:
+        zipmoe = stock.with_suffix(".zipmoe.gguf")
+        if not zipmoe.exists():
+            from zipmoe_py import format as zformat
+
+            print(f"making {zipmoe} from {stock} ...", flush=True)
+            zformat.repack(stock, zipmoe)
+    zipmoe = zipmoe.resolve()
+    caps = [parse_size(c) for c in args.caps.split(",")]
+    bw_before = disk_bw(zipmoe)
+    print(f"{stock.name}: {stock.stat().st_size / 1e9:.2f} GB; ZipMoE {zipmoe.stat().st_size / 1e9:.2f} GB; "
+          f"O_DIRECT {bw_before:.2f} GB/s", flush=True)
+    rows = []
+    for rnd in range(args.rounds):
+        for cap in caps:
+            for system, path in (("stock", stock), ("zipmoe", zipmoe)):
+                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, path, args)}
+                rows.append(row)
+                if "error" in row:
+                    print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:6s} FAILED (rc {row['rc']}): "
+                          f"{row['error'][-300:]}", flush=True)
+                    continue
+                print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:6s} TPOT {row['tpot_s'] * 1e3:8.1f} ms  "
+                      f"TTFT {row['ttft_s']:6.1f} s  read/token {row.get('read_per_token', 0) / 1e9:6.2f} GB  "
+                      f"peak {(row['peak_bytes'] or 0) / 1e9:5.2f} GB", flush=True)
+    bw_after = disk_bw(zipmoe)
+    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent).stdout.strip()
+    prompt_tokens = next((r["prompt_tokens"] for r in rows if "prompt_tokens" in r), 0)
+    result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
+              "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
+              "threads": args.threads, "gen_tokens": args.gen_tokens, "rounds": args.rounds, "seed": args.seed,
+              "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "machine": platform.platform(),
+              "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(), "build": build,
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "out": str(args.out), "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(args.out.with_suffix(".md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
