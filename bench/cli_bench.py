@@ -36,6 +36,19 @@ STATS = re.compile(r"ZipMoE expert cache so far: (.*)")  # logged when a context
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
+def zipmoe_beside(source: Path, given: Path | None) -> Path:
+    """The ZipMoE GGUF given, or the one beside source (made from it when missing)."""
+    zipmoe = given
+    if zipmoe is None:
+        zipmoe = source.with_suffix(".zipmoe.gguf")
+        if not zipmoe.exists():
+            from zipmoe_py import format as zformat
+
+            print(f"making {zipmoe} from {source} ...", flush=True)
+            zformat.repack(source, zipmoe)
+    return zipmoe.resolve()
+
+
 def llama_completion() -> Path:
     from zipmoe_py import _paths
 
@@ -90,15 +103,7 @@ def main() -> int:
     args = ap.parse_args()
 
     bf16 = args.bf16.resolve()
-    zipmoe = args.zipmoe
-    if zipmoe is None:
-        zipmoe = bf16.with_suffix(".zipmoe.gguf")
-        if not zipmoe.exists():
-            from zipmoe_py import format as zformat
-
-            print(f"making {zipmoe} from {bf16} ...", flush=True)
-            zformat.repack(bf16, zipmoe)
-    zipmoe = zipmoe.resolve()
+    zipmoe = zipmoe_beside(bf16, args.zipmoe)
     bad = [s for s in args.systems.split(",") if s not in ("stock", "zipmoe", *SYSTEM_ENV)]
     if bad:
         ap.error(f"--systems: unknown {bad}; known are stock, zipmoe, {', '.join(SYSTEM_ENV)}")

@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
-"""Stock llama.cpp (mmap) against ZipMoE on the same quantized MoE GGUF, both through the fork's
-llama-completion with no options and its default context, under memory caps, in interleaved rounds.
+"""Stock llama.cpp against ZipMoE on the same quantized MoE GGUF, both through the fork's llama-completion
+under memory caps, in interleaved rounds. Three systems: zipmoe and stock with no options and the CLI's
+default context; stock-paged, stock with `--no-repack -c 4096`: on an AVX2 CPU stock copies the repacked
+experts (Q4_K) out of the mapping into memory and clears the KV cache of the trained context
+(DeepSeek-V2-Lite: 163,840 tokens, 4.9 GiB), so under a cap smaller than the model it is killed; with
+the experts left in the mapping and the context at upstream fit's floor, it pages them, as stock
+llama.cpp runs a model larger than memory.
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
         [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
@@ -13,7 +18,9 @@ load time plus prompt eval time (a cold start); bytes read are the process's rea
 /proc/self/io (the storage reads of llama-completion and everything it does: mmap faults, O_DIRECT
 chunk reads), which IO_WRAPPER reads after llama-completion exits. The O_DIRECT bandwidth of the disk is
 measured in the same invocation, before the first round and after the last. Cells: median (min-max)
-of the rounds. Saves --out (JSON, every run) and a Markdown table beside it.
+of the rounds. A system that fails at a cap (stock with no options is killed by the cap) is not run
+again at that cap in later rounds unless --rerun-failed is given: its failure is deterministic, and each
+try costs a minute of loading. Saves --out (JSON, every run) and a Markdown table beside it.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion  # noqa: E402
+from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
 
 # 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
@@ -54,10 +61,14 @@ def disk_bw(path: Path) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["odirect_gbps"]
 
 
-def run_one(cap: int, model: Path, args) -> dict:
+# system -> (which file, llama-completion's extra arguments)
+SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", [])}
+
+
+def run_one(cap: int, model: Path, extra: list[str], args) -> dict:
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--", sys.executable, "-c",
            IO_WRAPPER, str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp",
-           "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v"]
+           "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *extra]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
                           stdin=subprocess.DEVNULL)
@@ -92,6 +103,16 @@ def cell(values: list[float], fmt: str) -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def failed_words(mine: list[dict], ok: list[dict], rounds: int) -> str:
+    """The failed column: how many runs failed and how; "not rerun" when later rounds skipped the system."""
+    bad = [r for r in mine if r not in ok]
+    if not bad:
+        return f"0 of {len(mine)}"
+    rc = bad[0]["rc"]
+    how = "killed by the cap (SIGKILL)" if rc in (-9, 137, 247) else f"rc {rc}"
+    return f"{len(bad)} of {len(mine)}: {how}" + (", not rerun" if len(mine) < rounds else "")
+
+
 def markdown(result: dict) -> str:
     lines = [f"# {Path(result['out']).stem}", "",
              f"{result['date']}, build {result['build']}, {result['threads']} threads, {result['rounds']} interleaved "
@@ -102,24 +123,23 @@ def markdown(result: dict) -> str:
              f"Stock: `{Path(result['stock']).name}` ({result['stock_bytes'] / 1e9:.2f} GB). ZipMoE: "
              f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
              "```", result["command"], "```", "",
-             "| cap | system | TPOT ms | stock TPOT / TPOT | TTFT s (load + prompt) | GB read per token | peak GB | "
-             "failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| cap | system | TPOT ms | stock-paged TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
+             "peak GB | failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cap in result["caps"]:
         rows = [r for r in result["rows"] if r["cap_bytes"] == cap]
-        stock = [r["tpot_s"] for r in rows if r["system"] == "stock" and "tpot_s" in r]
-        for system in ("stock", "zipmoe"):
+        for system in SYSTEMS:
             mine = [r for r in rows if r["system"] == system]
             ok = [r for r in mine if "tpot_s" in r]
             tpot = [r["tpot_s"] * 1e3 for r in ok]
-            # per round, stock's TPOT over this system's: the ratio's own median and spread
-            by_round = {r["round"]: r["tpot_s"] for r in rows if r["system"] == "stock" and "tpot_s" in r}
+            # per round, stock-paged's TPOT over this system's: the ratio's own median and spread
+            by_round = {r["round"]: r["tpot_s"] for r in rows if r["system"] == "stock-paged" and "tpot_s" in r}
             ratio = [by_round[r["round"]] / r["tpot_s"] for r in ok if r["round"] in by_round]
             lines.append(f"| {cap / (1 << 30):.0f} GiB | {system} | {cell(tpot, '{:.0f}')} | "
-                         f"{cell(ratio, '{:.2f}') if system == 'zipmoe' and stock else ''} | "
+                         f"{cell(ratio, '{:.2f}') if system == 'zipmoe' and by_round else ''} | "
                          f"{cell([r['ttft_s'] for r in ok], '{:.1f}')} | "
                          f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
                          f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
-                         f"{len(mine) - len(ok)} of {len(mine)} |")
+                         f"{failed_words(mine, ok, result['rounds'])} |")
     counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
     if counters:
         lines += ["", "ZipMoE's counters when the context was freed (whole run), by cap and round:", ""]
@@ -137,35 +157,34 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/quant_bench.json"))
+    ap.add_argument("--rerun-failed", action="store_true",
+                    help="run a system again at a cap where it failed in an earlier round (default: skip it)")
     args = ap.parse_args()
     if args.rounds < 1 or args.gen_tokens < 1:
         ap.error("--rounds and --gen-tokens must be at least 1")
 
     stock = args.stock.resolve()
-    zipmoe = args.zipmoe
-    if zipmoe is None:
-        zipmoe = stock.with_suffix(".zipmoe.gguf")
-        if not zipmoe.exists():
-            from zipmoe_py import format as zformat
-
-            print(f"making {zipmoe} from {stock} ...", flush=True)
-            zformat.repack(stock, zipmoe)
-    zipmoe = zipmoe.resolve()
+    zipmoe = zipmoe_beside(stock, args.zipmoe)
     caps = [parse_size(c) for c in args.caps.split(",")]
     bw_before = disk_bw(zipmoe)
     print(f"{stock.name}: {stock.stat().st_size / 1e9:.2f} GB; ZipMoE {zipmoe.stat().st_size / 1e9:.2f} GB; "
           f"O_DIRECT {bw_before:.2f} GB/s", flush=True)
     rows = []
+    files = {"stock": stock, "zipmoe": zipmoe}
+    failed: set[tuple[int, str]] = set()
     for rnd in range(args.rounds):
         for cap in caps:
-            for system, path in (("stock", stock), ("zipmoe", zipmoe)):
-                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, path, args)}
+            for system, (which, extra) in SYSTEMS.items():
+                if (cap, system) in failed and not args.rerun_failed:
+                    continue
+                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[which], extra, args)}
                 rows.append(row)
                 if "error" in row:
-                    print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:6s} FAILED (rc {row['rc']}): "
+                    failed.add((cap, system))
+                    print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:11s} FAILED (rc {row['rc']}): "
                           f"{row['error'][-300:]}", flush=True)
                     continue
-                print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:6s} TPOT {row['tpot_s'] * 1e3:8.1f} ms  "
+                print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:11s} TPOT {row['tpot_s'] * 1e3:8.1f} ms  "
                       f"TTFT {row['ttft_s']:6.1f} s  read/token {row.get('read_per_token', 0) / 1e9:6.2f} GB  "
                       f"peak {(row['peak_bytes'] or 0) / 1e9:5.2f} GB", flush=True)
     bw_after = disk_bw(zipmoe)

@@ -13,7 +13,7 @@ import platform
 
 import pytest
 
-from test_serve import PROMPTS, budget_of, load, logits_trace
+from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace, served_trace
 
 N_DECODE = 8
 CASES = [(2, "top-k"), (2, "half"), (2, "everything"), (1, "top-k")]
@@ -40,13 +40,6 @@ def test_logits_on_aarch64_are_bit_identical_to_the_bf16_gguf(arch, threads, bud
     assert platform.machine() == "aarch64"
     path = zipmoe_gguf(arch)
     want, want_tokens = reference(arch, threads)
-    llm = load(path, threads, zipmoe_budget=budget_of(path, arch, budget_name))
-    try:
-        got, got_tokens = logits_trace(llm, PROMPTS, N_DECODE, threads)
-        stats = llm.zipmoe_stats()
-    finally:
-        llm.close()
-    assert got_tokens == want_tokens and got.shape == want.shape
-    differing = int((got != want).any(axis=1).sum())
-    assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF on aarch64"
+    got, got_tokens, stats = served_trace(path, budget_of(path, arch, budget_name), PROMPTS, N_DECODE, threads)
+    assert_same_trace(got, got_tokens, want, want_tokens, "the BF16 GGUF on aarch64")
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0

@@ -355,3 +355,35 @@ def test_default_budget_follows_a_real_memory_limit(tmp_path_factory):
     assert plan["available"] <= cap
     assert plan["min_slots"] < plan["n_slots"] and plan["n_slots"] * plan["expert_bytes"] < everything
     assert result["peak_rss"] <= cap
+
+
+def test_an_unset_context_takes_at_most_an_eighth_of_the_memory_left(tiny_gguf, zipmoe_gguf):
+    """n_ctx unset (llama-completion's default): stock takes the trained context (the tiny DeepSeek-V2
+    keeps DeepSeek-V2-Lite's 163,840 tokens); a ZipMoE model takes it only when its KV cache fits in 1/8
+    of the memory left beside the non-expert weights, else the largest multiple of 256 that does, so a
+    small machine's experts keep their memory. A context size given stays as given."""
+    import re
+
+    def completion(path, *extra, env=None):
+        proc = run([_paths.program("llama-completion"), "-m", path, "-p", "Hi", "-n", 1, "-no-cnv", "-v", *extra],
+                   env={**os.environ, **(env or {})})
+        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+        log = proc.stderr.decode()
+        return int(re.findall(r"llama_context: n_ctx\s+= (\d+)", log)[-1]), log
+
+    trained = 163840
+    assert completion(tiny_gguf("deepseek2"))[0] == trained
+    zipmoe = zipmoe_gguf("deepseek2")
+    assert completion(zipmoe)[0] == trained  # its 0.32 GiB KV cache is far below 1/8 of this machine
+    limit = {"ZIPMOE_MEM_LIMIT": str(GIB)}
+    n_ctx, log = completion(zipmoe, env=limit)
+    assert 4096 <= n_ctx < trained and n_ctx % 256 == 0
+    said = re.search(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) GiB, at most 1/8 of the "
+                     r"([0-9.]+) GiB left beside the non-expert weights\), not the trained 163840", log)
+    assert said and int(said.group(1)) == n_ctx, log[-3000:]
+    kv_gib, left_gib = float(said.group(2)), float(said.group(3))
+    assert kv_gib <= left_gib / 8 + 0.005
+    # the estimate is the KV cache llama.cpp makes
+    kv_mib = float(re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-1])
+    assert abs(kv_mib / 1024 - kv_gib) <= 0.005
+    assert completion(zipmoe, "-c", 512, env=limit)[0] == 512

@@ -19,7 +19,7 @@ from zipmoe_py import ZipMoEError
 from zipmoe_py import format as zformat
 
 from conftest import run, zipmoe_command
-from test_serve import PROMPTS, load, logits_trace
+from test_serve import PROMPTS, assert_same_trace, load, logits_trace, served_trace
 
 # widths every ggml type's blocks divide (K-quants: 256); few layers (DeepSeek-V2 with a q_lora_rank:
 # llama.cpp's "Lite" path needs 26)
@@ -78,25 +78,15 @@ def budget(path, arch: str, name: str) -> int:
 
 
 def assert_same_logits(stock, zipmoe, arch: str, budget_name: str, threads: int, n_seq: int = 4) -> dict:
-    want, want_tokens = trace(load(stock, threads), threads, n_seq)
-    llm = load(zipmoe, threads, zipmoe_budget=budget(zipmoe, arch, budget_name))
+    llm = load(stock, threads)
     try:
-        got, got_tokens = logits_trace(llm, PROMPTS[:n_seq], N_DECODE, threads)
-        stats = llm.zipmoe_stats()
+        want, want_tokens = logits_trace(llm, PROMPTS[:n_seq], N_DECODE, threads)
     finally:
         llm.close()
-    assert got_tokens == want_tokens and got.shape == want.shape
-    differing = int((got != want).any(axis=1).sum())
-    assert differing == 0, f"{differing} of {len(got)} positions differ from stock llama.cpp on {stock.name}"
+    got, got_tokens, stats = served_trace(zipmoe, budget(zipmoe, arch, budget_name), PROMPTS[:n_seq], N_DECODE, threads)
+    assert_same_trace(got, got_tokens, want, want_tokens, f"stock llama.cpp on {stock.name}")
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
     return stats
-
-
-def trace(llm, threads: int, n_seq: int):
-    try:
-        return logits_trace(llm, PROMPTS[:n_seq], N_DECODE, threads)
-    finally:
-        llm.close()
 
 
 @pytest.mark.parametrize("qtype", TYPES)

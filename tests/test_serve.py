@@ -120,6 +120,25 @@ def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE,
     return np.stack(rows).view(np.uint32), generated
 
 
+def served_trace(path, budget: int, prompts: list[str], n_decode: int = N_DECODE, threads: int = THREADS):
+    """(logits, tokens, stats): logits_trace of the ZipMoE GGUF at path served under budget, and the cache's
+    statistics after it; the model closed."""
+    llm = load(path, threads, zipmoe_budget=budget)
+    try:
+        got, got_tokens = logits_trace(llm, prompts, n_decode, threads)
+        return got, got_tokens, llm.zipmoe_stats()
+    finally:
+        llm.close()
+
+
+def assert_same_trace(got, got_tokens, want, want_tokens, against: str) -> None:
+    """Every logit of every position equal as raw bits, and so the same greedy tokens."""
+    assert got_tokens == want_tokens
+    assert got.shape == want.shape
+    differing = int((got != want).any(axis=1).sum())
+    assert differing == 0, f"{differing} of {len(got)} positions differ from {against}"
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_gguf):
     made = {}
@@ -143,10 +162,7 @@ def test_logits_are_bit_identical_to_the_bf16_gguf(arch, n_seq, budget_name, zip
     budget = budget_of(path, arch, budget_name)
     want, want_tokens = reference(arch, n_seq)
     got, got_tokens, stats = trace_and_close(load(path, zipmoe_budget=budget), n_seq)
-    assert got_tokens == want_tokens
-    assert got.shape == want.shape
-    differing = int((got != want).any(axis=1).sum())
-    assert differing == 0, f"{differing} of {len(got)} positions differ from the BF16 GGUF"
+    assert_same_trace(got, got_tokens, want, want_tokens, "the BF16 GGUF")
     assert_slots_fit_the_budget(stats, budget, one)
     assert stats["expert_misses"] > 0 and stats["bytes_read"] > 0
     if budget_name == "top-k":

@@ -297,6 +297,20 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
                   "bit for bit as in the source)", file=sys.stderr)
 
 
+def _layout_words(path: Path, args) -> str:
+    """How the experts were stored: "fhuf, K=5"; "experts stored raw (Q4_K, Q6_K)"; or both for a mix."""
+    from . import format as zformat
+    from .gguf_file import ggml_type_name
+
+    with zformat.ZipMoEFile(path) as zf:
+        raw = sorted({zf.type(t) for t in zf.tensors if zf.is_raw(t)})
+        split = any(not zf.is_raw(t) for t in zf.tensors)
+    words = [f"{args.codec}, K={args.shards}"] if split else []
+    if raw:
+        words.append(f"experts stored raw ({', '.join(map(ggml_type_name, raw))})")
+    return "; ".join(words)
+
+
 def _refuse_before_work(args, ap: argparse.ArgumentParser) -> bool:
     """Everything that can be refused is refused here, before a lock, a file or an hour of work.
     Returns whether the source is a Hugging Face checkpoint (else a GGUF)."""
@@ -387,8 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     bf16 = args.keep_bf16 or work / "bf16.gguf"
                     convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
                     to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
-        print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {args.codec}, "
-              f"K={args.shards})")
+        print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {_layout_words(args.outfile, args)})")
         return 0
     except ZipMoEError as e:
         print(f"zipmoe-convert: error: {e}", file=sys.stderr)

@@ -559,11 +559,42 @@ void llama_zipmoe::check_model(const llama_model & model) {
         if (t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd) {
             continue;
         }
-        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer)) {
+        // host memory: mapped or allocated, and ggml-cpu's repacking buffers (a quantized model's weights
+        // copied out of the mapping, resident), which do not call themselves host buffers
+        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer) &&
+            !is_cpu_extra_buft(ggml_backend_buffer_get_type(t->buffer))) {
             continue;
         }
         non_expert_bytes += ggml_nbytes(t);
     }
+}
+
+uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) const {
+    const uint32_t n_train = hparams.n_ctx_train;
+    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
+        return n_train; // a KV cache of another shape than one cell per token and layer
+    }
+    // one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
+    uint64_t per_token = 0;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        per_token += ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
+        if (!hparams.is_mla()) {
+            per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
+        }
+    }
+    const ggml_zipmoe_serving_plan plan = serving_plan();
+    const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
+    const uint64_t share = left / 8;
+    if (per_token == 0 || (uint64_t) n_train * per_token <= share) {
+        return n_train;
+    }
+    const uint32_t n = std::max<uint32_t>(std::min<uint32_t>(4096, n_train),
+                                          (uint32_t) std::min<uint64_t>(share / per_token / 256 * 256, n_train));
+    LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s, at most 1/8 of the %s left beside "
+                   "the non-expert weights), not the trained %u (%s), which would take the experts' memory; give "
+                   "-c / n_ctx for another\n", __func__, n, gib((uint64_t) n * per_token).c_str(), gib(left).c_str(),
+                   n_train, gib((uint64_t) n_train * per_token).c_str());
+    return n;
 }
 
 llama_zipmoe::context_state & llama_zipmoe::state_of(const llama_context * lctx) {
