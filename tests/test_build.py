@@ -172,7 +172,7 @@ def _dynamic_section(path: Path) -> str:
     return subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True).stdout
 
 
-@pytest.mark.parametrize("name", ["llama", "ggml", "ggml-base", "ggml-cpu", "ggml-zipmoe"])
+@pytest.mark.parametrize("name", ["llama", "ggml", "ggml-base", "ggml-cpu", "ggml-rpc", "ggml-zipmoe"])
 def test_libraries_are_installed_in_the_package_with_origin_rpath(name):
     lib = _paths.shared_library(name)
     assert lib.parent == _paths.LIB_DIR
@@ -181,14 +181,17 @@ def test_libraries_are_installed_in_the_package_with_origin_rpath(name):
 
 
 def test_programs_find_the_package_libraries():
-    for name in ("llama-completion", "llama-bench"):
+    for name in ("llama-completion", "llama-bench", "ggml-rpc-server"):
         prog = _paths.program(name)
         assert "$ORIGIN/../lib" in _dynamic_section(prog)
         ldd = subprocess.run(["ldd", str(prog)], capture_output=True, text=True, check=True).stdout
         assert "not found" not in ldd, ldd
         resolved = {line.split()[0]: Path(line.split()[2]).resolve() for line in ldd.splitlines() if "=>" in line}
-        assert resolved["libllama.so"] == _paths.LIB_DIR / "libllama.so"
-        assert resolved["libggml-cpu.so"] == _paths.LIB_DIR / "libggml-cpu.so"
+        assert resolved["libggml.so"] == _paths.LIB_DIR / "libggml.so"
+        assert resolved["libggml-rpc.so"] == _paths.LIB_DIR / "libggml-rpc.so"
+        if name != "ggml-rpc-server":  # ggml-only: the CPU backend is loaded through libggml
+            assert resolved["libllama.so"] == _paths.LIB_DIR / "libllama.so"
+            assert resolved["libggml-cpu.so"] == _paths.LIB_DIR / "libggml-cpu.so"
 
 
 def test_libllama_is_the_fork_and_links_ggml_zipmoe():

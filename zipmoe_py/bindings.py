@@ -186,6 +186,10 @@ class Llama(llama_cpp.Llama):
         # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
         given = _zipmoe_kwargs(kwargs)
         check_model_file(model_path)
+        if kwargs.get("rpc_servers"):
+            from .devices import add_rpc_servers
+
+            add_rpc_servers(kwargs["rpc_servers"])
         options = zipmoe_overrides(given)
         profile = given.get("buddy_profile")
         substitution, source = _effective_substitution(kwargs)
@@ -205,6 +209,12 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str, *args, **kwargs):
         given = _zipmoe_kwargs(kwargs, pop=True)  # again: __setstate__ comes here without __new__'s checks
         check_model_file(model_path)
+        # rpc-server hosts as devices for n_gpu_layers (llama.cpp's --rpc; llama-cpp-python 0.3.36 has no such argument)
+        self._zipmoe_rpc_servers = kwargs.pop("rpc_servers", None)
+        if self._zipmoe_rpc_servers:
+            from .devices import add_rpc_servers
+
+            add_rpc_servers(self._zipmoe_rpc_servers)
         self._zipmoe_buddy_profile = given.get("buddy_profile")
         profile = None
         if self._zipmoe_buddy_profile is not None:
@@ -257,6 +267,8 @@ class Llama(llama_cpp.Llama):
         state = super().__getstate__()  # the zipmoe_* options travel in its kv_overrides
         if getattr(self, "_zipmoe_buddy_profile", None) is not None:
             state["zipmoe_buddy_profile"] = self._zipmoe_buddy_profile
+        if getattr(self, "_zipmoe_rpc_servers", None):
+            state["rpc_servers"] = self._zipmoe_rpc_servers
         return state
 
     def _check_open(self) -> None:
@@ -311,6 +323,9 @@ Extra keyword arguments, used when model_path is a ZipMoE GGUF (ignored otherwis
 given is taken from its environment variable, else its default (a kv_overrides entry zipmoe.NAME
 comes before both). Bad values raise ZipMoEError naming the option; errors of the loader raise
 ZipMoELoadError with its reason. See README.md for memory sizing, pools and the lossy modes.
+
+rpc_servers="host:port,..." adds rpc-server hosts as devices for n_gpu_layers, as llama.cpp's --rpc
+(docs/DISTRIBUTED.md); a server that cannot be reached raises ZipMoEError.
 
 {options}
 """

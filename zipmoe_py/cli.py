@@ -134,10 +134,10 @@ def context_in_effect(llm, ctx_size: int) -> str:
 
 
 def _gpu_offload() -> bool:
-    """llama.cpp's answer to whether this build can offload layers to a GPU."""
-    from .bindings import llama_cpp
+    """Whether a GPU, or an rpc-server added with --rpc, can take the layers -ngl offloads."""
+    from .devices import has_offload_device
 
-    return bool(llama_cpp.llama_supports_gpu_offload())
+    return has_offload_device()
 
 
 def _stream_reply(llm, messages: list[dict], args) -> str:
@@ -185,9 +185,15 @@ def chat(args) -> int:
                   "demo's experts)", file=sys.stderr)
     if args.batch_size is not None:
         options["n_batch"] = args.batch_size
+    if args.rpc:
+        from .devices import add_rpc_servers
+
+        add_rpc_servers(args.rpc, option="--rpc")
+        options["rpc_servers"] = args.rpc
     if args.n_gpu_layers and not _gpu_offload():
         print(f"zipmoe-chat: warning: -ngl {args.n_gpu_layers} does nothing: this build has no GPU backend "
-              "(bash tools/setup.sh --cuda builds one); every layer runs on the CPU", file=sys.stderr)
+              "(bash tools/setup.sh --cuda builds one) and no --rpc server was given; every layer runs on the CPU",
+              file=sys.stderr)
     llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
                 n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -345,7 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, metavar="N",
                     help="layers to offload to the GPU in a build with CUDA (bash tools/setup.sh --cuda); with the "
                          "MoE layers offloaded, ZipMoE's expert slots are in GPU memory and --budget is VRAM for "
-                         "them (docs/CUDA.md). Default: %(default)s, everything on the CPU")
+                         "them (docs/CUDA.md); with --rpc, the layers go to the rpc-server hosts "
+                         "(docs/DISTRIBUTED.md). Default: %(default)s, everything on the CPU")
+    ap.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                    help="rpc-server hosts whose devices take the offloaded layers (-ngl), as llama.cpp's --rpc; "
+                         "this process still reads, decodes and caches every expert (docs/DISTRIBUTED.md)")
     ap.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None,
                     help="system message that starts the conversation")
     for option in python_options():

@@ -1,5 +1,5 @@
 """The fork's own llama.cpp programs on the venv's PATH: `llama-completion`, `llama-bench`,
-`llama-perplexity`, `llama-server` and `llama-quantize` run the binaries built with ZipMoE
+`llama-perplexity`, `llama-server`, `llama-quantize` and `rpc-server` run the binaries built with ZipMoE
 (zipmoe_py/bin), with their own arguments.
 
 They take every ZipMoE option as a KV override (--override-kv zipmoe.budget=str:4G,zipmoe.direct_io=bool:true)
@@ -43,3 +43,8 @@ def llama_server() -> int:
 
 def llama_quantize() -> int:
     return _exec("llama-quantize")
+
+
+def rpc_server() -> int:
+    """upstream's ggml-rpc-server: a host that computes the layers given to it with --rpc (docs/DISTRIBUTED.md)"""
+    return _exec("ggml-rpc-server")

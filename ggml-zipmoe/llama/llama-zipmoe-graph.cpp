@@ -4,6 +4,7 @@
 #include "llama-zipmoe.h"
 
 #include "llama-context.h"
+#include "llama-model.h"
 #include "llama-impl.h"
 
 #include "ggml-zipmoe.h"
@@ -299,6 +300,22 @@ bool llama_zipmoe::graph_is_current(const ggml_cgraph * gf) const {
     return it != built.end() && it->second == layout;
 }
 
+// the rpc-server of the model's devices that stopped answering (patch 0020), or "": its part of the graph did
+// not run, and what came back from it is zeros
+static std::string lost_rpc_server(const llama_model & model) {
+    for (const llama_device & d : model.devices) {
+        ggml_backend_reg_t reg = d.dev ? ggml_backend_dev_backend_reg(d.dev) : nullptr;
+        if (reg == nullptr || strcmp(ggml_backend_reg_name(reg), "RPC") != 0) {
+            continue;
+        }
+        auto device_lost = (bool (*)(ggml_backend_dev_t)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_device_lost");
+        if (device_lost && device_lost(d.dev)) {
+            return std::string(ggml_backend_dev_description(d.dev)) + " (" + ggml_backend_dev_name(d.dev) + ")";
+        }
+    }
+    return "";
+}
+
 ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status) {
     // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
     // begin) left the fetch open: its reads stop and its slots are forgotten
@@ -312,6 +329,13 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
             failure.clear();
         }
         failed.store(false);
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, st.error.c_str());
+        return GGML_STATUS_FAILED;
+    }
+    const std::string lost = lost_rpc_server(llama_get_model(lctx)[0]);
+    if (!lost.empty()) {
+        st.error = "RPC server " + lost + ": connection lost (it stopped or crashed); the layers it held did not "
+                   "run. Restart it and load the model again";
         LLAMA_LOG_ERROR("%s: %s\n", __func__, st.error.c_str());
         return GGML_STATUS_FAILED;
     }

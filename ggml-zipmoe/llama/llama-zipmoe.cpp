@@ -458,8 +458,10 @@ ggml_backend_dev_t llama_zipmoe::slot_device(const layer_buft_fn & layer_buft,
     const bool cuda_layer = gpu_layer && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "CUDA") == 0;
     on_gpu = cuda_layer && ggml_zipmoe_cuda_devices() > 0;
     if (gpu_layer && !on_gpu) {
-        LLAMA_LOG_WARN("%s: the MoE layers go to %s, but this ZipMoE build puts expert slots only in CUDA memory "
-                       "(built %s CUDA): the slots stay in host memory\n", __func__, ggml_backend_dev_name(dev),
+        // an rpc-server's layers included: the experts are multiplied here, their activations cross the network
+        LLAMA_LOG_WARN("%s: the MoE layers go to %s (%s), but this ZipMoE build puts expert slots only in CUDA "
+                       "memory (built %s CUDA): the slots stay in this process's memory, and the routed experts "
+                       "run on its CPU\n", __func__, ggml_backend_dev_name(dev), ggml_backend_dev_description(dev),
                        ggml_zipmoe_cuda_devices() > 0 ? "with" : "without");
     }
     return on_gpu ? dev : nullptr;

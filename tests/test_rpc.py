@@ -1,0 +1,158 @@
+"""llama.cpp's RPC backend with ZipMoE, on loopback: rpc-server (the fork's ggml-rpc-server, on the venv's
+PATH) on 127.0.0.1, one then two; every layer offloaded to them (n_gpu_layers 99); the experts read,
+decoded and cached by the client and multiplied there (slots in host memory).
+
+Exactness: the ZipMoE GGUF's logits bit-identical to the BF16 GGUF's with the same RPC setup (stock
+llama.cpp's layers on the servers), both architectures, one and four sequences, budgets of one token's
+experts per layer and of all of them (tests/rpc_worker.py, in a child process: RPC devices are registered
+once per process). A server killed mid-generation is an error naming it, from Python and from
+llama-completion, not a hang or a crash.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run, zipmoe_command
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "rpc_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, f"rpc-server exited with {proc.returncode}: {proc.stderr.read()}"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"rpc-server did not listen on 127.0.0.1:{port} in {timeout} s")
+
+
+@pytest.fixture
+def rpc_servers():
+    """start(n) -> (the "host:port,..." of n new rpc-servers on loopback, their processes); stopped after."""
+    started = []
+
+    def start(n: int):
+        procs, endpoints = [], []
+        for _ in range(n):
+            port = free_port()
+            proc = subprocess.Popen([zipmoe_command("rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                    env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+            started.append(proc)
+            wait_for_port(port, proc)
+            procs.append(proc)
+            endpoints.append(f"127.0.0.1:{port}")
+        return ",".join(endpoints), procs
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+def worker(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+    return run([sys.executable, WORKER, *args], cwd=HERE, timeout=timeout, text=True,
+               env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+
+
+@pytest.mark.parametrize("n_servers, n_seq", [(1, 1), (2, 4)])
+def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, tiny_gguf, zipmoe_gguf, rpc_servers):
+    servers, _ = rpc_servers(n_servers)
+    proc = worker("exact", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers, n_seq, "top-k", "everything")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["top-k"]["expert_misses"] > 0 and stats["top-k"]["bytes_read"] > 0
+
+
+def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):
+    port = free_port()  # nothing listens there
+    code = ("import sys; from zipmoe_py import Llama, ZipMoEError\n"
+            "try:\n    Llama(model_path=sys.argv[1], rpc_servers=sys.argv[2], n_gpu_layers=99, verbose=False)\n"
+            "except ZipMoEError as e:\n    print('error:', e); sys.exit(0)\nsys.exit(1)\n")
+    proc = run([sys.executable, "-c", code, zipmoe_gguf("qwen2moe"), f"127.0.0.1:{port}"], text=True, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"RPC server 127.0.0.1:{port} cannot be reached" in proc.stdout
+    for bad in ("localhost", "127.0.0.1:notaport", "127.0.0.1:0"):
+        proc = run([sys.executable, "-c", code, zipmoe_gguf("qwen2moe"), bad], text=True, cwd=HERE)
+        assert proc.returncode == 0 and f"'{bad}' is not HOST:PORT" in proc.stdout, proc.stdout + proc.stderr
+    # the fork's programs: an argument error, not an abort
+    proc = run([zipmoe_command("llama-completion"), "-m", zipmoe_gguf("qwen2moe"), "--rpc", f"127.0.0.1:{port}",
+                "-ngl", "99", "-p", "hi", "-n", "1", "-no-cnv"], text=True, timeout=120,
+               env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert proc.returncode not in (0, -signal.SIGABRT, -signal.SIGSEGV), proc.stderr[-2000:]
+    assert f"RPC server 127.0.0.1:{port}: cannot be reached" in proc.stderr
+
+
+def _kill_after_steps(proc: subprocess.Popen, server: subprocess.Popen, steps: int, timeout: float = 300) -> str:
+    """Reads proc's stdout until it has printed `steps` lines, kills server, and returns all of stdout."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if len(lines) == steps:
+            server.kill()
+            server.wait()
+            break
+    out, err = proc.communicate(timeout=timeout)  # a hang fails here
+    return "".join(lines) + out, err
+
+
+@pytest.mark.parametrize("n_servers", [1, 2])
+def test_an_rpc_server_dying_mid_generation_is_a_clear_error(n_servers, zipmoe_gguf, rpc_servers):
+    servers, procs = rpc_servers(n_servers)
+    victim = servers.split(",")[-1]
+    proc = subprocess.Popen([sys.executable, WORKER, "die", zipmoe_gguf("qwen2moe"), servers], cwd=HERE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    try:
+        out, err = _kill_after_steps(proc, procs[-1], 3)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-1000:] + err[-3000:]
+    error = [line for line in out.splitlines() if line.startswith("error:")]
+    assert error and f"RPC server {victim}" in error[0] and "connection lost" in error[0], out[-1000:]
+
+
+def test_llama_completion_with_a_dying_rpc_server_ends_with_the_error(zipmoe_gguf, rpc_servers):
+    servers, procs = rpc_servers(1)
+    proc = subprocess.Popen([zipmoe_command("llama-completion"), "-m", zipmoe_gguf("qwen2moe"), "--rpc", servers,
+                             "-ngl", "99", "-p", "hi", "-n", "100000", "--ignore-eos", "-no-cnv", "-t", "1"],
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    try:
+        got = ""
+        while len(got) < 20:  # some generated text, then the server goes
+            char = proc.stdout.read(1)
+            assert char, proc.stderr.read()[-3000:]
+            got += char
+        procs[0].kill()
+        procs[0].wait()
+        _, err = proc.communicate(timeout=120)  # a hang fails here
+    finally:
+        proc.kill()
+    # an error exit (no abort, no silent SIGPIPE) that says what happened
+    assert proc.returncode not in (0, -signal.SIGPIPE, -signal.SIGABRT, -signal.SIGSEGV), (proc.returncode, err[-3000:])
+    assert f"RPC server {servers}" in err and "connection lost" in err, err[-3000:]
+
+
+def test_rpc_server_is_on_the_path():
+    proc = run([zipmoe_command("rpc-server"), "--help"], text=True)
+    assert proc.returncode == 0 and "--port" in proc.stderr + proc.stdout
