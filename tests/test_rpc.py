@@ -156,3 +156,17 @@ def test_llama_completion_with_a_dying_rpc_server_ends_with_the_error(zipmoe_ggu
 def test_rpc_server_is_on_the_path():
     proc = run([zipmoe_command("rpc-server"), "--help"], text=True)
     assert proc.returncode == 0 and "--port" in proc.stderr + proc.stdout
+
+
+def test_zipmoe_chat_over_rpc_answers_as_it_does_alone(zipmoe_gguf, rpc_servers):
+    servers, _ = rpc_servers(1)
+    chat = [zipmoe_command("zipmoe-chat"), zipmoe_gguf("qwen2moe"), "-p", "Hi", "-n", 8, "--temp", 0, "-t", 2]
+    alone = run(chat, text=True, cwd=HERE)
+    over_rpc = run([*chat, "--rpc", servers, "-ngl", 99], text=True, cwd=HERE,
+                   env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+    assert alone.returncode == 0 and over_rpc.returncode == 0, alone.stderr[-2000:] + over_rpc.stderr[-2000:]
+    assert over_rpc.stdout == alone.stdout and alone.stdout.strip()
+    assert "does nothing" not in over_rpc.stderr  # -ngl has somewhere to go
+    unreachable = run([*chat, "--rpc", f"127.0.0.1:{free_port()}", "-ngl", 99], text=True, cwd=HERE)
+    assert unreachable.returncode != 0 and "Traceback" not in unreachable.stderr
+    assert "--rpc: RPC server 127.0.0.1:" in unreachable.stderr and "cannot be reached" in unreachable.stderr
