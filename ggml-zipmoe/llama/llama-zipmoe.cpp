@@ -1,5 +1,5 @@
-// ZipMoE fork: the model's expert cache (llama-zipmoe.h): made when the model loads, sized again
-// whenever a context is made or freed. The sizing itself is ggml-zipmoe's (ggml-zipmoe-serving.h).
+// ZipMoE fork: the model's expert cache (llama-zipmoe.h): made when the model loads, its slots placed and
+// their tensors made, contexts attached and detached. How much memory it may take: llama-zipmoe-sizing.cpp.
 
 #include "llama-zipmoe.h"
 
@@ -47,7 +47,7 @@ static std::vector<int32_t> layer_tensor_table(const ggml_zipmoe_file * file) {
 
 static constexpr double k_mib = 1024.0 * 1024.0;
 
-static std::string gib(uint64_t bytes) {
+std::string llama_zipmoe_gib(uint64_t bytes) {
     return format("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
 }
 
@@ -238,8 +238,8 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), off);
     if (buf == nullptr) {
         throw std::runtime_error(format("cannot allocate %s of %s memory for %d ZipMoE expert slots (%s free): give "
-                                        "a smaller zipmoe.budget or fewer GPU layers", gib(off).c_str(),
-                                        ggml_backend_dev_name(dev), capacity, gib(free_bytes).c_str()));
+                                        "a smaller zipmoe.budget or fewer GPU layers", llama_zipmoe_gib(off).c_str(),
+                                        ggml_backend_dev_name(dev), capacity, llama_zipmoe_gib(free_bytes).c_str()));
     }
     ggml_backend_buffer_clear(buf, 0);
     char * base = (char *) ggml_backend_buffer_get_base(buf);
@@ -270,8 +270,7 @@ static std::map<std::pair<int, int>, ggml_backend_buffer_type_t> stock_host_buft
     return bufts;
 }
 
-// a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
-static bool is_cpu_extra_buft(ggml_backend_buffer_type_t buft) {
+bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft) {
     ggml_backend_dev_t dev = buft != nullptr ? ggml_backend_buft_get_device(buft) : nullptr;
     return dev != nullptr && ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU &&
            buft != ggml_backend_cpu_buffer_type();
@@ -285,7 +284,7 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
     ggml_backend_buffer_type_t extra = nullptr;
     std::map<std::pair<int, int>, bool> expected_extra;
     for (const auto & [key, buft] : bufts) {
-        expected_extra[key] = is_cpu_extra_buft(buft);
+        expected_extra[key] = llama_zipmoe_is_cpu_extra_buft(buft);
         if (!expected_extra[key]) {
             continue;
         }
@@ -318,7 +317,7 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
         buf = ggml_backend_buft_alloc_buffer(extra, off);
         if (buf == nullptr) {
             throw std::runtime_error(format("%s: cannot allocate %s of %s memory for %d ZipMoE expert slots: give a "
-                                            "smaller zipmoe.budget", fname.c_str(), gib(off).c_str(),
+                                            "smaller zipmoe.budget", fname.c_str(), llama_zipmoe_gib(off).c_str(),
                                             ggml_backend_buft_name(extra), info.capacity));
         }
         char * base = (char *) ggml_backend_buffer_get_base(buf);
@@ -537,68 +536,6 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
     }
 }
 
-void llama_zipmoe::check_model(const llama_model & model) {
-    gate_inp.assign(model.layers.size(), nullptr);
-    ffn_norm.assign(model.layers.size(), nullptr);
-    for (size_t il = 0; il < model.layers.size(); ++il) {
-        const llama_layer & l = model.layers[il];
-        if (l.ffn_down_exps == nullptr || of(l.ffn_down_exps) != this) {
-            continue;
-        }
-        gate_inp[il] = l.ffn_gate_inp;
-        ffn_norm[il] = l.ffn_norm;
-        const bool unsupported = l.ffn_gate_exps_b || l.ffn_up_exps_b || l.ffn_down_exps_b || l.ffn_gate_up_exps ||
-                                 l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
-        if (unsupported) {
-            throw std::runtime_error(format("%s: layer %zu's routed experts have biases, per-expert scales or a merged "
-                                            "gate_up tensor, which ZipMoE's expert slots do not serve", fname.c_str(), il));
-        }
-    }
-    // the weights a decode step reads from host memory: all but the token embedding, of which it
-    // reads a row per token (unless the output matrix is the embedding itself)
-    non_expert_bytes = 0;
-    for (const auto & [name, t] : model.tensors_by_name) {
-        if (t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd) {
-            continue;
-        }
-        // host memory: mapped or allocated, and ggml-cpu's repacking buffers (a quantized model's weights
-        // copied out of the mapping, resident), which do not call themselves host buffers
-        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer) &&
-            !is_cpu_extra_buft(ggml_backend_buffer_get_type(t->buffer))) {
-            continue;
-        }
-        non_expert_bytes += ggml_nbytes(t);
-    }
-}
-
-uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) const {
-    const uint32_t n_train = hparams.n_ctx_train;
-    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
-        return n_train; // a KV cache of another shape than one cell per token and layer
-    }
-    // one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
-    uint64_t per_token = 0;
-    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
-        per_token += ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
-        if (!hparams.is_mla()) {
-            per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
-        }
-    }
-    const ggml_zipmoe_serving_plan plan = serving_plan();
-    const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
-    const uint64_t share = left / 8;
-    if (per_token == 0 || (uint64_t) n_train * per_token <= share) {
-        return n_train;
-    }
-    const uint32_t n = std::max<uint32_t>(std::min<uint32_t>(4096, n_train),
-                                          (uint32_t) std::min<uint64_t>(share / per_token / 256 * 256, n_train));
-    LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s, at most 1/8 of the %s left beside "
-                   "the non-expert weights), not the trained %u (%s), which would take the experts' memory; give "
-                   "-c / n_ctx for another\n", __func__, n, gib((uint64_t) n * per_token).c_str(), gib(left).c_str(),
-                   n_train, gib((uint64_t) n_train * per_token).c_str());
-    return n;
-}
-
 llama_zipmoe::context_state & llama_zipmoe::state_of(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(state_mutex);
     auto & st = contexts[lctx];
@@ -698,90 +635,6 @@ void llama_zipmoe::detach(llama_context * lctx) {
     } catch (const std::exception & e) {
         LLAMA_LOG_WARN("%s: %s\n", __func__, e.what());
     }
-}
-
-void llama_zipmoe::resize(const llama_context * making) {
-    std::lock_guard<std::mutex> compute(compute_mutex);
-    ggml_zipmoe_serving_demand demand = {};
-    demand.non_expert = non_expert_bytes;
-    demand.making     = making != nullptr;
-    std::lock_guard<std::mutex> lock(state_mutex);
-    for (const auto & [c, st] : contexts) {
-        if (st->attached) {
-            demand.contexts += st->host_bytes;
-            demand.n_contexts++;
-        }
-    }
-    demand.n_threads_max = n_threads_max;
-    int changed = 0;
-    char err[2048];
-    if (ggml_zipmoe_serving_resize(serving, &demand, &changed, err, sizeof(err)) != GGML_ZIPMOE_OK) {
-        throw std::runtime_error(err);
-    }
-    layout += changed; // graphs built for another slot count must be rebuilt
-    sized = true;
-}
-
-ggml_zipmoe_serving_plan llama_zipmoe::serving_plan() const {
-    std::lock_guard<std::mutex> lock(state_mutex);
-    ggml_zipmoe_serving_plan p;
-    ggml_zipmoe_serving_get_plan(serving, &p);
-    if (!sized) {
-        p.non_expert = non_expert_bytes; // no context made yet
-    }
-    return p;
-}
-
-llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
-    const ggml_zipmoe_serving_plan p = serving_plan();
-    static_assert(sizeof(p.source) == sizeof(llama_zipmoe_memory_plan::source) &&
-                  sizeof(p.pools_why) == sizeof(llama_zipmoe_memory_plan::pools_why), "plan fields differ");
-    llama_zipmoe_memory_plan out = {};
-    out.available     = p.available;
-    out.non_expert    = p.non_expert;
-    out.contexts      = p.contexts;
-    out.cache_buffers = p.cache_buffers;
-    out.margin        = p.margin;
-    out.fits          = p.fits;
-    out.budget        = p.budget;
-    out.expert_bytes  = p.expert_bytes;
-    out.n_contexts    = p.n_contexts;
-    out.n_slots       = p.n_slots;
-    out.slot_capacity = p.slot_capacity;
-    out.min_slots     = p.min_slots;
-    memcpy(out.source, p.source, sizeof(out.source));
-    std::copy(p.pools, p.pools + 4, out.pools);
-    memcpy(out.pools_why, p.pools_why, sizeof(out.pools_why));
-    return out;
-}
-
-bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct llama_zipmoe_memory_plan * plan) {
-    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr || plan == nullptr) {
-        return false;
-    }
-    *plan = model->zipmoe->memory_plan();
-    return true;
-}
-
-size_t llama_model_zipmoe_metrics(const struct llama_model * model, char * buf, size_t buf_size) {
-    if (buf != nullptr && buf_size > 0) {
-        buf[0] = '\0';
-    }
-    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr) {
-        return 0;
-    }
-    const ggml_zipmoe_serving_plan plan = model->zipmoe->serving_plan();
-    std::string text(ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, nullptr, 0), '\0');
-    ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, text.data(), text.size() + 1);
-    std::string sizing(ggml_zipmoe_serving_format_metrics(&plan, nullptr, 0), '\0');
-    ggml_zipmoe_serving_format_metrics(&plan, sizing.data(), sizing.size() + 1);
-    text += sizing;
-    if (buf != nullptr && buf_size > 0) {
-        const size_t n = std::min(text.size(), buf_size - 1);
-        memcpy(buf, text.data(), n);
-        buf[n] = '\0';
-    }
-    return text.size();
 }
 
 struct ggml_zipmoe_cache * llama_model_zipmoe_cache(const struct llama_model * model) {

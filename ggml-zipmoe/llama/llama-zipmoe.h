@@ -55,6 +55,12 @@ struct llama_context;
 struct llama_hparams;
 struct llama_model;
 
+// "1.23 GiB", for the glue's messages
+std::string llama_zipmoe_gib(uint64_t bytes);
+
+// a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
+bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft);
+
 // every ZipMoE option, as the loader uses it: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else
 // the environment variable (ZIPMOE_NAME), else the default. Names, ranges, defaults and help are
 // ggml-zipmoe's option table (ggml-zipmoe-options.h); parse fills every field from it.

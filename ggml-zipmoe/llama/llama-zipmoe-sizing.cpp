@@ -1,0 +1,161 @@
+// ZipMoE fork: the memory the expert cache may take (llama-zipmoe.h): the non-expert weights counted when
+// the model loads, the context size when none is given, the slots sized again whenever a context is made
+// or freed, and the plan llama.h reports. The sizing itself is ggml-zipmoe's (ggml-zipmoe-serving.h).
+
+#include "llama-zipmoe.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+void llama_zipmoe::check_model(const llama_model & model) {
+    gate_inp.assign(model.layers.size(), nullptr);
+    ffn_norm.assign(model.layers.size(), nullptr);
+    for (size_t il = 0; il < model.layers.size(); ++il) {
+        const llama_layer & l = model.layers[il];
+        if (l.ffn_down_exps == nullptr || of(l.ffn_down_exps) != this) {
+            continue;
+        }
+        gate_inp[il] = l.ffn_gate_inp;
+        ffn_norm[il] = l.ffn_norm;
+        const bool unsupported = l.ffn_gate_exps_b || l.ffn_up_exps_b || l.ffn_down_exps_b || l.ffn_gate_up_exps ||
+                                 l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
+        if (unsupported) {
+            throw std::runtime_error(format("%s: layer %zu's routed experts have biases, per-expert scales or a merged "
+                                            "gate_up tensor, which ZipMoE's expert slots do not serve", fname.c_str(), il));
+        }
+    }
+    // the weights a decode step reads from host memory: all but the token embedding, of which it
+    // reads a row per token (unless the output matrix is the embedding itself)
+    non_expert_bytes = 0;
+    for (const auto & [name, t] : model.tensors_by_name) {
+        if (t == model.tok_embd && model.output != nullptr && model.output != model.tok_embd) {
+            continue;
+        }
+        // host memory: mapped or allocated, and ggml-cpu's repacking buffers (a quantized model's weights
+        // copied out of the mapping, resident), which do not call themselves host buffers
+        if (t->buffer != nullptr && !ggml_backend_buffer_is_host(t->buffer) &&
+            !llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_get_type(t->buffer))) {
+            continue;
+        }
+        non_expert_bytes += ggml_nbytes(t);
+    }
+}
+
+uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) const {
+    const uint32_t n_train = hparams.n_ctx_train;
+    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
+        return n_train; // a KV cache of another shape than one cell per token and layer
+    }
+    // one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
+    uint64_t per_token = 0;
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        per_token += ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
+        if (!hparams.is_mla()) {
+            per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
+        }
+    }
+    const ggml_zipmoe_serving_plan plan = serving_plan();
+    const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
+    const uint64_t share = left / 8;
+    if (per_token == 0 || (uint64_t) n_train * per_token <= share) {
+        return n_train;
+    }
+    const uint32_t n = std::max<uint32_t>(std::min<uint32_t>(4096, n_train),
+                                          (uint32_t) std::min<uint64_t>(share / per_token / 256 * 256, n_train));
+    LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s, at most 1/8 of the %s left beside "
+                   "the non-expert weights), not the trained %u (%s), which would take the experts' memory; give "
+                   "-c / n_ctx for another\n", __func__, n, llama_zipmoe_gib((uint64_t) n * per_token).c_str(),
+                   llama_zipmoe_gib(left).c_str(), n_train, llama_zipmoe_gib((uint64_t) n_train * per_token).c_str());
+    return n;
+}
+
+void llama_zipmoe::resize(const llama_context * making) {
+    std::lock_guard<std::mutex> compute(compute_mutex);
+    ggml_zipmoe_serving_demand demand = {};
+    demand.non_expert = non_expert_bytes;
+    demand.making     = making != nullptr;
+    std::lock_guard<std::mutex> lock(state_mutex);
+    for (const auto & [c, st] : contexts) {
+        if (st->attached) {
+            demand.contexts += st->host_bytes;
+            demand.n_contexts++;
+        }
+    }
+    demand.n_threads_max = n_threads_max;
+    int changed = 0;
+    char err[2048];
+    if (ggml_zipmoe_serving_resize(serving, &demand, &changed, err, sizeof(err)) != GGML_ZIPMOE_OK) {
+        throw std::runtime_error(err);
+    }
+    layout += changed; // graphs built for another slot count must be rebuilt
+    sized = true;
+}
+
+ggml_zipmoe_serving_plan llama_zipmoe::serving_plan() const {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    ggml_zipmoe_serving_plan p;
+    ggml_zipmoe_serving_get_plan(serving, &p);
+    if (!sized) {
+        p.non_expert = non_expert_bytes; // no context made yet
+    }
+    return p;
+}
+
+llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
+    const ggml_zipmoe_serving_plan p = serving_plan();
+    static_assert(sizeof(p.source) == sizeof(llama_zipmoe_memory_plan::source) &&
+                  sizeof(p.pools_why) == sizeof(llama_zipmoe_memory_plan::pools_why), "plan fields differ");
+    llama_zipmoe_memory_plan out = {};
+    out.available     = p.available;
+    out.non_expert    = p.non_expert;
+    out.contexts      = p.contexts;
+    out.cache_buffers = p.cache_buffers;
+    out.margin        = p.margin;
+    out.fits          = p.fits;
+    out.budget        = p.budget;
+    out.expert_bytes  = p.expert_bytes;
+    out.n_contexts    = p.n_contexts;
+    out.n_slots       = p.n_slots;
+    out.slot_capacity = p.slot_capacity;
+    out.min_slots     = p.min_slots;
+    memcpy(out.source, p.source, sizeof(out.source));
+    std::copy(p.pools, p.pools + 4, out.pools);
+    memcpy(out.pools_why, p.pools_why, sizeof(out.pools_why));
+    return out;
+}
+
+bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct llama_zipmoe_memory_plan * plan) {
+    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr || plan == nullptr) {
+        return false;
+    }
+    *plan = model->zipmoe->memory_plan();
+    return true;
+}
+
+size_t llama_model_zipmoe_metrics(const struct llama_model * model, char * buf, size_t buf_size) {
+    if (buf != nullptr && buf_size > 0) {
+        buf[0] = '\0';
+    }
+    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr) {
+        return 0;
+    }
+    const ggml_zipmoe_serving_plan plan = model->zipmoe->serving_plan();
+    std::string text(ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, nullptr, 0), '\0');
+    ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, text.data(), text.size() + 1);
+    std::string sizing(ggml_zipmoe_serving_format_metrics(&plan, nullptr, 0), '\0');
+    ggml_zipmoe_serving_format_metrics(&plan, sizing.data(), sizing.size() + 1);
+    text += sizing;
+    if (buf != nullptr && buf_size > 0) {
+        const size_t n = std::min(text.size(), buf_size - 1);
+        memcpy(buf, text.data(), n);
+        buf[n] = '\0';
+    }
+    return text.size();
+}
