@@ -531,7 +531,7 @@ def test_gpu_slots_are_refused_by_a_build_without_cuda_and_bad_memory_kinds_name
         assert "need a ZipMoE build with CUDA" in msg or "CUDA error" in msg
     else:
         assert "not CUDA device memory" in msg
-    assert "slot_memory is neither host nor CUDA" in _cache_new_error(path, layers, slot_memory=7)
+    assert "slot_memory is not host, CUDA or a device's" in _cache_new_error(path, layers, slot_memory=7)
 
 
 def test_score_eviction_keeps_the_experts_the_router_scores_highest(tmp_path):

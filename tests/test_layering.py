@@ -17,6 +17,7 @@ CACHE_ORDER = [
     ("zipmoe-preload.c", "zipmoe-substitution-hook.c"),
     ("zipmoe-cache.c",),
     ("zipmoe-fetch.c",),
+    ("zipmoe-fetch-device.c",),
     ("zipmoe-residency.c",),
     ("zipmoe-prefetch.c",),
     ("zipmoe-fetch-io.c",),

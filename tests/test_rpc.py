@@ -1,11 +1,12 @@
 """llama.cpp's RPC backend with ZipMoE, on loopback: rpc-server (the fork's ggml-rpc-server, on the venv's
 PATH) on 127.0.0.1, one then two; every layer offloaded to them (n_gpu_layers 99); the experts read,
-decoded and cached by the client and multiplied there (slots in host memory).
+decoded and recovered by the client, their slots in the first server's memory (SET_TENSOR), multiplied
+there.
 
 Exactness: the ZipMoE GGUF's logits bit-identical to the BF16 GGUF's with the same RPC setup (stock
 llama.cpp's layers on the servers), both architectures, one and four sequences, budgets of one token's
-experts per layer and of all of them (tests/rpc_worker.py, in a child process: RPC devices are registered
-once per process). A server killed mid-generation is an error naming it, from Python and from
+experts per layer, half and all of them (tests/rpc_worker.py, in a child process: RPC devices are
+registered once per process). A server killed mid-generation is an error naming it, from Python and from
 llama-completion, not a hang or a crash.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run, zipmoe_command
+from test_serve import budget_of, expert_geometry
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "rpc_worker.py"
@@ -77,10 +79,19 @@ def worker(*args, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("n_servers, n_seq", [(1, 1), (2, 4)])
 def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, tiny_gguf, zipmoe_gguf, rpc_servers):
     servers, _ = rpc_servers(n_servers)
-    proc = worker("exact", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers, n_seq, "top-k", "everything")
+    budgets = ("top-k", "everything") if n_seq == 1 else ("top-k", "half", "everything")
+    proc = worker("exact", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers, n_seq, *budgets)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert stats["top-k"]["expert_misses"] > 0 and stats["top-k"]["bytes_read"] > 0
+    one, _, everything = expert_geometry(zipmoe_gguf(arch))
+    for name in budgets:
+        s = stats[name]
+        # the slots hold what the budget does, on the server: every miss's BF16 crossed the network once
+        assert s["n_slots"] == budget_of(zipmoe_gguf(arch), arch, name) // one
+        assert s["expert_misses"] > 0 and s["bytes_read"] > 0
+        assert s["h2d_bytes"] == s["expert_misses"] * one, (name, s)
+    # fewer slots, more misses: the bytes sent follow the budget
+    assert stats["top-k"]["h2d_bytes"] > stats["everything"]["h2d_bytes"]
 
 
 def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):

@@ -23,7 +23,8 @@ BUILD = REPO / "build" / "sanitize"
 FLAGS = "-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 # the C-level tests: ggml-zipmoe through ctypes only (no libllama)
 SELECTION = [str(REPO / "tests" / name) for name in ("test_codec.py", "test_cache.py", "test_sched.py",
-                                                     "test_format.py", "test_memory.py", "test_substitution.py")] + [
+                                                     "test_format.py", "test_memory.py", "test_substitution.py",
+                                                     "test_device_slots.py")] + [
     "-k", "not both_tiny_models and not stock_gguf_py and "
           "(not test_memory or cgroup or mem_available or over_limit or this_machine) and "
           "(not test_substitution or smoe_route)"]

@@ -89,7 +89,8 @@ class CacheParams(ctypes.Structure):
                 ("rank_delta", ctypes.c_int32), ("pool_capacity", ctypes.c_int32 * 4), ("rate_read", ctypes.c_double),
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
                 ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32),
-                ("slot_memory", ctypes.c_int32), ("slot_fill", ctypes.c_void_p), ("slot_fill_data", ctypes.c_void_p)]
+                ("slot_memory", ctypes.c_int32), ("slot_fill", ctypes.c_void_p), ("slot_fill_data", ctypes.c_void_p),
+                ("slot_write", ctypes.c_void_p), ("slot_sync", ctypes.c_void_p)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),
@@ -305,6 +306,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_zipmoe_set_sm_read_delay_us": (None, [ctypes.c_uint]),
     "ggml_zipmoe_serving_new": (ctypes.c_void_p, [ctypes.POINTER(ServingParams), ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_serving_free": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_serving_get_info": (None, [ctypes.c_void_p, ctypes.POINTER(ServingInfo)]),

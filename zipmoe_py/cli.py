@@ -64,7 +64,7 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
              f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
              f"{stats['fetch_ns'] / 1e6:.1f} ms")
     if stats.get("h2d_bytes"):
-        text += f"; to the GPU {stats['h2d_bytes'] / 1e6:.2f} MB"
+        text += f"; to the slots' device {stats['h2d_bytes'] / 1e6:.2f} MB"
     if stats.get("prefetch_bytes_read"):
         read, used = stats["prefetch_bytes_read"], stats["prefetch_bytes_used"]
         text += (f"; prefetch: {stats['prefetch_hits']} experts served, read {read / 1e6:.2f} MB, used "

@@ -19,6 +19,11 @@ GGML_ZIPMOE_API int          ggml_zipmoe_set_recover_impl(const char * name);
 // built entry by entry and its segments decoded one by one, last first. OK or ERR_CORRUPT.
 GGML_ZIPMOE_API int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size, void * dst, size_t dst_size);
 
+// test-only: the I/O thread sleeps this long before each SM-chunk read, for the whole process (0: not
+// at all), so that decoding threads meet shards whose exponents are decoded before their SM-chunk
+// is read (the paths that keep them aside: a slow disk's case)
+GGML_ZIPMOE_API void ggml_zipmoe_set_sm_read_delay_us(unsigned us);
+
 // test-only: begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,
                                             const int32_t * ids, int64_t n_used, int64_t n_tokens, int64_t ids_stride,

@@ -304,9 +304,13 @@ GGML_ZIPMOE_API double       ggml_zipmoe_default_rate(int rate);      // enum gg
 // reads stay on the CPU; a decoding thread decodes a shard's exponents (codec ghuf: copies its
 // stored E-chunk, and a kernel decodes it on the GPU), copies its planes to the GPU, where a kernel
 // interleaves them into BF16 in the slot (docs/CUDA.md)
+// DEVICE: slot_data are addresses in any other memory (a ggml backend's buffer: Vulkan, Metal, an
+// rpc-server's), never touched by the library: a decoding thread decodes and recovers a shard in host
+// staging and hands it to slot_write; each thread calls slot_sync once its writes of a fetch are done
 enum ggml_zipmoe_slot_memory {
-    GGML_ZIPMOE_SLOTS_HOST = 0,
-    GGML_ZIPMOE_SLOTS_CUDA = 1,
+    GGML_ZIPMOE_SLOTS_HOST   = 0,
+    GGML_ZIPMOE_SLOTS_CUDA   = 1,
+    GGML_ZIPMOE_SLOTS_DEVICE = 2,
 };
 
 // CUDA devices this build can put slots on (0: built without CUDA, or none present)
@@ -339,7 +343,14 @@ struct ggml_zipmoe_cache_params {
     // buffer types lay weights out their own way). Returns 0, or nonzero with a message in err.
     int (*slot_fill)(void * user_data, int kind, int tensor, int32_t slot, const void * data, size_t size, char * err,
                      size_t err_size);
-    void * slot_fill_data;
+    void * slot_fill_data;                          // user_data of slot_fill, slot_write and slot_sync
+    // GGML_ZIPMOE_SLOTS_DEVICE: size bytes of tensor's expert into slot, offset bytes into it. Called from
+    // graph threads, concurrently; data may be reused once it returns (copy it, or finish with it).
+    // Returns 0, or nonzero with a message in err. slot_sync: the calling thread's writes are in the
+    // slots (NULL: nothing to wait for).
+    int (*slot_write)(void * user_data, int kind, int tensor, int32_t slot, size_t offset, const void * data,
+                      size_t size, char * err, size_t err_size);
+    int (*slot_sync)(void * user_data, char * err, size_t err_size);
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -357,7 +368,8 @@ struct ggml_zipmoe_cache_stats {
     uint64_t prefetch_hits;       // selections not in a slot whose missing chunks a prefetch had read (all or some)
     uint64_t prefetch_bytes_read; // stored bytes prefetches read (also counted in bytes_read)
     uint64_t prefetch_bytes_used; // of those, bytes a fetch used (the rest were mispredicted: wasted)
-    uint64_t h2d_bytes;           // bytes copied host to device (slots in CUDA memory: SM + exponent planes)
+    uint64_t h2d_bytes;           // bytes copied host to device (slots in CUDA memory: SM + exponent planes;
+                                  // GGML_ZIPMOE_SLOTS_DEVICE: what slot_write was given)
     uint64_t substitutions;       // LOSSY: selections a substitution policy replaced with another expert
     uint64_t substitution_tokens; // tokens (per MoE layer) the substitution policy routed
 };

@@ -176,6 +176,9 @@ llama_zipmoe::~llama_zipmoe() {
     if (plain_buf) {
         ggml_backend_buffer_free(plain_buf); // a view of buf's memory: frees nothing of it
     }
+    if (slot_backend) {
+        ggml_backend_free(slot_backend);
+    }
     if (buf) {
         ggml_backend_buffer_free(buf);
     }
@@ -216,24 +219,24 @@ ggml_tensor * llama_zipmoe::slots_of(int il, int kind) const {
     return slots[kind].empty() ? nullptr : slots[kind][0];
 }
 
-// the slots in a CUDA device's memory: every slot in use, plus zero slots (absent_slot)
+// the slots in a device's memory: every slot in use, plus zero slots (absent_slot)
 void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     size_t free_bytes = 0, total_bytes = 0;
     ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
-    gpu_zero_slots = info.max_expert;
+    zero_slots = info.max_expert;
     // the non-expert weights, KV cache and compute buffers, cuBLAS' workspace, the zero slots
-    const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) gpu_zero_slots * info.expert_bytes;
+    const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) zero_slots * info.expert_bytes;
     const bool    igpu     = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_IGPU; // Jetson: the host's memory
     const int32_t capacity = ggml_zipmoe_serving_fit_device(serving, ggml_backend_dev_name(dev), free_bytes, reserve, igpu);
     ggml_zipmoe_serving_get_info(serving, &info);
-    gpu_zero_slot = capacity;
+    zero_slot = capacity;
 
     const size_t align = 256;
     size_t section[3], stride[3], off = 0;
     for (int k = 0; k < 3; ++k) {
         section[k] = off;
         stride[k]  = (size_t) info.slot_bytes[k];
-        off += GGML_PAD((size_t) (capacity + gpu_zero_slots) * stride[k], align);
+        off += GGML_PAD((size_t) (capacity + zero_slots) * stride[k], align);
     }
     buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), off);
     if (buf == nullptr) {
@@ -241,7 +244,12 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
                                         "a smaller zipmoe.budget or fewer GPU layers", llama_zipmoe_gib(off).c_str(),
                                         ggml_backend_dev_name(dev), capacity, llama_zipmoe_gib(free_bytes).c_str()));
     }
-    ggml_backend_buffer_clear(buf, 0);
+    ggml_backend_buffer_clear(buf, 0); // the zero slots
+    if (!cuda_slots && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0) {
+        // RPC's asynchronous set copies the bytes into its queue at once (a decoding thread reuses its
+        // staging); other backends' may read them later, so they set synchronously (slot_write)
+        slot_backend = ggml_backend_dev_init(dev, nullptr);
+    }
     char * base = (char *) ggml_backend_buffer_get_base(buf);
     void * const data[3] = { base + section[0], base + section[1], base + section[2] };
     make_slot_tensors(data, stride, {});
@@ -345,7 +353,7 @@ void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3
             of_kind.push_back(type);
         }
     }
-    const int32_t n_slots = info.capacity + gpu_zero_slots;
+    const int32_t n_slots = info.capacity + zero_slots;
     size_t n_tensors = 0;
     for (int k = 0; k < 3; ++k) {
         n_tensors += types[k].size() * (1 + (size_t) n_slots); // a per-slot view where the layout is the buffer's own
@@ -420,6 +428,40 @@ int llama_zipmoe::slot_fill(void * data, int kind, int tensor, int32_t slot, con
     return 0;
 }
 
+int llama_zipmoe::slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
+                             size_t size, char * err, size_t err_size) {
+    llama_zipmoe * zm = (llama_zipmoe *) data;
+    const int il = ggml_zipmoe_file_tensor_layer(zm->file, tensor);
+    ggml_tensor * slots = zm->slots_of(il, kind);
+    const size_t at = (size_t) slot * slots->nb[2] + offset;
+    if (slot < 0 || slot >= zm->info.capacity || offset + size > slots->nb[2] || at + size > ggml_nbytes(slots)) {
+        snprintf(err, err_size, "%zu bytes at %zu of slot %d of %d (%zu bytes each)", size, offset, slot,
+                 zm->info.capacity, slots->nb[2]);
+        return 1;
+    }
+    if (zm->slot_backend != nullptr) {
+        // an rpc-server's: queued and copied at once; in pieces below RPC's hash threshold (10 MiB), above
+        // which it would ask the server for a cached copy first (one round trip each, and `rpc-server -c`
+        // would write every expert to its disk cache)
+        const size_t piece = 8u << 20;
+        for (size_t done = 0; done < size; done += piece) {
+            ggml_backend_tensor_set_async(zm->slot_backend, slots, (const char *) src + done, at + done,
+                                          std::min(piece, size - done));
+        }
+        return 0;
+    }
+    std::lock_guard<std::mutex> lock(zm->slot_mutex); // a backend's buffer is not known to take concurrent sets
+    ggml_backend_tensor_set(slots, src, at, size);
+    return 0;
+}
+
+int llama_zipmoe::slot_sync(void * data, char * err, size_t err_size) {
+    (void) err;
+    (void) err_size;
+    ggml_backend_synchronize(((llama_zipmoe *) data)->slot_backend);
+    return 0;
+}
+
 void llama_zipmoe::log_substitution() const {
     const std::string params = opt.substitution == GGML_ZIPMOE_SUBST_SMOE
         ? format("alpha %.3g", opt.smoe_alpha)
@@ -431,7 +473,7 @@ void llama_zipmoe::log_substitution() const {
                    ggml_zipmoe_substitution_name(opt.substitution), params.c_str());
 }
 
-// the device whose memory holds the slots, or nullptr for host memory (sets on_gpu): the first served
+// the device whose memory holds the slots, or nullptr for host memory (sets on_device): the first served
 // layer's placement, or a tensor override's for its experts (upstream matches overrides only for
 // tensors the file holds, and the repacked experts are not among them)
 ggml_backend_dev_t llama_zipmoe::slot_device(const layer_buft_fn & layer_buft,
@@ -449,27 +491,22 @@ ggml_backend_dev_t llama_zipmoe::slot_device(const layer_buft_fn & layer_buft,
             break;
         }
     }
-    // slots in a CUDA device's memory when the layer's weights go there (a CPU layer's list starts
-    // with the GPU's pinned host buffer type, whose device is the GPU: host memory all the same)
+    // slots in a device's memory when the layer's weights go there (a CPU layer's list starts with the
+    // GPU's pinned host buffer type, whose device is the GPU: host memory all the same); CUDA's are
+    // recovered by ZipMoE's kernels where the build has them, any other device's through slot_write
     ggml_backend_dev_t dev = buft != nullptr ? ggml_backend_buft_get_device(buft) : nullptr;
-    const bool gpu_layer = dev != nullptr && !ggml_backend_buft_is_host(buft) &&
-                           ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_GPU;
-    const bool cuda_layer = gpu_layer && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "CUDA") == 0;
-    on_gpu = cuda_layer && ggml_zipmoe_cuda_devices() > 0;
-    if (gpu_layer && !on_gpu) {
-        // an rpc-server's layers included: the experts are multiplied here, their activations cross the network
-        LLAMA_LOG_WARN("%s: the MoE layers go to %s (%s), but this ZipMoE build puts expert slots only in CUDA "
-                       "memory (built %s CUDA): the slots stay in this process's memory, and the routed experts "
-                       "run on its CPU\n", __func__, ggml_backend_dev_name(dev), ggml_backend_dev_description(dev),
-                       ggml_zipmoe_cuda_devices() > 0 ? "with" : "without");
-    }
-    return on_gpu ? dev : nullptr;
+    const enum ggml_backend_dev_type type = dev != nullptr ? ggml_backend_dev_type(dev) : GGML_BACKEND_DEVICE_TYPE_CPU;
+    on_device  = dev != nullptr && !ggml_backend_buft_is_host(buft) &&
+                 (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU);
+    cuda_slots = on_device && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "CUDA") == 0 &&
+                 ggml_zipmoe_cuda_devices() > 0;
+    return on_device ? dev : nullptr;
 }
 
 void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
                               const llama_model_tensor_buft_override * overrides) {
     ggml_backend_dev_t dev = slot_device(layer_buft, overrides);
-    if (on_gpu) {
+    if (on_device) {
         place_on_device(dev);
     } else {
         place_in_host(weight_buft);
@@ -487,8 +524,12 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
         cp.slot_stride[k] = slots[k][0]->nb[2];
     }
     if (!fill_views.empty()) {
-        cp.slot_fill      = slot_fill;
-        cp.slot_fill_data = this;
+        cp.slot_fill = slot_fill;
+    }
+    cp.slot_fill_data = this;
+    if (on_device && !cuda_slots) {
+        cp.slot_write = slot_write;
+        cp.slot_sync  = slot_backend != nullptr ? slot_sync : nullptr;
     }
     cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
     cp.layer_tensors = layer_tensors.data();
@@ -496,7 +537,7 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
     // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
     // taken from the slots
     cp.prefetch_experts = opt.prefetch ? (n_expert_used + 1) / 2 : 0;
-    cp.slot_memory      = on_gpu ? GGML_ZIPMOE_SLOTS_CUDA : GGML_ZIPMOE_SLOTS_HOST;
+    cp.slot_memory      = cuda_slots ? GGML_ZIPMOE_SLOTS_CUDA : on_device ? GGML_ZIPMOE_SLOTS_DEVICE : GGML_ZIPMOE_SLOTS_HOST;
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
@@ -510,7 +551,7 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
     if (opt.trace_routing) {
         ggml_zipmoe_cache_trace_routing(cache, 1, opt.buddy.temperature, 0);
     }
-    if (ggml_zipmoe_serving_set_cache(serving, cache, on_gpu, err, sizeof(err)) != GGML_ZIPMOE_OK) {
+    if (ggml_zipmoe_serving_set_cache(serving, cache, on_device, err, sizeof(err)) != GGML_ZIPMOE_OK) {
         throw std::runtime_error(err);
     }
     {
@@ -522,11 +563,13 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
         }
     }
     const char * reads = ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache";
-    if (on_gpu) {
-        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB in %s memory (all experts %.1f MiB%s); chunks "
-                       "read %s, exponents decoded on the CPU (codec ghuf: on the GPU), BF16 recovered on the GPU\n",
-                       __func__, info.capacity, info.expert_bytes / k_mib, ggml_backend_dev_name(dev),
-                       info.all_experts / k_mib, opt.budget != 0 ? ", zipmoe.budget" : "", reads);
+    if (on_device) {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB in %s memory (%s; all experts %.1f MiB%s); "
+                       "chunks read %s, %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
+                       ggml_backend_dev_name(dev), ggml_backend_dev_description(dev), info.all_experts / k_mib,
+                       opt.budget != 0 ? ", zipmoe.budget" : "", reads,
+                       cuda_slots ? "exponents decoded on the CPU (codec ghuf: on the GPU), BF16 recovered on the GPU"
+                                  : "decoded and recovered on the CPU, the BF16 experts sent to the device");
     } else {
         LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB%s%s%s); sized when "
                        "a context is made; chunks read %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
@@ -592,7 +635,7 @@ void llama_zipmoe::preload(llama_context * lctx) {
     LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
                    (double) n_loaded * info.expert_bytes / k_mib, seconds);
     // every expert resident: the graphs may use the slots in place (rebuilt for it)
-    const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && on_gpu);
+    const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && on_device);
     if (views && !opt.with_pools() && !ggml_zipmoe_serving_auto_pools_active(serving)) {
         std::vector<int32_t> base;
         if (resident_bases(base)) {
@@ -624,7 +667,7 @@ void llama_zipmoe::detach(llama_context * lctx) {
     ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
     LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
-                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms; %.1f MB to the GPU\n", __func__,
+                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms; %.1f MB to the slots' device\n", __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
                    s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,

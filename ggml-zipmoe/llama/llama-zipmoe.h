@@ -125,9 +125,10 @@ struct llama_zipmoe {
 
     // makes the slot tensors and the expert cache, before the model's tensors are created: the slots
     // go where the first served layer's weights go, or where a tensor override sends its experts; a
-    // CUDA device's own (not host) buffer type puts them in its memory (a build with ZIPMOE_CUDA,
-    // docs/CUDA.md). Host slots take the buffer type stock llama.cpp gives the experts (weight_buft),
-    // so that the products run the same kernels. Throws on error.
+    // device's own (not host) buffer type puts them in its memory: CUDA's, recovered by ZipMoE's
+    // kernels (a build with ZIPMOE_CUDA, docs/CUDA.md), or any other backend's (an rpc-server's,
+    // docs/DISTRIBUTED.md), written with ggml_backend_tensor_set. Host slots take the buffer type stock
+    // llama.cpp gives the experts (weight_buft), so that the products run the same kernels. Throws on error.
     void make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
                     const llama_model_tensor_buft_override * overrides);
 
@@ -136,12 +137,13 @@ struct llama_zipmoe {
     ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne) const;
 
     // the slot id given to selection i (of n_used per token) that a pass does not compute:
-    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in GPU memory, one of the
-    // zero slots beyond the cache's, distinct within a token (ggml's CUDA mul_mat_id has no id that
-    // skips a row, and wants a token's ids distinct), whose rows the merge drops
+    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in a device's memory, one of
+    // the zero slots beyond the cache's, distinct within a token, whose rows the merge drops (ggml's
+    // CUDA mul_mat_id has no id that skips a row and wants a token's ids distinct; an rpc-server may
+    // run stock ggml, or CUDA)
     int32_t absent_slot(int64_t i, int64_t n_used) const {
-        return on_gpu ? gpu_zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, gpu_zero_slots)))
-                      : GGML_ZIPMOE_NO_SLOT;
+        return on_device ? zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, zero_slots)))
+                         : GGML_ZIPMOE_NO_SLOT;
     }
 
     // after the model's tensors are made: refuses layers the slots cannot serve (expert biases,
@@ -237,7 +239,7 @@ private:
     // the slots in use sized again for the live contexts (making: the one being made)
     void resize(const llama_context * making);
     void preload(llama_context * lctx);
-    // slot memory for capacity slots: a CUDA device's, or reserved host address space
+    // slot memory for capacity slots: a device's, or reserved host address space
     ggml_backend_dev_t slot_device(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
     void place_on_device(ggml_backend_dev_t dev);
     void place_in_host(const weight_buft_fn & weight_buft);
@@ -250,6 +252,11 @@ private:
     // set_tensor where its buffer lays weights out its own way, else copied
     static int slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
                          size_t err_size);
+    // slots in a device's memory other than ZipMoE's CUDA path (ggml_zipmoe_cache_params.slot_write and
+    // slot_sync): set through the device's backend (an rpc-server's queues it), else the buffer
+    static int slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
+                          size_t size, char * err, size_t err_size);
+    static int slot_sync(void * data, char * err, size_t err_size);
     void log_substitution() const;
     bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
 
@@ -276,10 +283,13 @@ private:
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;
 
-    // slots in CUDA memory: all allocated when the model loads, all in use (no host memory sizing)
-    bool     on_gpu         = false;
-    int32_t  gpu_zero_slot  = -1; // the first zero slot
-    int32_t  gpu_zero_slots = 0;  // as many as a layer's experts: a warmup token selects them all
+    // slots in a device's memory: all allocated when the model loads, all in use (no host memory sizing)
+    bool           on_device    = false;
+    bool           cuda_slots   = false;   // ZipMoE's CUDA kernels recover into them; else slot_write
+    ggml_backend_t slot_backend = nullptr; // slot_write's, where the device's backend sets asynchronously
+    std::mutex     slot_mutex;             // slot_write through a buffer: one at a time
+    int32_t        zero_slot    = -1; // the first zero slot
+    int32_t        zero_slots   = 0;  // as many as a layer's experts: a warmup token selects them all
 
     // the slot tensors: by kind, one per ggml type the file's tensors of that kind have (a quantized file
     // may type layers apart: Q4_K_M), all over the same memory with the largest expert as stride

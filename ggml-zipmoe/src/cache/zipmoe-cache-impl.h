@@ -6,6 +6,8 @@
 //                       and the plan of a pass (hits, victims, one task per expert tensor to fill)
 //   zipmoe-fetch.c      how it gets there: the scheduler's order, the decoding threads (the one
 //                       decode + recover routine of zipmoe-codec.c)
+//   zipmoe-fetch-device.c  shards into slots outside host memory: CUDA's kernels, or a caller's
+//                       device (any ggml backend) through slot_write
 //   zipmoe-fetch-io.c   the I/O thread and the staging rings it reads into
 //   zipmoe-prefetch.c   reads ahead for predicted experts, and what a fetch takes from them
 //   zipmoe-substitution-hook.c  the public calls of the lossy policy (lossy/), forwarded to c->subst
@@ -63,6 +65,7 @@ struct zipmoe_staging {
 // per graph thread: a decoder, made on first use
 struct zipmoe_worker {
     struct ggml_zipmoe_decoder * decoder;
+    uint16_t *                   staging; // slots in a caller's device memory: a shard recovered here, then written
 };
 
 // one expert tensor to make full in a slot
@@ -119,7 +122,12 @@ struct zipmoe_slots {
     size_t     stride[3];
     // a raw expert's bytes into its slot through the caller (ggml_zipmoe_cache_params.slot_fill), or NULL: copied
     int (*fill)(void *, int, int, int32_t, const void *, size_t, char *, size_t);
-    void *     fill_data;
+    void *     fill_data;  // user_data of fill, write and sync
+    // slots in a caller's device memory (GGML_ZIPMOE_SLOTS_DEVICE): every write goes through write, data
+    // is never touched; NULL for host or CUDA slots
+    int (*write)(void *, int, int, int32_t, size_t, const void *, size_t, char *, size_t);
+    int (*sync)(void *, char *, size_t);
+    uint64_t   max_shard;  // values of the largest shard of any served tensor (device staging)
     int32_t *  of_key;     // [n_keys] slot holding the key, or -1
     int64_t *  key;        // [capacity] key held, or -1
     uint64_t * last_use;   // [capacity] tick of the last use (LRU)
@@ -185,6 +193,8 @@ struct zipmoe_plan {
 // (zipmoe-fetch.c)
 struct zipmoe_pipeline {
     atomic_int *          op_state;   // [3 * capacity * K] by position in plan.dec
+    uint8_t **            parked;     // [3 * capacity * K] by position in plan.dec, slots in a caller's device
+                                      // memory: a shard's exponents decoded before its SM-chunk was read
     atomic_int            ops_done;   // shards recovered
     atomic_int            first_open; // no decompression before it is left to take (a hint)
 
@@ -254,7 +264,7 @@ struct zipmoe_prefetch {
 
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
-        fetch_ns;
+        fetch_ns, slot_write_bytes;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
@@ -298,6 +308,17 @@ static inline int zipmoe_layer_served(const struct ggml_zipmoe_cache * c, int la
     return layer >= 0 && layer < c->layout.n_layer && c->layout.layer_tensor[layer * 3] >= 0;
 }
 
+// the task's SM-chunk is in memory (kept in a store, or read)
+static inline int zipmoe_sm_ready(const struct zipmoe_task * t) {
+    return t->sm_src != NULL || atomic_load(&t->sm_buf) >= 0;
+}
+
+// the task's tensor in its slot: the BF16 values the decode + recover routine writes (host slots;
+// an address in the device's memory for CUDA)
+static inline uint16_t * zipmoe_slot_tensor(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
+}
+
 // experts one pass may hold: with pools, the working slots, so that a pass never evicts an expert
 // of F (nor of another layer's F) to make room; with one F pool, every slot in use
 static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c) {
@@ -310,14 +331,29 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 //   zipmoe-preload.c, zipmoe-substitution-hook.c     on the public cache API (and lossy/)
 //   zipmoe-cache.c                                   lifecycle, queries, merge, statistics
 //   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
+//   zipmoe-fetch-device.c                            shards into slots in CUDA or a caller's device
 //   zipmoe-residency.c                               the plan of a pass, eviction, the stores
 //   zipmoe-prefetch.c                                read-ahead banks
-//   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads
+//   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads, a task's chunks
 //   zipmoe-sched.c, zipmoe-planner.c                 pure: Algorithm 1; Algorithms 2-4
 
 // zipmoe-fetch.c
 void     zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c);
 void     zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c);
+
+// zipmoe-fetch-device.c: shards into slots outside host memory (CUDA, or a caller's device through
+// slot_write); 1: recovered, 2: decoded and parked until its SM-chunk is read, 0: failed (c->status)
+// slot_memory's path (params checked): the staging size, slot_write / slot_sync, or CUDA's state (msg)
+int      zipmoe_device_init(struct ggml_zipmoe_cache * c, const struct ggml_zipmoe_cache_params * p, char * msg,
+                            size_t msg_size);
+int      zipmoe_device_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int op,
+                             struct zipmoe_worker * w, int ith, uint64_t * decode_ns, uint64_t * recover_ns);
+int      zipmoe_device_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int op,
+                                      struct zipmoe_worker * w, int ith, uint64_t * recover_ns);
+void     zipmoe_device_sync(struct ggml_zipmoe_cache * c, int ith);   // ith's recoveries are in the slots
+void     zipmoe_device_forget_parked(struct ggml_zipmoe_cache * c); // a failed fetch's parked shards
+int      zipmoe_device_write(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, size_t offset,
+                             const void * data, size_t size); // through slot_write; 0: failed (c->status)
 
 // zipmoe-residency.c
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
@@ -345,6 +381,12 @@ void     zipmoe_pause_waiting(unsigned spins); // a waiter's spin, then short sl
 // the fetch's first failure, with the chunk at fault, into c->status and c->error
 void     zipmoe_fetch_fail(struct ggml_zipmoe_cache * c, int status, const struct zipmoe_task * t, int chunk,
                            int sys_errno);
+void     zipmoe_fetch_fail_why(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const char * what,
+                               const char * why); // the first failure: "<file>: tensor T, expert E, shard k: what: why"
+const uint8_t * zipmoe_task_e_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k); // 1..K
+const uint8_t * zipmoe_task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t);
+void     zipmoe_shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t);   // its E-chunk consumed
+void     zipmoe_shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t); // in its slot
 uint64_t zipmoe_cache_e_bytes(const struct ggml_zipmoe_cache * c, int tensor, int expert); // its K E-chunks, stored
 size_t   zipmoe_cache_e_region_bytes(const struct ggml_zipmoe_cache * c);
 int      zipmoe_cache_ensure_staging(struct ggml_zipmoe_cache * c);

@@ -102,6 +102,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->stats.layer_ubatches);
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
         ggml_zipmoe_decoder_free(c->pipe.workers[i].decoder);
+        free(c->pipe.workers[i].staging);
     }
     for (int i = 0; i < ZIPMOE_N_STAGING; i++) {
         free(c->pipe.sm_ring[i].mem);
@@ -133,6 +134,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->plan.io);
     free(c->plan.dec);
     free(c->pipe.op_state);
+    free(c->pipe.parked);
     free(c->plan.sched_work);
     pthread_mutex_destroy(&c->lock);
     free(c);
@@ -165,8 +167,12 @@ static const char * check_params(const struct ggml_zipmoe_cache_params * p, int 
     if (p->prefetch_experts < 0) {
         return "ggml_zipmoe_cache_new: prefetch_experts is negative";
     }
-    if (p->slot_memory != GGML_ZIPMOE_SLOTS_HOST && p->slot_memory != GGML_ZIPMOE_SLOTS_CUDA) {
-        return "ggml_zipmoe_cache_new: slot_memory is neither host nor CUDA";
+    if (p->slot_memory != GGML_ZIPMOE_SLOTS_HOST && p->slot_memory != GGML_ZIPMOE_SLOTS_CUDA &&
+        p->slot_memory != GGML_ZIPMOE_SLOTS_DEVICE) {
+        return "ggml_zipmoe_cache_new: slot_memory is not host, CUDA or a device's";
+    }
+    if (p->slot_memory == GGML_ZIPMOE_SLOTS_DEVICE && p->slot_write == NULL) {
+        return "ggml_zipmoe_cache_new: slots in a device's memory (slot_memory DEVICE) need slot_write";
     }
     return NULL;
 }
@@ -280,12 +286,13 @@ static int alloc_bookkeeping(struct ggml_zipmoe_cache * c) {
     pl->io          = (struct ggml_zipmoe_sched_op *) malloc(max_tasks * (K + 1) * sizeof(struct ggml_zipmoe_sched_op));
     pl->dec         = (struct ggml_zipmoe_sched_op *) malloc(max_tasks * K * sizeof(struct ggml_zipmoe_sched_op));
     c->pipe.op_state      = (atomic_int *) calloc(max_tasks * K, sizeof(atomic_int));
+    c->pipe.parked        = (uint8_t **) calloc(max_tasks * K, sizeof(uint8_t *));
     c->stats.activations  = (atomic_uint_least64_t *) calloc(n_keys, sizeof(atomic_uint_least64_t));
     c->stats.layer_ubatches = (atomic_uint_least64_t *) calloc((size_t) (c->layout.n_layer > 0 ? c->layout.n_layer : 1),
                                                                sizeof(atomic_uint_least64_t));
     if (!sl->of_key || !sl->key || !sl->last_use || !sl->pinned || !sl->inserted || !sl->marked || !sl->transient ||
         !c->pools.key_pool || !c->pools.key_entry || !c->policy.freq || !pl->unique || !pl->seen || !pl->pass_slot ||
-        !pl->tokens || !pl->tasks || !pl->sched_tasks || !pl->io || !pl->dec || !c->pipe.op_state ||
+        !pl->tokens || !pl->tasks || !pl->sched_tasks || !pl->io || !pl->dec || !c->pipe.op_state || !c->pipe.parked ||
         !c->stats.activations || !c->stats.layer_ubatches) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
@@ -386,18 +393,8 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
                  "only, or no pools" : "this build serves them from host memory only, not from slots in CUDA memory");
         status = GGML_ZIPMOE_ERR_ARG;
     }
-    if (status == GGML_ZIPMOE_OK && p->slot_memory == GGML_ZIPMOE_SLOTS_CUDA) {
-        // staging for the largest shard of any served tensor
-        uint64_t max_count = 1;
-        for (int t = 0; t < c->file->n_tensors; t++) {
-            for (int k = 0; k < c->file->n_shards; k++) {
-                uint64_t first, count;
-                zipmoe_shard_range(c->file->tensors[t].n, c->file->n_shards, k, &first, &count);
-                max_count = count > max_count ? count : max_count;
-            }
-        }
-        c->gpu = zipmoe_gpu_new(c->slots.data[0], (size_t) max_count, msg, sizeof(msg));
-        status = c->gpu != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_ARG;
+    if (status == GGML_ZIPMOE_OK) {
+        status = zipmoe_device_init(c, p, msg, sizeof(msg));
     }
     if (status == GGML_ZIPMOE_OK) {
         c->layout.max_e_bytes = zipmoe_cache_measure_e_bytes(c); // also rho, for the scheduler
@@ -647,7 +644,7 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->prefetch_hits       = atomic_load(&c->prefetch.hits);
     s->prefetch_bytes_read = atomic_load(&c->prefetch.bytes_read);
     s->prefetch_bytes_used = atomic_load(&c->prefetch.bytes_used);
-    s->h2d_bytes           = zipmoe_gpu_h2d_bytes(c->gpu);
+    s->h2d_bytes           = zipmoe_gpu_h2d_bytes(c->gpu) + atomic_load(&c->stats.slot_write_bytes);
     zipmoe_substitution_counts(c->subst, &s->substitutions, &s->substitution_tokens);
 }
 
@@ -680,6 +677,7 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
     }
     atomic_store(&c->stats.bytes_read, 0);
     zipmoe_gpu_set_h2d_bytes(c->gpu, 0);
+    atomic_store(&c->stats.slot_write_bytes, 0);
     atomic_store(&c->stats.io_ns, 0);
     atomic_store(&c->stats.decode_ns, 0);
     atomic_store(&c->stats.recover_ns, 0);

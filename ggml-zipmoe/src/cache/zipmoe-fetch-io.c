@@ -1,12 +1,14 @@
 // Expert cache, the I/O thread: the staging rings and the reads of a fetch's schedule, in order,
 // each chunk checked before its bytes are published; its idle work (the prefetch's reads, which
-// zipmoe-prefetch.c registers) when no fetch has any left. The lowest of the cache's files: it
+// zipmoe-prefetch.c registers) when no fetch has any left; a task's chunks in the rings, and their
+// buffers freed once its shards are decoded and recovered. The lowest of the cache's files: it
 // calls none of the others. The decoding side of the pipeline is zipmoe-fetch.c.
 
 #include "cache/zipmoe-cache-impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 // a waiter sleeps after a short spin: the thread it waits for may need its core (three threads
@@ -158,6 +160,12 @@ static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * 
     return status;
 }
 
+static atomic_uint g_sm_read_delay_us; // ggml_zipmoe_set_sm_read_delay_us
+
+void ggml_zipmoe_set_sm_read_delay_us(unsigned us) {
+    atomic_store(&g_sm_read_delay_us, us);
+}
+
 // I/O thread: the schedule's reads in order. A task's E-chunks are read together at the first of
 // them (the scheduler lists them back to back), so its shards become ready together.
 static void read_all(struct ggml_zipmoe_cache * c) {
@@ -167,6 +175,11 @@ static void read_all(struct ggml_zipmoe_cache * c) {
         const int sm = c->plan.io[j].chunk == 0;
         if (!sm && atomic_load(&t->e_buf) >= 0) {
             continue;
+        }
+        const unsigned delay_us = sm ? atomic_load(&g_sm_read_delay_us) : 0;
+        if (delay_us > 0) {
+            const struct timespec pause = { (time_t) (delay_us / 1000000), (long) (delay_us % 1000000) * 1000 };
+            nanosleep(&pause, NULL);
         }
         struct zipmoe_staging * ring = sm ? c->pipe.sm_ring : c->pipe.e_ring;
         const int b = acquire_buffer(c, ring);
@@ -220,4 +233,71 @@ int zipmoe_cache_start_io(struct ggml_zipmoe_cache * c) {
     }
     c->pipe.io_started = 1;
     return GGML_ZIPMOE_OK;
+}
+
+// the fetch's first failure, naming the tensor, expert and shard (k = 0: the whole expert)
+void zipmoe_fetch_fail_why(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const char * what,
+                           const char * why) {
+    int ok = GGML_ZIPMOE_OK;
+    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
+        char shard[32] = "";
+        if (k > 0) {
+            snprintf(shard, sizeof(shard), ", shard %d", k);
+        }
+        snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d%s: %s: %s", c->file->path,
+                 c->file->tensors[t->tensor].name, t->expert, shard, what, why);
+    }
+}
+
+// E-chunk k (1..K) of a task, read or kept
+const uint8_t * zipmoe_task_e_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k) {
+    if (t->e_src != NULL) {
+        const uint8_t * p = t->e_src;
+        for (int j = 1; j < k; j++) {
+            p += zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+        }
+        return p;
+    }
+    const struct zipmoe_staging * s = &c->pipe.e_ring[atomic_load(&t->e_buf)];
+    if (s->base != UINT64_MAX) {
+        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, k)->offset - s->base);
+    }
+    return s->mem + (size_t) (k - 1) * c->pipe.e_region;
+}
+
+const uint8_t * zipmoe_task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return t->sm_src != NULL ? t->sm_src : c->pipe.sm_ring[atomic_load(&t->sm_buf)].mem;
+}
+
+// a shard of t was recovered: when the tensor is full, keep its SM-chunk if dispatched to C or S
+// and free its staging buffer
+void zipmoe_shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
+    if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
+        if (t->sm_dst != NULL) {
+            memcpy(t->sm_dst, zipmoe_task_sm(c, t), c->file->tensors[t->tensor].sm_size);
+        }
+        if (t->sm_src == NULL) {
+            atomic_store(&c->pipe.sm_ring[atomic_load(&t->sm_buf)].state, STAGE_FREE);
+        }
+    }
+    atomic_fetch_add(&c->pipe.ops_done, 1);
+}
+
+// a shard of t was decoded: when every E-chunk is, keep them if dispatched to C or E and free
+// their staging buffer
+void zipmoe_shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
+    const int K = c->file->n_shards;
+    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
+        if (t->e_dst != NULL) {
+            uint8_t * dst = t->e_dst;
+            for (int j = 1; j <= K; j++) {
+                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
+                memcpy(dst, zipmoe_task_e_chunk(c, t, j), size);
+                dst += size;
+            }
+        }
+        if (t->e_src == NULL) {
+            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
+        }
+    }
 }

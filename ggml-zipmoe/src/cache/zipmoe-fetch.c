@@ -91,26 +91,6 @@ void zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c) {
     }
 }
 
-// E-chunk k (1..K) of a task, read or kept
-static const uint8_t * task_e_chunk(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k) {
-    if (t->e_src != NULL) {
-        const uint8_t * p = t->e_src;
-        for (int j = 1; j < k; j++) {
-            p += zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
-        }
-        return p;
-    }
-    const struct zipmoe_staging * s = &c->pipe.e_ring[atomic_load(&t->e_buf)];
-    if (s->base != UINT64_MAX) {
-        return s->mem + (zipmoe_file_chunk(c->file, t->tensor, t->expert, k)->offset - s->base);
-    }
-    return s->mem + (size_t) (k - 1) * c->pipe.e_region;
-}
-
-static const uint8_t * task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
-    return t->sm_src != NULL ? t->sm_src : c->pipe.sm_ring[atomic_load(&t->sm_buf)].mem;
-}
-
 static struct zipmoe_worker * worker_of(struct ggml_zipmoe_cache * c, int ith) {
     struct zipmoe_worker * w = &c->pipe.workers[ith];
     if (w->decoder == NULL) {
@@ -123,66 +103,24 @@ static int e_ready(const struct zipmoe_task * t) {
     return t->e_src != NULL || atomic_load(&t->e_buf) >= 0;
 }
 
-static int sm_ready(const struct zipmoe_task * t) {
-    return t->sm_src != NULL || atomic_load(&t->sm_buf) >= 0;
-}
-
-// the task's tensor in its slot: the BF16 values the decode + recover routine writes
-static uint16_t * slot_tensor(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
-    return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
-}
-
-// a shard of t was recovered: when the tensor is full, keep its SM-chunk if dispatched to C or S
-// and free its staging buffer
-static void shard_recovered(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
-    if (atomic_fetch_add(&t->n_recovered, 1) == c->file->n_shards - 1) {
-        if (t->sm_dst != NULL) {
-            memcpy(t->sm_dst, task_sm(c, t), c->file->tensors[t->tensor].sm_size);
-        }
-        if (t->sm_src == NULL) {
-            atomic_store(&c->pipe.sm_ring[atomic_load(&t->sm_buf)].state, STAGE_FREE);
-        }
-    }
-    atomic_fetch_add(&c->pipe.ops_done, 1);
-}
-
-// a shard of t was decoded: when every E-chunk is, keep them if dispatched to C or E and free
-// their staging buffer
-static void shard_decoded(struct ggml_zipmoe_cache * c, struct zipmoe_task * t) {
-    const int K = c->file->n_shards;
-    if (atomic_fetch_add(&t->n_decoded, 1) == K - 1) {
-        if (t->e_dst != NULL) {
-            uint8_t * dst = t->e_dst;
-            for (int j = 1; j <= K; j++) {
-                const uint64_t size = zipmoe_file_chunk(c->file, t->tensor, t->expert, j)->size;
-                memcpy(dst, task_e_chunk(c, t, j), size);
-                dst += size;
-            }
-        }
-        if (t->e_src == NULL) {
-            atomic_store(&c->pipe.e_ring[atomic_load(&t->e_buf)].state, STAGE_FREE);
-        }
-    }
-}
-
-// a raw (non-BF16) expert's share k (1..K) of its bytes, in the SM-chunk's place, into its slot: copied,
-// or the whole expert through the caller's slot_fill at k = 1 (a backend lays it out its own way)
+// a raw (non-BF16) expert's share k (1..K) of its bytes, in the SM-chunk's place, into its slot: copied
+// (through slot_write for a caller's device), or the whole expert through the caller's slot_fill at
+// k = 1 (a backend lays it out its own way)
 static int fill_raw(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k) {
     const int      K    = c->file->n_shards;
     const uint64_t size = c->file->tensors[t->tensor].sm_size;
+    const uint64_t lo = size * (uint64_t) (k - 1) / (uint64_t) K, hi = size * (uint64_t) k / (uint64_t) K;
+    if (c->slots.fill == NULL && c->slots.write != NULL) {
+        return zipmoe_device_write(c, t, lo, zipmoe_task_sm(c, t) + lo, hi - lo);
+    }
     if (c->slots.fill == NULL) {
-        const uint64_t lo = size * (uint64_t) (k - 1) / (uint64_t) K, hi = size * (uint64_t) k / (uint64_t) K;
-        memcpy((uint8_t *) slot_tensor(c, t) + lo, task_sm(c, t) + lo, hi - lo);
+        memcpy((uint8_t *) zipmoe_slot_tensor(c, t) + lo, zipmoe_task_sm(c, t) + lo, hi - lo);
         return 1;
     }
     char why[512] = "";
-    if (k == 1 && c->slots.fill(c->slots.fill_data, t->kind, t->tensor, t->slot, task_sm(c, t), size, why,
+    if (k == 1 && c->slots.fill(c->slots.fill_data, t->kind, t->tensor, t->slot, zipmoe_task_sm(c, t), size, why,
                                 sizeof(why)) != 0) {
-        int ok = GGML_ZIPMOE_OK;
-        if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
-            snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d: filling its slot failed: %s",
-                     c->file->path, c->file->tensors[t->tensor].name, t->expert, why);
-        }
+        zipmoe_fetch_fail_why(c, t, 0, "filling its slot failed", why);
         return 0;
     }
     return 1;
@@ -196,10 +134,10 @@ static int recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, i
             return 0;
         }
     } else {
-        zipmoe_shard_recover(task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, slot_tensor(c, t));
+        zipmoe_shard_recover(zipmoe_task_sm(c, t), c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, zipmoe_slot_tensor(c, t));
     }
     *recover_ns += zipmoe_now_ns() - t0;
-    shard_recovered(c, t);
+    zipmoe_shard_recovered(c, t);
     return 1;
 }
 
@@ -208,118 +146,27 @@ static int recover_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, i
 static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w,
                         uint64_t * decode_ns) {
     if (c->file->tensors[t->tensor].raw) {
-        shard_decoded(c, t);
+        zipmoe_shard_decoded(c, t);
         return 1;
     }
     const int K = c->file->n_shards;
     const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
     const uint64_t t0 = zipmoe_now_ns();
-    const int status = zipmoe_shard_decode(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size,
-                                           c->file->tensors[t->tensor].n, K, k - 1, slot_tensor(c, t));
+    const int status = zipmoe_shard_decode(w->decoder, ch->codec, zipmoe_task_e_chunk(c, t, k), ch->size,
+                                           c->file->tensors[t->tensor].n, K, k - 1, zipmoe_slot_tensor(c, t));
     *decode_ns += zipmoe_now_ns() - t0;
     if (status != GGML_ZIPMOE_OK) {
         zipmoe_fetch_fail(c, status, t, k, 0);
         return 0;
     }
-    shard_decoded(c, t);
+    zipmoe_shard_decoded(c, t);
     return 1;
 }
 
-static void fail_gpu(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const char * why) {
-    int ok = GGML_ZIPMOE_OK;
-    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
-        snprintf(c->error, sizeof(c->error), "%s: tensor %s, expert %d, shard %d: recovery on the GPU failed: %s",
-                 c->file->path, c->file->tensors[t->tensor].name, t->expert, k, why);
-    }
-}
-
-// slots in CUDA memory: shard k (1..K) decoded into the thread's pinned staging, and with its SM
-// plane beside it copied to the GPU and recovered there (zipmoe-gpu.h); if the SM-chunk is not read
-// yet, the exponents are parked in the slot's device bytes instead. 1: recovered, 2: parked, 0: failed.
-static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, struct zipmoe_worker * w, int ith,
-                     uint64_t * decode_ns, uint64_t * recover_ns) {
-    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
-    uint64_t first, count;
-    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
-    char why[512];
-    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
-    if (stage == NULL) {
-        fail_gpu(c, t, k, why);
-        return 0;
-    }
-    uint16_t * dst = slot_tensor(c, t) + first;
-    struct zipmoe_ghuf_stream gs;
-    if (ch->codec == GGML_ZIPMOE_CODEC_GHUF && zipmoe_ghuf_parse(task_e_chunk(c, t, k), ch->size, &gs) == 0 &&
-        gs.mode == ZIPMOE_GHUF_HUF && gs.n == count) {
-        // phase 2: the compressed E-chunk crosses to the GPU and is decoded there (a chunk that does not
-        // parse is left to the CPU's decoder below, which names it as corrupt)
-        const int parked = !sm_ready(t);
-        const int32_t tag[3] = { t->tensor, t->expert, k };
-        const uint64_t t0 = zipmoe_now_ns();
-        if (!parked) {
-            memcpy(stage, task_sm(c, t) + first, count);
-        }
-        if (zipmoe_gpu_decode(c->gpu, ith, &gs, task_e_chunk(c, t, k), ch->size, count, dst,
-                              parked ? (uint8_t *) dst + count : NULL, tag, why, sizeof(why)) != 0) {
-            fail_gpu(c, t, k, why);
-            return 0;
-        }
-        *recover_ns += zipmoe_now_ns() - t0;
-        shard_decoded(c, t); // its bytes are in the pinned staging now
-        if (parked) {
-            return 2;
-        }
-        shard_recovered(c, t);
-        return 1;
-    }
-    const uint64_t t0 = zipmoe_now_ns();
-    const int status = ggml_zipmoe_decompress(w->decoder, ch->codec, task_e_chunk(c, t, k), ch->size, stage + count,
-                                              count);
-    const uint64_t t1 = zipmoe_now_ns();
-    *decode_ns += t1 - t0;
-    if (status != GGML_ZIPMOE_OK) {
-        zipmoe_fetch_fail(c, status, t, k, 0);
-        return 0;
-    }
-    shard_decoded(c, t);
-    if (!sm_ready(t)) {
-        if (zipmoe_gpu_park(c->gpu, ith, count, (uint8_t *) dst + count, why, sizeof(why)) != 0) {
-            fail_gpu(c, t, k, why);
-            return 0;
-        }
-        *recover_ns += zipmoe_now_ns() - t1;
-        return 2;
-    }
-    memcpy(stage, task_sm(c, t) + first, count);
-    if (zipmoe_gpu_recover(c->gpu, ith, count, dst, why, sizeof(why)) != 0) {
-        fail_gpu(c, t, k, why);
-        return 0;
-    }
-    *recover_ns += zipmoe_now_ns() - t1;
-    shard_recovered(c, t);
-    return 1;
-}
-
-// a parked shard (gpu_shard returned 2) whose SM-chunk is now in memory; 1 if it went
-static int gpu_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int ith,
-                              uint64_t * recover_ns) {
-    uint64_t first, count;
-    zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
-    char why[512];
-    const uint64_t t0 = zipmoe_now_ns();
-    uint8_t * stage = zipmoe_gpu_staging(c->gpu, ith, why, sizeof(why));
-    uint16_t * dst = slot_tensor(c, t) + first;
-    if (stage != NULL) {
-        memcpy(stage, task_sm(c, t) + first, count);
-    }
-    if (stage == NULL || zipmoe_gpu_recover_parked(c->gpu, ith, count, (const uint8_t *) dst + count, dst, why,
-                                                   sizeof(why)) != 0) {
-        fail_gpu(c, t, k, why);
-        return 0;
-    }
-    *recover_ns += zipmoe_now_ns() - t0;
-    shard_recovered(c, t);
-    return 1;
+// shards outside host memory: CUDA slots, or a caller's device (a raw tensor there is only copied,
+// through fill_raw)
+static int on_device(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    return c->gpu != NULL || (c->slots.write != NULL && !c->file->tensors[t->tensor].raw);
 }
 
 // a decoding thread: the first operation of the priority list that can run (a decompression whose
@@ -353,15 +200,15 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                     }
                     break;
                 }
-                if (c->gpu != NULL) {
-                    const int went = gpu_shard(c, t, k, w, ith, &decode_ns, &recover_ns);
+                if (on_device(c, t)) {
+                    const int went = zipmoe_device_shard(c, t, k, j, w, ith, &decode_ns, &recover_ns);
                     if (went == 0) {
                         break;
                     }
                     atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
                 } else if (!decode_shard(c, t, k, w, &decode_ns)) {
                     break;
-                } else if (sm_ready(t)) {
+                } else if (zipmoe_sm_ready(t)) {
                     if (!recover_shard(c, t, k, &recover_ns)) {
                         break;
                     }
@@ -370,13 +217,13 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                     atomic_store(&c->pipe.op_state[j], OP_DECODED);
                 }
                 worked = 1;
-            } else if (st == OP_DECODED && sm_ready(t)) {
+            } else if (st == OP_DECODED && zipmoe_sm_ready(t)) {
                 int expected = OP_DECODED;
                 if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
                     continue;
                 }
-                if (c->gpu != NULL) {
-                    if (!gpu_recover_parked(c, t, k, ith, &recover_ns)) {
+                if (on_device(c, t)) {
+                    if (!zipmoe_device_recover_parked(c, t, k, j, &c->pipe.workers[ith], ith, &recover_ns)) {
                         break;
                     }
                 } else if (!recover_shard(c, t, k, &recover_ns)) {
@@ -391,16 +238,7 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
             zipmoe_pause_waiting(idle);
         }
     }
-    if (c->gpu != NULL) {
-        // the slots are full only once this thread's copies and kernels are done
-        char why[512];
-        if (zipmoe_gpu_sync(c->gpu, ith, why, sizeof(why)) != 0) {
-            int ok = GGML_ZIPMOE_OK;
-            if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {
-                snprintf(c->error, sizeof(c->error), "%s: recovery on the GPU failed: %s", c->file->path, why);
-            }
-        }
-    }
+    zipmoe_device_sync(c, ith); // the slots are full only once this thread's copies are done
     atomic_fetch_add(&c->stats.decode_ns, decode_ns);
     atomic_fetch_add(&c->stats.recover_ns, recover_ns);
 }
@@ -451,6 +289,7 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
     calibrate(c, atomic_load(&c->status) == GGML_ZIPMOE_OK);
     zipmoe_prefetch_release(c);
     if (atomic_load(&c->status) != GGML_ZIPMOE_OK) {
+        zipmoe_device_forget_parked(c);
         zipmoe_cache_forget_tasks(c);
         for (int i = 0; i < ZIPMOE_N_STAGING && c->pipe.sm_ring[0].mem != NULL; i++) {
             atomic_store(&c->pipe.sm_ring[i].state, STAGE_FREE);

@@ -1,5 +1,5 @@
 // Expert slots in CUDA device memory (internal; zipmoe-cuda.cu, or zipmoe-gpu-none.c in a build
-// without CUDA). The fetch pipeline (zipmoe-fetch.c) still reads on the CPU, and decodes exponents
+// without CUDA). The fetch pipeline (zipmoe-fetch-device.c) still reads on the CPU, and decodes exponents
 // there for every codec but ghuf (decoded on the GPU from its stored E-chunk); a decoding thread puts a shard's SM plane and decoded exponent plane side by side in its pinned
 // staging buffer, and zipmoe_gpu_recover copies both to the device asynchronously on the thread's
 // own stream and interleaves them into BF16 in the slot with the recovery kernel. Each thread has
