@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "ggml-zipmoe" / "src"
 # the cache's files from the top down (zipmoe-cache-impl.h); a file may call those after it only
 CACHE_ORDER = [
     ("zipmoe-preload.c", "zipmoe-substitution-hook.c"),
-    ("zipmoe-cache.c",),
+    ("zipmoe-cache.c", "zipmoe-stats.c"),
     ("zipmoe-fetch.c",),
     ("zipmoe-fetch-device.c",),
     ("zipmoe-residency.c",),

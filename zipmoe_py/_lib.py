@@ -38,7 +38,9 @@ class CacheStats(ctypes.Structure):
                                                      "io_ns", "decode_ns", "recover_ns", "fetch_ns",
                                                      "c_hits", "s_hits", "e_hits", "prefetch_hits",
                                                      "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes",
-                                                     "substitutions", "substitution_tokens")]
+                                                     "substitutions", "substitution_tokens", "lock_wait_ns", "plan_ns",
+                                                     "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
+                                                     "graph_ns", "graphs")]
 
 
 class BuddyParams(ctypes.Structure):
@@ -305,6 +307,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_pool_entries": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
     "ggml_zipmoe_cache_get_stats": (None, [ctypes.c_void_p, ctypes.POINTER(CacheStats)]),
     "ggml_zipmoe_cache_reset_stats": (None, [ctypes.c_void_p]),
+    "ggml_zipmoe_cache_count_graph": (None, [ctypes.c_void_p, ctypes.c_uint64]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
     "ggml_zipmoe_set_sm_read_delay_us": (None, [ctypes.c_uint]),
     "ggml_zipmoe_serving_new": (ctypes.c_void_p, [ctypes.POINTER(ServingParams), ctypes.c_char_p, ctypes.c_size_t]),

@@ -53,6 +53,18 @@ def experts_bytes(model: Path) -> int | None:
         return None
 
 
+def _time_account(stats: dict, n_tokens: int | None) -> str:
+    """Where the graphs' time went: their compute outside fetches, and a fetch's wall time by part
+    (ggml_zipmoe_cache_stats: the five parts add up to fetch_ns), per token when n_tokens is given."""
+    per, unit = (n_tokens, "ms per token") if n_tokens else (1, "ms")
+    parts = [("compute", max(0, stats["graph_ns"] - stats["fetch_ns"])), ("fetch lock", stats["lock_wait_ns"]),
+             ("plan", stats["plan_ns"]), ("decode on the critical path", stats["fetch_work_ns"]),
+             ("waiting for reads", stats["read_wait_ns"]), ("waiting for the other threads", stats["finish_wait_ns"])]
+    text = f"time ({unit}): graphs {stats['graph_ns'] / 1e6 / per:.1f} = " + ", ".join(
+        f"{name} {ns / 1e6 / per:.1f}" for name, ns in parts)
+    return text + f"; {stats['decode_faults']} page faults while fetching"
+
+
 def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     pooled = stats["c_hits"] + stats["s_hits"] + stats["e_hits"]
     lookups = stats["expert_hits"] + pooled + stats["expert_misses"]
@@ -63,6 +75,7 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
              f"{stats['decode_ns'] / 1e6:.1f} ms, recover {stats['recover_ns'] / 1e6:.1f} ms, fetch wall "
              f"{stats['fetch_ns'] / 1e6:.1f} ms")
+    text += f"; {_time_account(stats, n_tokens)}"
     if stats.get("h2d_bytes"):
         text += f"; to the slots' device {stats['h2d_bytes'] / 1e6:.2f} MB"
     if stats.get("prefetch_bytes_read"):
@@ -79,12 +92,8 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
     if now is None:
         print("[stats] not a ZipMoE model: no expert cache", file=sys.stderr)
         return None
-    delta = {k: now[k] - (before or {}).get(k, 0) for k in ("expert_hits", "c_hits", "s_hits", "e_hits",
-                                                             "expert_misses", "bytes_read", "io_ns",
-                                                             "decode_ns", "recover_ns", "fetch_ns",
-                                                             "prefetch_hits", "prefetch_bytes_read",
-                                                             "prefetch_bytes_used", "h2d_bytes",
-                                                             "substitutions", "substitution_tokens")}
+    # every counter of the cache's statistics (the memory plan and the rest are not counters)
+    delta = {k: now[k] - (before or {}).get(k, 0) for k, _ in _lib.CacheStats._fields_}
     print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
     subst = now.get("substitution") or {}

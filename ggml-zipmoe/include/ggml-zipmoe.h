@@ -372,6 +372,17 @@ struct ggml_zipmoe_cache_stats {
                                   // GGML_ZIPMOE_SLOTS_DEVICE: what slot_write was given)
     uint64_t substitutions;       // LOSSY: selections a substitution policy replaced with another expert
     uint64_t substitution_tokens; // tokens (per MoE layer) the substitution policy routed
+    // where fetch_ns went, on thread 0 (the graph's critical path); the five add up to fetch_ns:
+    uint64_t lock_wait_ns;        //   waiting for the cache (another context's fetch, a preload)
+    uint64_t plan_ns;             //   planning the pass, the schedule (Algorithm 1), posting the reads
+    uint64_t fetch_work_ns;       //   thread 0's own decoding, recovery and slot writes
+    uint64_t read_wait_ns;        //   thread 0 with nothing to decode: waiting for chunks to be read (or
+                                  //   for another thread's last shards)
+    uint64_t finish_wait_ns;      //   waiting for the other threads' shards, the I/O thread, device syncs
+    uint64_t decode_faults;       // minor page faults in the decoding threads while fetching (slot pages
+                                  // touched for the first time, or again after being given back)
+    uint64_t graph_ns;            // wall time of the graphs that fetched (ggml_zipmoe_cache_count_graph):
+    uint64_t graphs;              //   graph_ns - fetch_ns is the rest of their compute
 };
 
 struct ggml_zipmoe_cache;
@@ -381,6 +392,10 @@ struct ggml_zipmoe_cache;
 GGML_ZIPMOE_API struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_params * params,
                                                                  char * err, size_t err_size);
 GGML_ZIPMOE_API void                       ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * cache);
+
+// the caller's graph that ran this cache's fetches took ns of wall time (build, fetches and compute):
+// graph_ns and graphs of the statistics, so that they account for a token's whole time
+GGML_ZIPMOE_API void ggml_zipmoe_cache_count_graph(struct ggml_zipmoe_cache * cache, uint64_t ns);
 
 // slots in use (the first n of the slot tensors' params.n_slots), and how many the tensors hold
 GGML_ZIPMOE_API int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * cache);

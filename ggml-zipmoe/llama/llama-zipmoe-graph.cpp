@@ -291,7 +291,9 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
 }
 
 std::unique_lock<std::mutex> llama_zipmoe::lock_compute() {
-    return std::unique_lock<std::mutex>(compute_mutex);
+    std::unique_lock<std::mutex> lock(compute_mutex);
+    graph_start_us = ggml_time_us(); // the graph's whole time, for the account of a token (finish_compute)
+    return lock;
 }
 
 bool llama_zipmoe::graph_is_current(const ggml_cgraph * gf) const {
@@ -320,6 +322,10 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
     // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
     // begin) left the fetch open: its reads stop and its slots are forgotten
     ggml_zipmoe_cache_cancel(cache);
+    if (graph_start_us >= 0) {
+        ggml_zipmoe_cache_count_graph(cache, (uint64_t) (ggml_time_us() - graph_start_us) * 1000u);
+        graph_start_us = -1;
+    }
     context_state & st = state_of(lctx);
     st.error.clear();
     if (failed.load()) {

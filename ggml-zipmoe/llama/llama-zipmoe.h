@@ -304,6 +304,7 @@ private:
 
     // graphs and contexts
     std::mutex                  compute_mutex; // held by lock_compute, and by resize
+    int64_t                     graph_start_us = -1; // the graph under compute_mutex began (lock_compute)
     mutable std::mutex          state_mutex;   // args, contexts, built, layout
     std::deque<op_args>         args;          // stable addresses for the graph's custom ops
     std::unordered_map<int64_t, op_args *> args_index;

@@ -1,6 +1,7 @@
 // The expert cache's state, shared by its source files (not part of the public API):
 //
-//   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge, statistics
+//   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge
+//   zipmoe-stats.c      statistics: the counters, their reset, the account of a fetch's time
 //   zipmoe-preload.c    the slots filled before serving
 //   zipmoe-residency.c  what is where: slots, eviction policies, rank dispatch, the C/S/E stores,
 //                       and the plan of a pass (hits, victims, one task per expert tensor to fill)
@@ -264,7 +265,8 @@ struct zipmoe_prefetch {
 
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
-        fetch_ns, slot_write_bytes;
+        fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
+        decode_faults, graph_ns, graphs;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
@@ -329,7 +331,7 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 // The files call each other one way, from the top down; a lower file never calls a higher one
 // (the I/O thread reaches the prefetch's reads through pipe.idle_work, which prefetch registers):
 //   zipmoe-preload.c, zipmoe-substitution-hook.c     on the public cache API (and lossy/)
-//   zipmoe-cache.c                                   lifecycle, queries, merge, statistics
+//   zipmoe-cache.c, zipmoe-stats.c                   lifecycle, queries, merge; statistics
 //   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
 //   zipmoe-fetch-device.c                            shards into slots in CUDA or a caller's device
 //   zipmoe-residency.c                               the plan of a pass, eviction, the stores

@@ -10,8 +10,8 @@
 //
 // A fetch is split in two graph ops so that reading overlaps the graph's other work: begin plans
 // (zipmoe-residency.c) and starts the reads, end decodes and recovers (zipmoe-fetch.c). This file
-// holds the cache's lifecycle, its public queries, the multi-pass merge and statistics (preload:
-// zipmoe-preload.c); zipmoe-cache-impl.h maps the cache's state to the files.
+// holds the cache's lifecycle, its public queries and the multi-pass merge (statistics:
+// zipmoe-stats.c; preload: zipmoe-preload.c); zipmoe-cache-impl.h maps the cache's state to the files.
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -627,63 +627,6 @@ int ggml_zipmoe_cache_merge_pass(const struct ggml_zipmoe_cache * c, int layer, 
         free(rank);
     }
     return GGML_ZIPMOE_OK;
-}
-
-void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml_zipmoe_cache_stats * s) {
-    s->fetch_calls   = atomic_load(&c->stats.fetch_calls);
-    s->expert_hits   = atomic_load(&c->stats.hits);
-    s->expert_misses = atomic_load(&c->stats.misses);
-    s->bytes_read    = atomic_load(&c->stats.bytes_read);
-    s->io_ns         = atomic_load(&c->stats.io_ns);
-    s->decode_ns     = atomic_load(&c->stats.decode_ns);
-    s->recover_ns    = atomic_load(&c->stats.recover_ns);
-    s->fetch_ns      = atomic_load(&c->stats.fetch_ns);
-    s->c_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_C]);
-    s->s_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_S]);
-    s->e_hits        = atomic_load(&c->stats.store_hits[GGML_ZIPMOE_POOL_E]);
-    s->prefetch_hits       = atomic_load(&c->prefetch.hits);
-    s->prefetch_bytes_read = atomic_load(&c->prefetch.bytes_read);
-    s->prefetch_bytes_used = atomic_load(&c->prefetch.bytes_used);
-    s->h2d_bytes           = zipmoe_gpu_h2d_bytes(c->gpu) + atomic_load(&c->stats.slot_write_bytes);
-    zipmoe_substitution_counts(c->subst, &s->substitutions, &s->substitution_tokens);
-}
-
-int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int layer, uint64_t * counts,
-                                      uint64_t * n_ubatches) {
-    if (!ggml_zipmoe_cache_has_layer(c, layer) || counts == NULL || n_ubatches == NULL) {
-        return GGML_ZIPMOE_ERR_ARG;
-    }
-    const int64_t base = (int64_t) layer * c->layout.max_expert;
-    for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
-        counts[e] = atomic_load(&c->stats.activations[base + e]);
-    }
-    *n_ubatches = atomic_load(&c->stats.layer_ubatches[layer]);
-    return GGML_ZIPMOE_OK;
-}
-
-void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
-    const size_t n_keys = zipmoe_cache_n_keys(c);
-    for (size_t i = 0; i < n_keys; i++) {
-        atomic_store(&c->stats.activations[i], 0);
-    }
-    for (int l = 0; l < (c->layout.n_layer > 0 ? c->layout.n_layer : 1); l++) {
-        atomic_store(&c->stats.layer_ubatches[l], 0);
-    }
-    atomic_store(&c->stats.fetch_calls, 0);
-    atomic_store(&c->stats.hits, 0);
-    atomic_store(&c->stats.misses, 0);
-    for (int p = 0; p < 4; p++) {
-        atomic_store(&c->stats.store_hits[p], 0);
-    }
-    atomic_store(&c->stats.bytes_read, 0);
-    zipmoe_gpu_set_h2d_bytes(c->gpu, 0);
-    atomic_store(&c->stats.slot_write_bytes, 0);
-    atomic_store(&c->stats.io_ns, 0);
-    atomic_store(&c->stats.decode_ns, 0);
-    atomic_store(&c->stats.recover_ns, 0);
-    atomic_store(&c->stats.fetch_ns, 0);
-    zipmoe_prefetch_reset_stats(c);
-    zipmoe_substitution_reset_counts(c->subst);
 }
 
 const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * c) {

@@ -16,6 +16,7 @@
 
 #include <sched.h>
 #include <stdio.h>
+#include <sys/resource.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -169,12 +170,24 @@ static int on_device(const struct ggml_zipmoe_cache * c, const struct zipmoe_tas
     return c->gpu != NULL || (c->slots.write != NULL && !c->file->tensors[t->tensor].raw);
 }
 
+// minor page faults of the calling thread so far (0 where the OS does not count them per thread)
+static uint64_t thread_minor_faults(void) {
+#ifdef RUSAGE_THREAD
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? (uint64_t) ru.ru_minflt : 0;
+#else
+    return 0;
+#endif
+}
+
 // a decoding thread: the first operation of the priority list that can run (a decompression whose
-// E-chunks are in memory, or a recovery whose SM-chunk is), until every shard is recovered
-static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
+// E-chunks are in memory, or a recovery whose SM-chunk is), until every shard is recovered. Returns
+// the time it spent with nothing to run (waiting for reads), measured on thread 0 only.
+static uint64_t work_tasks(struct ggml_zipmoe_cache * c, int ith) {
     const int total = c->plan.n_tasks * c->file->n_shards;
     struct zipmoe_worker * w = NULL;
-    uint64_t decode_ns = 0, recover_ns = 0;
+    uint64_t decode_ns = 0, recover_ns = 0, waited_ns = 0, idle_since = 0;
+    const uint64_t faults = total > 0 ? thread_minor_faults() : 0; // a pass of hits costs no system call
     unsigned idle = 0;
     while (atomic_load(&c->pipe.ops_done) < total && atomic_load(&c->status) == GGML_ZIPMOE_OK) {
         int worked = 0;
@@ -233,14 +246,26 @@ static void work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                 worked = 1;
             }
         }
+        if (ith == 0 && worked != (idle == 0)) { // an idle streak begins or ends
+            const uint64_t now = zipmoe_now_ns();
+            waited_ns += worked ? now - idle_since : 0;
+            idle_since = now;
+        }
         idle = worked ? 0 : idle + 1;
         if (!worked) {
             zipmoe_pause_waiting(idle);
         }
     }
+    if (ith == 0 && idle > 0) {
+        waited_ns += zipmoe_now_ns() - idle_since;
+    }
     zipmoe_device_sync(c, ith); // the slots are full only once this thread's copies are done
     atomic_fetch_add(&c->stats.decode_ns, decode_ns);
     atomic_fetch_add(&c->stats.recover_ns, recover_ns);
+    if (total > 0) {
+        atomic_fetch_add(&c->stats.decode_faults, thread_minor_faults() - faults);
+    }
+    return waited_ns;
 }
 
 // a running average that a new measurement moves by a quarter: one slow read (another process on
@@ -278,8 +303,9 @@ static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
     c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
 }
 
-// thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up, unlock
-static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
+// thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up,
+// unlock; returns the time it ends at (what fetch_ns counts up to)
+static uint64_t finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
     if (c->plan.n_io > 0) {
         const struct timespec pause = { 0, 20000 };
         while (atomic_load(&c->pipe.io_done) != atomic_load(&c->pipe.io_job)) {
@@ -296,10 +322,12 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
             atomic_store(&c->pipe.e_ring[i].state, STAGE_FREE);
         }
     }
+    const uint64_t t_done = zipmoe_now_ns();
     atomic_fetch_add(&c->stats.fetch_calls, 1);
-    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t_end);
+    atomic_fetch_add(&c->stats.fetch_ns, t_done - t_end);
     c->fetch_open = 0;
     pthread_mutex_unlock(&c->lock);
+    return t_done;
 }
 
 // a graph stopped between a fetch's begin and end (an abort callback): stop the I/O thread's
@@ -307,7 +335,8 @@ static void finish_fetch(struct ggml_zipmoe_cache * c, uint64_t t_end) {
 void zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c) {
     int ok = GGML_ZIPMOE_OK;
     atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG);
-    finish_fetch(c, zipmoe_now_ns());
+    const uint64_t t0 = zipmoe_now_ns();
+    atomic_fetch_add(&c->stats.finish_wait_ns, finish_fetch(c, t0) - t0);
 }
 
 int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
@@ -320,6 +349,7 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
     }
     const uint64_t t0 = zipmoe_now_ns();
     pthread_mutex_lock(&c->lock);
+    const uint64_t t_locked = zipmoe_now_ns();
     c->fetch_open  = 1;
     c->fetch_owner = pthread_self();
     c->plan.n_tasks     = 0;
@@ -364,7 +394,10 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
         pthread_cond_signal(&c->pipe.io_wake);
         pthread_mutex_unlock(&c->pipe.io_lock);
     }
-    atomic_fetch_add(&c->stats.fetch_ns, zipmoe_now_ns() - t0);
+    const uint64_t t_posted = zipmoe_now_ns();
+    atomic_fetch_add(&c->stats.lock_wait_ns, t_locked - t0);
+    atomic_fetch_add(&c->stats.plan_ns, t_posted - t_locked);
+    atomic_fetch_add(&c->stats.fetch_ns, t_posted - t0);
     return status;
 }
 
@@ -379,14 +412,17 @@ int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * c, int ith, int nth) 
     const uint64_t t0 = ith == 0 ? zipmoe_now_ns() : 0;
     int n_decoders = c->n_decoders > 0 && c->n_decoders < nth ? c->n_decoders : nth;
     n_decoders = n_decoders < ZIPMOE_MAX_THREADS ? n_decoders : ZIPMOE_MAX_THREADS;
-    if (ith < n_decoders) {
-        work_tasks(c, ith);
-    }
+    const uint64_t waited = ith < n_decoders ? work_tasks(c, ith) : 0;
+    const uint64_t t_worked = ith == 0 ? zipmoe_now_ns() : 0;
     barrier(c, nth);
     const int status = atomic_load(&c->status);
     if (ith == 0) {
         c->plan.sched_threads = n_decoders; // the scheduler's L for the next fetch
-        finish_fetch(c, t0);
+        const uint64_t t_done = finish_fetch(c, t0);
+        // fetch_ns's end part: thread 0's work, its wait for reads, then for the rest
+        atomic_fetch_add(&c->stats.fetch_work_ns, t_worked - t0 - waited);
+        atomic_fetch_add(&c->stats.read_wait_ns, waited);
+        atomic_fetch_add(&c->stats.finish_wait_ns, t_done - t_worked);
     }
     // the next fetch must not re-plan while another thread still reads this one's state
     barrier(c, nth);

@@ -78,7 +78,9 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     atomic_uint_least64_t * counters[] = { &c->stats.fetch_calls, &c->stats.hits, &c->stats.misses, &c->stats.store_hits[0], &c->stats.store_hits[1],
                                            &c->stats.store_hits[2], &c->stats.store_hits[3], &c->stats.bytes_read, &c->stats.io_ns,
                                            &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns,
-                                           &c->stats.slot_write_bytes };
+                                           &c->stats.slot_write_bytes, &c->stats.lock_wait_ns, &c->stats.plan_ns,
+                                           &c->stats.fetch_work_ns, &c->stats.read_wait_ns,
+                                           &c->stats.finish_wait_ns, &c->stats.decode_faults };
     uint64_t saved[sizeof(counters) / sizeof(counters[0])];
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         saved[i] = atomic_load(counters[i]);

@@ -1,0 +1,72 @@
+"""Where a token's time goes (issue 28): a fetch's wall time on the graph's critical path split into
+waiting for the cache's lock, planning, thread 0's own decoding, waiting for reads and waiting for the
+other threads; the graphs' whole time beside it; page faults while fetching. The parts are measured
+from shared timestamps, so they add up to fetch_ns exactly."""
+from __future__ import annotations
+
+import numpy as np
+
+from conftest import run, zipmoe_command
+from test_cache import Cache
+from test_format import make_moe_gguf
+from test_serve import load
+from zipmoe_py import _lib
+from zipmoe_py import format as zformat
+
+PARTS = ("lock_wait_ns", "plan_ns", "fetch_work_ns", "read_wait_ns", "finish_wait_ns")
+
+
+def _fetch_some(cache: Cache, nth: int, steps: int = 12):
+    rng = np.random.default_rng(3)
+    layers = sorted(cache.zf.moe_layers())
+    for step in range(steps):
+        ids = np.stack([rng.choice(8, size=2, replace=False) for _ in range(2)]).astype(np.int32)
+        status, _ = cache.fetch(layers[step % len(layers)], ids, nth=nth)
+        assert status == _lib.OK
+
+
+def test_the_parts_of_a_fetch_add_up_to_its_wall_time(tmp_path):
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(1031, 517, 8), layers=3)
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=4)
+    cache = Cache(path, 3)
+    lib = _lib.lib()
+    try:
+        for nth in (1, 3):
+            _fetch_some(cache, nth)
+            s = cache.stats()
+            assert s["fetch_ns"] > 0 and sum(s[p] for p in PARTS) == s["fetch_ns"], s
+            assert s["plan_ns"] > 0 and s["fetch_work_ns"] > 0
+            cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
+            assert all(cache.stats()[p] == 0 for p in (*PARTS, "decode_faults", "graph_ns", "graphs"))
+        # a slow disk: thread 0 alone has every SM-chunk to wait for
+        lib.ggml_zipmoe_set_sm_read_delay_us(2000)
+        try:
+            _fetch_some(cache, 1, steps=6)
+        finally:
+            lib.ggml_zipmoe_set_sm_read_delay_us(0)
+        s = cache.stats()
+        assert s["read_wait_ns"] >= 6 * 2_000_000 * 0.9 and sum(s[p] for p in PARTS) == s["fetch_ns"], s
+        lib.ggml_zipmoe_cache_count_graph(cache.handle, 5_000_000)
+        assert cache.stats()["graphs"] == 1 and cache.stats()["graph_ns"] == 5_000_000
+    finally:
+        cache.close()
+
+
+def test_a_models_graphs_are_counted_and_the_cli_reports_the_account(zipmoe_gguf):
+    path = zipmoe_gguf("qwen2moe")
+    llm = load(path)
+    try:
+        tokens = llm.tokenize(b"Where does the time go", add_bos=True, special=False)
+        llm.eval(tokens)
+        for _ in range(4):
+            llm.eval([llm.sample(temp=0.0)])
+        s = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert s["graphs"] == 5  # the prompt's ubatch, then one per token
+    assert s["graph_ns"] > s["fetch_ns"] > 0 and sum(s[p] for p in PARTS) == s["fetch_ns"]
+    chat = run([zipmoe_command("zipmoe-chat"), path, "-p", "Hi", "-n", 4, "--temp", 0, "-t", 2, "--stats"], text=True)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    line = next(line for line in chat.stderr.splitlines() if line.startswith("[stats] this reply"))
+    assert "time (ms per token): graphs" in line and "waiting for reads" in line and "page faults" in line
