@@ -12,6 +12,9 @@ its floors are:
   decode  (decode + recover CPU time) / the threads it ran with
 The compute floor (the products with every weight in memory) cannot be measured for a model that
 does not fit: time / max(I/O, decode) above 1 is then compute, and what the pipeline fails to overlap.
+Counters of a build with the time account (docs/GUIDE.md, "Where a token's time goes") add where the
+graphs' time went: compute outside fetches, and on a fetch's critical path the wait for reads and
+thread 0's own decoding.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import sys
 from pathlib import Path
 
 STATS = re.compile(r"([0-9.]+) MB read .*?io ([0-9.]+) ms, decode ([0-9.]+) ms, recover ([0-9.]+) ms")
+ACCOUNT = re.compile(r"fetch wall ([0-9.]+) ms \(lock [0-9.]+, plan [0-9.]+, own work ([0-9.]+), waiting for reads "
+                     r"([0-9.]+), for the rest [0-9.]+; \d+ page faults\); \d+ graphs, ([0-9.]+) ms")
 
 
 def rows(path: Path) -> list[dict]:
@@ -38,9 +43,15 @@ def rows(path: Path) -> list[dict]:
         io_floor = io_ms / 1e3
         bw_floor = mb / 1e3 / bw
         dec_floor = (dec_ms + rec_ms) / 1e3 / threads
-        out.append({"file": path.name, "cap_pct": r.get("cap_pct"), "context": r.get("context"), "time_s": time_s,
-                    "io_floor_s": io_floor, "bw_floor_s": bw_floor, "decode_floor_s": dec_floor,
-                    "ratio": time_s / max(io_floor, dec_floor, 1e-9), "bound": "I/O" if io_floor >= dec_floor else "decode"})
+        row = {"file": path.name, "cap_pct": r.get("cap_pct"), "context": r.get("context"), "time_s": time_s,
+               "io_floor_s": io_floor, "bw_floor_s": bw_floor, "decode_floor_s": dec_floor,
+               "ratio": time_s / max(io_floor, dec_floor, 1e-9), "bound": "I/O" if io_floor >= dec_floor else "decode"}
+        account = ACCOUNT.search(r.get("zipmoe_stats", ""))
+        if account:
+            fetch_ms, own_ms, wait_ms, graphs_ms = (float(x) for x in account.groups())
+            row.update({"compute_s": max(0.0, graphs_ms - fetch_ms) / 1e3, "read_wait_s": wait_ms / 1e3,
+                        "own_decode_s": own_ms / 1e3})
+        out.append(row)
     return out
 
 
@@ -50,11 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--md", type=Path, default=None, help="also write the table here (Markdown)")
     args = ap.parse_args(argv)
     table = ["| results | cap | context | time s | I/O time s | MB read / measured bw, s | decode floor s | "
-             "time / max(I/O, decode) | bound by |", "|---|---|---|---|---|---|---|---|---|"]
+             "time / max(I/O, decode) | bound by | compute s | waiting for reads s | thread 0 decoding s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in args.json:
         for r in rows(path):
             table.append(f"| {r['file']} | {r['cap_pct']}% | {r['context']} | {r['time_s']:.1f} | {r['io_floor_s']:.1f} | "
-                         f"{r['bw_floor_s']:.1f} | {r['decode_floor_s']:.1f} | {r['ratio']:.2f} | {r['bound']} |")
+                         f"{r['bw_floor_s']:.1f} | {r['decode_floor_s']:.1f} | {r['ratio']:.2f} | {r['bound']} | "
+                         + " | ".join(f"{r[k]:.1f}" if k in r else "-" for k in ("compute_s", "read_wait_s", "own_decode_s"))
+                         + " |")
     text = "\n".join(table)
     print(text)
     if args.md:
