@@ -113,6 +113,14 @@ def failed_words(mine: list[dict], ok: list[dict], rounds: int) -> str:
     return f"{len(bad)} of {len(mine)}: {how}" + (", not rerun" if len(mine) < rounds else "")
 
 
+def counter_lines(rows: list[dict], heading: str) -> list[str]:
+    """ZipMoE's counters of each run (its log line when the context was freed), by cap and round"""
+    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in rows if r.get("zipmoe_stats")]
+    if not counters:
+        return []
+    return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
+
+
 def markdown(result: dict) -> str:
     lines = [f"# {Path(result['out']).stem}", "",
              f"{result['date']}, build {result['build']}, {result['threads']} threads, {result['rounds']} interleaved "
@@ -140,10 +148,7 @@ def markdown(result: dict) -> str:
                          f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
                          f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
                          f"{failed_words(mine, ok, result['rounds'])} |")
-    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
-    if counters:
-        lines += ["", "ZipMoE's counters when the context was freed (whole run), by cap and round:", ""]
-        lines += [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
+    lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
     return "\n".join(lines) + "\n"
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
-from quant_bench import LOAD, PROMPT, cell, disk_bw, parse_size  # noqa: E402
+from quant_bench import LOAD, PROMPT, cell, counter_lines, disk_bw, parse_size  # noqa: E402
 
 
 def rpc_server() -> Path:
@@ -203,11 +203,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {cap / (1 << 30):.0f} GiB each | {name} | {cell([r['tpot_s'] * 1e3 for r in ok], '{:.0f}')} | "
                          f"{cell([r['ttft_s'] for r in ok], '{:.1f}')} | "
                          f"{cell([r['sent_per_token'] / 1e6 for r in ok], '{:.2f}')} | {cell(peaks, '{:.2f}')} | {failed} |")
-    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in result["rows"] if r.get("zipmoe_stats")]
-    if counters:
-        lines += ["", "ZipMoE's counters when the context was freed (whole run; \"to the slots' device\": what was "
-                  "written to the slots, on the first server):", ""]
-        lines += [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
+    lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run; \"to the slots' "
+                                           "device\": what was written to the slots, on the first server):")
     return "\n".join(lines) + "\n"
 
 
