@@ -84,6 +84,17 @@ def test_metrics_count_the_expert_cache_and_a_bf16_model_has_none(tiny_gguf, zip
     assert after["zipmoe:slots_in_use"] <= after["zipmoe:slot_capacity"]
     assert after["zipmoe:substitutions_total"] == 0  # lossless by default
     assert "# TYPE zipmoe:expert_misses_total counter" in text and 'zipmoe:store_hits_total{pool="C"}' in text
+    # where the time went: the graphs, and the fetches' wait by part, which add up to it (to the nanosecond)
+    assert after["zipmoe:graphs_total"] > before["zipmoe:graphs_total"]
+    assert after["zipmoe:graph_seconds_total"] > after["zipmoe:fetch_wait_seconds_total"] > 0
+
+    def ns(line: str) -> int:
+        whole, frac = line.rsplit(" ", 1)[1].split(".")
+        return int(whole) * 1_000_000_000 + int(frac)
+
+    parts = [ns(line) for line in text.splitlines() if line.startswith("zipmoe:fetch_wait_part_seconds_total{")]
+    total = next(ns(line) for line in text.splitlines() if line.startswith("zipmoe:fetch_wait_seconds_total "))
+    assert len(parts) == 5 and sum(parts) == total
     with LlamaServer(tiny_gguf("deepseek2"), "--metrics", "-c", 512) as plain:
         assert not any(name.startswith("zipmoe:") for name in plain.metrics())
 

@@ -65,7 +65,9 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
         { "prefetch_hits_total", "Selections whose missing chunks a prefetch had read", s.prefetch_hits },
         { "prefetch_bytes_read_total", "Stored bytes prefetches read", s.prefetch_bytes_read },
         { "prefetch_bytes_used_total", "Prefetched bytes a fetch used", s.prefetch_bytes_used },
-        { "h2d_bytes_total",     "Bytes copied host to device for slots in GPU memory", s.h2d_bytes },
+        { "h2d_bytes_total",     "Bytes copied host to device for slots in a device's memory", s.h2d_bytes },
+        { "fetch_page_faults_total", "Page faults of the decoding threads while fetching", s.decode_faults },
+        { "graphs_total",        "Graphs of the model computed (build, fetches and compute)", s.graphs },
         { "substitutions_total", "LOSSY: selections a substitution policy replaced (0 unless a lossy mode is on)",
                                  s.substitutions },
     };
@@ -76,6 +78,16 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
     put_seconds(&t, "decode_seconds_total", "Time decoding exponent chunks, summed over threads", s.decode_ns);
     put_seconds(&t, "recover_seconds_total", "Time recovering BF16 weights, summed over threads", s.recover_ns);
     put_seconds(&t, "fetch_wait_seconds_total", "Time the graph waited in expert fetches", s.fetch_ns);
+    put_seconds(&t, "graph_seconds_total", "Wall time of the model's graphs, fetches included", s.graph_ns);
+    // the fetch wait by part (they add up to fetch_wait_seconds_total)
+    put(&t, "# HELP zipmoe:fetch_wait_part_seconds_total Where the expert fetches' wait went on the graph's critical "
+            "path\n# TYPE zipmoe:fetch_wait_part_seconds_total counter\n");
+    const char * part_names[5] = { "lock", "plan", "decode", "reads", "threads" };
+    const uint64_t part_ns[5] = { s.lock_wait_ns, s.plan_ns, s.fetch_work_ns, s.read_wait_ns, s.finish_wait_ns };
+    for (int i = 0; i < 5; i++) {
+        put(&t, "zipmoe:fetch_wait_part_seconds_total{part=\"%s\"} %llu.%09llu\n", part_names[i],
+            (unsigned long long) (part_ns[i] / 1000000000u), (unsigned long long) (part_ns[i] % 1000000000u));
+    }
 
     put(&t, "# HELP zipmoe:store_hits_total Selections found in a compressed-store pool (C: no read, S: exponent "
             "chunks read, E: sign-mantissa chunks read)\n# TYPE zipmoe:store_hits_total counter\n");
