@@ -25,8 +25,9 @@ import sys
 from pathlib import Path
 
 STATS = re.compile(r"([0-9.]+) MB read .*?io ([0-9.]+) ms, decode ([0-9.]+) ms, recover ([0-9.]+) ms")
-ACCOUNT = re.compile(r"fetch wall ([0-9.]+) ms \(lock [0-9.]+, plan [0-9.]+, own work ([0-9.]+), waiting for reads "
-                     r"([0-9.]+), for the rest [0-9.]+; \d+ page faults\); \d+ graphs, ([0-9.]+) ms")
+ACCOUNT = re.compile(r"fetch wall ([0-9.]+) ms \(fetch lock [0-9.]+, plan [0-9.]+, thread 0 decoding ([0-9.]+), waiting "
+                     r"for reads ([0-9.]+), waiting for the other threads [0-9.]+; \d+ page faults\); \d+ graphs, "
+                     r"([0-9.]+) ms")
 
 
 def rows(path: Path) -> list[dict]:

@@ -111,6 +111,11 @@ def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):
                env={**os.environ, "GGML_NO_BACKTRACE": "1"})
     assert proc.returncode not in (0, -signal.SIGABRT, -signal.SIGSEGV), proc.stderr[-2000:]
     assert f"RPC server 127.0.0.1:{port}: cannot be reached" in proc.stderr
+    for bad in ("localhost", "127.0.0.1:notaport"):  # upstream aborted on an endpoint it could not parse
+        proc = run([zipmoe_command("llama-completion"), "-m", zipmoe_gguf("qwen2moe"), "--rpc", bad, "-ngl", "99",
+                    "-p", "hi", "-n", "1", "-no-cnv"], text=True, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+        assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+        assert f"RPC server {bad}: cannot be reached, is not HOST:PORT" in proc.stderr
 
 
 def _kill_after_steps(proc: subprocess.Popen, server: subprocess.Popen, steps: int, timeout: float = 300) -> str:

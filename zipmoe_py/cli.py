@@ -58,7 +58,7 @@ def _time_account(stats: dict, n_tokens: int | None) -> str:
     (ggml_zipmoe_cache_stats: the five parts add up to fetch_ns), per token when n_tokens is given."""
     per, unit = (n_tokens, "ms per token") if n_tokens else (1, "ms")
     parts = [("compute", max(0, stats["graph_ns"] - stats["fetch_ns"])), ("fetch lock", stats["lock_wait_ns"]),
-             ("plan", stats["plan_ns"]), ("decode on the critical path", stats["fetch_work_ns"]),
+             ("plan", stats["plan_ns"]), ("thread 0 decoding", stats["fetch_work_ns"]),
              ("waiting for reads", stats["read_wait_ns"]), ("waiting for the other threads", stats["finish_wait_ns"])]
     text = f"time ({unit}): graphs {stats['graph_ns'] / 1e6 / per:.1f} = " + ", ".join(
         f"{name} {ns / 1e6 / per:.1f}" for name, ns in parts)

@@ -667,8 +667,8 @@ void llama_zipmoe::detach(llama_context * lctx) {
     ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
     LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
-                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms (lock %.1f, plan %.1f, own work %.1f, waiting for reads "
-                   "%.1f, for the rest %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device\n",
+                   "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
+                   "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device\n",
                    __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),

@@ -513,7 +513,7 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
         return false;
     }
     if (s->on_gpu) {
-        snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in GPU memory");
+        snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in a device's memory");
         return false;
     }
     if (s->info.raw) {
