@@ -113,6 +113,22 @@ def failed_words(mine: list[dict], ok: list[dict], rounds: int) -> str:
     return f"{len(bad)} of {len(mine)}: {how}" + (", not rerun" if len(mine) < rounds else "")
 
 
+def run_facts(out: Path) -> dict:
+    """what every result records beside its rows: machine, date, build and the command that made it"""
+    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent).stdout.strip()
+    return {"machine": platform.platform(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
+            "build": build, "command": " ".join([Path(sys.executable).name, *sys.argv]), "out": str(out)}
+
+
+def save(result: dict, out: Path, to_markdown) -> None:
+    """the result as JSON at out, its Markdown table beside it (printed too)"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(to_markdown(result))
+    print(out.with_suffix(".md").read_text())
+
+
 def counter_lines(rows: list[dict], heading: str) -> list[str]:
     """ZipMoE's counters of each run (its log line when the context was freed), by cap and round"""
     counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in rows if r.get("zipmoe_stats")]
@@ -193,19 +209,12 @@ def main() -> int:
                       f"TTFT {row['ttft_s']:6.1f} s  read/token {row.get('read_per_token', 0) / 1e9:6.2f} GB  "
                       f"peak {(row['peak_bytes'] or 0) / 1e9:5.2f} GB", flush=True)
     bw_after = disk_bw(zipmoe)
-    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent).stdout.strip()
     prompt_tokens = next((r["prompt_tokens"] for r in rows if "prompt_tokens" in r), 0)
     result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "gen_tokens": args.gen_tokens, "rounds": args.rounds, "seed": args.seed,
-              "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "machine": platform.platform(),
-              "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(), "build": build,
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "out": str(args.out), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(args.out.with_suffix(".md").read_text())
+              "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, **run_facts(args.out), "rows": rows}
+    save(result, args.out, markdown)
     return 0
 
 

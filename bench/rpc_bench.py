@@ -20,10 +20,8 @@ Cells: median (min-max) of the rounds. A system that fails at a cap is not run a
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import signal
 import socket
@@ -36,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
-from quant_bench import LOAD, PROMPT, cell, counter_lines, disk_bw, parse_size  # noqa: E402
+from quant_bench import LOAD, PROMPT, cell, counter_lines, disk_bw, parse_size, run_facts, save  # noqa: E402
 
 
 def rpc_server() -> Path:
@@ -256,20 +254,13 @@ def main() -> int:
                       f"{row['sent_per_token'] / 1e6:8.2f} MB  server peaks "
                       f"{[round((p or 0) / 1e9, 2) for p in row['server_peak_bytes']]} GB", flush=True)
     bw_after = disk_bw(zipmoe)
-    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent).stdout.strip()
     result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "ctx": args.ctx, "gen_tokens": args.gen_tokens, "rounds": args.rounds,
               "seed": args.seed, "prompt": PROMPT,
               "prompt_tokens": next((r["prompt_tokens"] for r in rows if "prompt_tokens" in r), 0), "caps": caps,
-              "machine": platform.platform(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
-              "build": build, "command": " ".join([Path(sys.executable).name, *sys.argv]), "out": str(args.out),
-              "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(args.out.with_suffix(".md").read_text())
+              **run_facts(args.out), "rows": rows}
+    save(result, args.out, markdown)
     return 0
 
 
