@@ -1,5 +1,8 @@
 """The compute floor of a model too big for this machine, from truncations of it that fit.
 
+bench/limits.py floor measures it directly (stock llama-bench on >= 3 resident truncations, with the
+line's residuals); this script fits the same line through bench/cli_bench.py runs of truncations.
+
 A decode step's time with every weight resident is a fixed part (embedding, output head, sampling)
 plus one part per layer, and every MoE layer of a bench model has the same shapes. So the floor of
 the full model is the straight line through the resident TPOTs of truncations (same geometry,
@@ -22,6 +25,9 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from limits import fit_line  # noqa: E402
+
 
 def layers_of(run: dict) -> int:
     """The truncation's layer count, from the GGUF's name (make_bench_model's dsN / qwenN) or the field."""
@@ -40,18 +46,6 @@ def best_tpot(run: dict, system: str) -> float:
     return min(times)  # the floor: the least disturbed run
 
 
-def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares a + b L through (L, tpot)."""
-    n = len(points)
-    mean_l = sum(p[0] for p in points) / n
-    mean_t = sum(p[1] for p in points) / n
-    var = sum((p[0] - mean_l) ** 2 for p in points)
-    if var == 0:
-        raise SystemExit("the truncations need at least two different layer counts")
-    slope = sum((p[0] - mean_l) * (p[1] - mean_t) for p in points) / var
-    return mean_t - slope * mean_l, slope
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="cli_bench JSON of resident truncations (cap 250%%)")
@@ -64,8 +58,8 @@ def main() -> int:
         result["truncations"].append({"bf16": run["bf16"], "layers": layers_of(run),
                                       "stock_tpot_s": best_tpot(run, "stock"), "zipmoe_tpot_s": best_tpot(run, "zipmoe")})
     for system in ("stock", "zipmoe"):
-        a, b = fit_line([(t["layers"], t[f"{system}_tpot_s"]) for t in result["truncations"]])
-        result[system] = {"fixed_s": a, "per_layer_s": b, "floor_s": a + b * args.layers}
+        line = fit_line([(t["layers"], t[f"{system}_tpot_s"]) for t in result["truncations"]])
+        result[system] = {**line, "floor_s": line["fixed_s"] + line["per_layer_s"] * args.layers}
     for t in result["truncations"]:
         print(f"{Path(t['bf16']).name}: {t['layers']} layers, resident TPOT stock {t['stock_tpot_s'] * 1e3:.1f} ms, "
               f"ZipMoE {t['zipmoe_tpot_s'] * 1e3:.1f} ms")

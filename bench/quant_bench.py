@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
+from floors import ACCOUNT  # noqa: E402
 
 # 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
@@ -137,7 +138,33 @@ def counter_lines(rows: list[dict], heading: str) -> list[str]:
     return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
 
 
+def peer_of(systems) -> str:
+    """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory"""
+    return "stock-paged" if "stock-paged" in systems else "stock"
+
+
+def bound_columns(result: dict, cap: int, ok: list[dict]) -> str:
+    """TPOT / bound and the bounds of bench/limits.py for this cap (batch 1), and where the runs' graph time
+    went (the runtime's account, whole run: compute outside fetches, waiting for reads, thread 0 decoding)"""
+    if "limits" not in result:
+        return ""
+    bound = next((r for r in result["limits"]["rows"] if r["cap_bytes"] == cap and r["batch"] == 1), None)
+    if bound is None or "tpot_bound_s" not in bound:
+        return " | | | |"
+    ratio = [r["tpot_s"] / bound["tpot_bound_s"] for r in ok]
+    found = [ACCOUNT.search(r.get("zipmoe_stats", "")) for r in ok]
+    # (fetch wall, thread 0 decoding, waiting for reads, graphs) in seconds
+    account = [[float(x) / 1e3 for x in m.groups()] for m in found if m]
+    parts = [[a[3] - a[0] for a in account], [a[2] for a in account], [a[1] for a in account]]
+    where = " / ".join(cell(values, "{:.1f}") for values in parts) if account else ""
+    return (f" {bound['tpot_bound_s'] * 1e3:.0f} | {cell(ratio, '{:.2f}')} | {bound['ttft_bound_s']:.1f} | "
+            f"{cell([r['ttft_s'] / bound['ttft_bound_s'] for r in ok], '{:.2f}')} | {where}")
+
+
 def markdown(result: dict) -> str:
+    systems = result.get("systems", list(SYSTEMS))
+    peer = peer_of(systems)
+    limits = "limits" in result
     lines = [f"# {Path(result['out']).stem}", "",
              f"{result['date']}, build {result['build']}, {result['threads']} threads, {result['rounds']} interleaved "
              f"rounds, {result['gen_tokens']} generated tokens after a {result['prompt_tokens']}-token prompt, the "
@@ -147,23 +174,30 @@ def markdown(result: dict) -> str:
              f"Stock: `{Path(result['stock']).name}` ({result['stock_bytes'] / 1e9:.2f} GB). ZipMoE: "
              f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
              "```", result["command"], "```", "",
-             "| cap | system | TPOT ms | stock-paged TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
-             "peak GB | failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| cap | system | TPOT ms | {peer} TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
+             "peak GB | failed |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
+                                     "waiting for reads / decoding |" if limits else ""),
+             "| --- " * (13 if limits else 8) + "|"]
+    if limits:
+        lines[6:6] = [f"Bounds: `{result['limits']['command']}` ({result['limits']['date']}, build "
+                      f"{result['limits']['build']}; profile {result['limits']['profile']}).", ""]
     for cap in result["caps"]:
         rows = [r for r in result["rows"] if r["cap_bytes"] == cap]
-        for system in SYSTEMS:
+        for system in systems:
             mine = [r for r in rows if r["system"] == system]
             ok = [r for r in mine if "tpot_s" in r]
             tpot = [r["tpot_s"] * 1e3 for r in ok]
-            # per round, stock-paged's TPOT over this system's: the ratio's own median and spread
-            by_round = {r["round"]: r["tpot_s"] for r in rows if r["system"] == "stock-paged" and "tpot_s" in r}
+            # per round, the peer's TPOT over this system's: the ratio's own median and spread
+            by_round = {r["round"]: r["tpot_s"] for r in rows if r["system"] == peer and "tpot_s" in r}
             ratio = [by_round[r["round"]] / r["tpot_s"] for r in ok if r["round"] in by_round]
             lines.append(f"| {cap / (1 << 30):.0f} GiB | {system} | {cell(tpot, '{:.0f}')} | "
                          f"{cell(ratio, '{:.2f}') if system == 'zipmoe' and by_round else ''} | "
                          f"{cell([r['ttft_s'] for r in ok], '{:.1f}')} | "
                          f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
                          f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
-                         f"{failed_words(mine, ok, result['rounds'])} |")
+                         f"{failed_words(mine, ok, result['rounds'])} |"
+                         + (bound_columns(result, cap, ok) + " |" if limits and system == "zipmoe" and ok else
+                            " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
     return "\n".join(lines) + "\n"
 
@@ -178,15 +212,23 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/quant_bench.json"))
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"which of {', '.join(SYSTEMS)} to run, in this order in each round (default: %(default)s)")
+    ap.add_argument("--limits", type=Path, default=None,
+                    help="bench/limits.py bound JSON for this model and these caps: adds TPOT / bound and TTFT / bound")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="run a system again at a cap where it failed in an earlier round (default: skip it)")
     args = ap.parse_args()
     if args.rounds < 1 or args.gen_tokens < 1:
         ap.error("--rounds and --gen-tokens must be at least 1")
 
+    systems = args.systems.split(",")
+    if not systems or any(s not in SYSTEMS for s in systems):
+        ap.error(f"--systems: '{args.systems}' is not a list of {', '.join(SYSTEMS)}")
     stock = args.stock.resolve()
     zipmoe = zipmoe_beside(stock, args.zipmoe)
     caps = [parse_size(c) for c in args.caps.split(",")]
+    limits = json.loads(args.limits.read_text()) if args.limits else None
     bw_before = disk_bw(zipmoe)
     print(f"{stock.name}: {stock.stat().st_size / 1e9:.2f} GB; ZipMoE {zipmoe.stat().st_size / 1e9:.2f} GB; "
           f"O_DIRECT {bw_before:.2f} GB/s", flush=True)
@@ -195,7 +237,8 @@ def main() -> int:
     failed: set[tuple[int, str]] = set()
     for rnd in range(args.rounds):
         for cap in caps:
-            for system, (which, extra) in SYSTEMS.items():
+            for system in systems:
+                which, extra = SYSTEMS[system]
                 if (cap, system) in failed and not args.rerun_failed:
                     continue
                 row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[which], extra, args)}
@@ -213,7 +256,8 @@ def main() -> int:
     result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "gen_tokens": args.gen_tokens, "rounds": args.rounds, "seed": args.seed,
-              "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, **run_facts(args.out), "rows": rows}
+              "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "systems": systems,
+              **({"limits": limits} if limits else {}), **run_facts(args.out), "rows": rows}
     save(result, args.out, markdown)
     return 0
 

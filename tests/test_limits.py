@@ -1,0 +1,94 @@
+"""The machine-limit bench (bench/limits.py): its rates come from real reads and decodes of a ZipMoE
+file, and its bound is the runtime planner's makespan plus the compute floor, with the planner's own
+edge cases: everything in F reads nothing, more memory never raises the bound."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def limits():
+    spec = importlib.util.spec_from_file_location("limits", REPO / "bench" / "limits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_line_through_the_truncations_reports_its_residuals(limits):
+    exact = limits.fit_line([(2, 0.03), (4, 0.05), (6, 0.07)])
+    assert exact["fixed_s"] == pytest.approx(0.01, abs=1e-12) and exact["per_layer_s"] == pytest.approx(0.01, abs=1e-12)
+    assert max(abs(r) for r in exact["residuals_s"]) < 1e-12
+    bent = limits.fit_line([(2, 0.03), (4, 0.06), (6, 0.07)])
+    assert sum(bent["residuals_s"]) == pytest.approx(0.0, abs=1e-12)  # least squares: residuals sum to 0
+    assert bent["residuals_s"][1] > 0 > bent["residuals_s"][0]
+    with pytest.raises(ValueError, match="two different layer counts"):
+        limits.fit_line([(4, 0.1), (4, 0.2)])
+
+
+def test_a_batch_selects_the_union_of_its_tokens_experts(limits):
+    f, k = limits.inclusion("uniform", 64, 6, 1)
+    assert k == 6 and np.allclose(f, 6 / 64)
+    f4, k4 = limits.inclusion("uniform", 64, 6, 4)
+    union = 64 * (1 - (1 - 6 / 64) ** 4)  # 20.9 distinct experts of 4 independent tokens
+    assert k4 == round(union) and f4.sum() == pytest.approx(k4)
+
+
+def test_rates_are_measured_on_the_files_own_chunks(limits, zipmoe_gguf):
+    model = zipmoe_gguf("qwen2moe")
+    reads = limits.read_rates(model, rounds=1, volume=1 << 20)
+    assert set(reads["gbps"]) == {"chunks_depth1", "chunks_depth2", "chunks_depth4", "sequential"}
+    assert all(r["median"] > 0 for r in reads["gbps"].values())
+    decode = limits.decode_rates(model, threads=2, rounds=1, seconds=0.05, load_rows=64)
+    assert set(decode["gbps"]) == {"one_thread", "all_threads", "one_thread_under_load"}
+    assert all(r["median"] > 0 for r in decode["gbps"].values())
+    # the jobs decode the file's experts exactly: the library's reader gives the same values
+    from zipmoe_py import format as zformat
+
+    decoder, jobs = limits.decode_jobs(model, 2)
+    with zformat.ZipMoEFile(model) as zf:
+        import random
+
+        rng = random.Random(1)
+        split = [t for t in zf.tensors if not zf.is_raw(t)]
+        for job in jobs:
+            name = rng.choice(split)
+            expert = rng.randrange(zf.shape(name)[2])
+            assert np.array_equal(job.out, zf.read_expert(name, expert))
+    decoder.close()
+
+
+def test_the_bound_is_the_planners_makespan_plus_the_compute_floor(limits, zipmoe_gguf):
+    model = zipmoe_gguf("deepseek2")
+    facts = limits.model_facts(model)
+    reads = {"gbps": {name: {"median": gbps} for name, gbps in
+                      (("chunks_depth1", 1.0), ("chunks_depth2", 1.5), ("chunks_depth4", 2.0), ("sequential", 1.8))}}
+    decode = {"gbps": {"all_threads": {"median": 6.0}}}
+    floor = {"tpot_s": {"floor_s": 0.2}, "prompt_s": {"floor_s": 3.0}}
+    everything = facts["n_layer_moe"] * facts["n_expert"] * facts["entry_bytes"]["F"]
+    caps = [facts["non_expert_bytes"] + everything // 8, facts["non_expert_bytes"] + everything // 2,
+            facts["non_expert_bytes"] + 2 * everything]
+    rows = limits.bounds(facts, reads, decode, floor, caps, [1, 4], "uniform", 2, 0, 40)
+    by_cap = {(r["cap_bytes"], r["batch"]): r for r in rows}
+    for batch in (1, 4):
+        small, half, full = (by_cap[(c, batch)] for c in caps)
+        assert full["experts_s"] == 0.0 and full["tpot_bound_s"] == pytest.approx(0.2)  # every expert in F
+        assert full["capacities"]["F"] == facts["n_expert"]
+        assert small["tpot_bound_s"] >= half["tpot_bound_s"] >= full["tpot_bound_s"]
+        assert small["experts_s"] > 0
+        assert small["best_depth"] == 4 and small["best_depth_tpot_bound_s"] < small["tpot_bound_s"]
+        assert small["tpot_bound_s"] == pytest.approx(small["experts_s"] + 0.2)
+    assert by_cap[(caps[0], 4)]["experts_s"] > by_cap[(caps[0], 1)]["experts_s"]
+    one = by_cap[(caps[0], 1)]
+    # TTFT: the prompt's compute plus one sequential read of the non-expert weights and of every expert a
+    # 40-token prompt needs
+    needed = facts["n_layer_moe"] * facts["n_expert"] * (1 - (1 - facts["k"] / facts["n_expert"]) ** 40)
+    assert one["experts_needed"] == pytest.approx(needed)
+    cold = facts["non_expert_bytes"] + needed * facts["stored_expert_bytes"]
+    assert one["ttft_bound_s"] == pytest.approx(3.0 + cold / 1.8e9)
+    assert "ttft_bound_s" not in by_cap[(caps[0], 4)]
