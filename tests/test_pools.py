@@ -9,6 +9,7 @@ and a failed fill leaves no store entry behind.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -108,6 +109,57 @@ def test_an_expert_moves_between_pools_as_its_rank_changes(make, model):
     read_by(cache, 1, [[0, 1, 2, 3]])
     read, d = read_by(cache, 0, [[0]])
     assert d["e_hits"] == 1 and read == sizes[0, 0][0]
+
+
+def set_pools(cache, pools, n_slots):
+    status = cache.lib.ggml_zipmoe_cache_set_pools(cache.handle, (ctypes.c_int32 * 4)(*pools), n_slots, 0)
+    assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+
+
+def test_a_re_plan_keeps_the_store_entries_that_still_fit(make, model):
+    """A re-plan changes the pools; what the new stores can hold stays, so it is not read again: a store
+    that shrinks keeps the entries the new pools send to it, one that grows keeps all of them."""
+    _, experts, sizes = model
+    cache = make(4, (0, 3, 0, 2))  # C 3 and E 2 per layer; every slot a working slot
+    for layer in (0, 1):  # equal counts, ranks by id: 0, 1, 2 -> C; 3, 4 -> E
+        read_by(cache, layer, [[0, 1, 2, 3, 4]])
+    set_pools(cache, (0, 2, 0, 3), 4)  # C shrinks (ranks 0-1), E grows (ranks 2-4)
+    pools = cache.stats()["pools"]
+    assert [pools[p]["experts"] for p in "CE"] == [4, 6]
+    for layer in (0, 1):  # the slots hold layer 1's experts: layer 0's come from the stores
+        read, d = read_by(cache, layer, [[0, 1, 3, 4]], experts)
+        assert (d["c_hits"], d["e_hits"], d["expert_misses"]) == (2, 2, 0), (layer, d)
+        assert read == sizes[layer, 3][0] + sizes[layer, 4][0]  # the E hits' SM-chunks only
+    read, d = read_by(cache, 0, [[2]], experts)  # rank 2 now goes to E: C's entry was not kept
+    assert d["expert_misses"] == 1 and read == sum(sizes[0, 2])
+    set_pools(cache, (0, 0, 0, 0), 4)  # one F pool: the stores are given up
+    assert all(cache.stats()["pools"][p]["experts"] == 0 for p in "CSE")
+    read, d = read_by(cache, 1, [[2, 5, 6, 7]], experts)  # in no slot, and the stores are gone
+    assert d["expert_misses"] == 4 and read == sum(sum(sizes[1, x]) for x in (2, 5, 6, 7))
+
+
+def test_slots_stay_bit_exact_across_re_plans(make, model):
+    """Entries kept, moved within their store or dropped by one re-plan after another: every fill is exact."""
+    _, experts, _ = model
+    rng = np.random.default_rng(5)
+    cache = make(7, (1, 1, 1, 1))
+    popularity = rng.permutation(1.0 / np.arange(1, 9) ** 0.8)
+    popularity /= popularity.sum()
+    kept_hits = 0
+    for step in range(120):
+        if step % 15 == 14:
+            pools = POOL_MIXES[int(rng.integers(len(POOL_MIXES)))]
+            before = cache.stats()
+            set_pools(cache, pools, 2 * pools[0] + 3)
+        layer = step % 2
+        ids = rng.choice(8, size=(1, 3), replace=False, p=popularity)
+        status, slots = cache.fetch(layer, ids)
+        assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        assert_resident(cache, experts, layer, ids, slots)
+        if step % 15 == 14:
+            after = cache.stats()
+            kept_hits += sum(after[f"{p}_hits"] - before[f"{p}_hits"] for p in "cse")
+    assert kept_hits > 0  # some fill right after a re-plan came from an entry it kept
 
 
 POOL_MIXES = [(0, 2, 0, 0), (0, 0, 2, 0), (0, 0, 0, 2), (1, 1, 0, 0), (1, 0, 1, 1), (1, 1, 1, 1), (2, 1, 2, 1)]

@@ -360,8 +360,11 @@ int      zipmoe_device_write(struct ggml_zipmoe_cache * c, const struct zipmoe_t
 // zipmoe-residency.c
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
-int      zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
-                                  size_t msg_size);
+// the C, S and E stores to capacity[p] entries per served layer (the new pools' thresholds set): a
+// store that shrinks keeps the entries the new pools send to it, then the most chosen; one that
+// grows keeps them all. Shrinking stores go first, so memory is given back before more is taken.
+int      zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                                    size_t msg_size);
 int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                                 int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);

@@ -53,15 +53,10 @@ static void set_error(char * err, size_t err_size, const char * msg) {
     }
 }
 
+// every store entry forgotten, the stores freed
 static void free_stores(struct ggml_zipmoe_cache * c) {
-    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        struct zipmoe_store * s = &c->pools.store[p];
-        free(s->mem);
-        free(s->entry_key);
-        free(s->entry_pinned);
-        free(s->entry_last_use);
-        memset(s, 0, sizeof(*s));
-    }
+    const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
+    zipmoe_cache_resize_stores(c, none, 0, NULL, 0); // shrinking to nothing cannot fail
 }
 
 // experts in slots n_slots and beyond are forgotten (the caller may release their memory)
@@ -316,6 +311,7 @@ static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, 
         pools->n_active  = 1;
         pools->active[0] = GGML_ZIPMOE_POOL_F;
         zipmoe_cache_share_single_pool(c);
+        free_stores(c);
         return GGML_ZIPMOE_OK;
     }
     int32_t sum = 0;
@@ -333,7 +329,7 @@ static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, 
                  c->layout.n_served, pools->f_capacity, c->slots.n_used);
         return GGML_ZIPMOE_ERR_ARG;
     }
-    return zipmoe_cache_make_stores(c, capacity, max_e, msg, msg_size);
+    return zipmoe_cache_resize_stores(c, capacity, max_e, msg, msg_size);
 }
 
 struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_params * p, char * err, size_t err_size) {
@@ -492,13 +488,8 @@ int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * ca
     c->prefetch.latest  = -1;
     c->prefetch.pending = 0;
     pthread_mutex_unlock(&c->pipe.io_lock);
-    // the stores are made anew, empty; experts in the slots given up are forgotten
-    free_stores(c);
-    const size_t n_keys = zipmoe_cache_n_keys(c);
-    for (size_t i = 0; i < n_keys; i++) {
-        c->pools.key_pool[i]  = NO_POOL;
-        c->pools.key_entry[i] = -1;
-    }
+    // the stores keep what still fits them (set_up_pools resizes them under the new thresholds);
+    // experts in the slots given up are forgotten
     forget_slots_from(c, n_slots);
     for (int32_t s = 0; s < c->slots.capacity; s++) {
         c->slots.pinned[s]    = 0;

@@ -51,34 +51,6 @@ uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
     return max_e;
 }
 
-// the entries of the stores of pools C, S and E (experts per served layer times served layers); max_e:
-// the largest stored E bytes of one expert (zipmoe_cache_measure_e_bytes)
-int zipmoe_cache_make_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
-                             size_t msg_size) {
-    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        struct zipmoe_store * s = &c->pools.store[p];
-        s->n_entries = capacity[p] * c->layout.n_served;
-        if (s->n_entries == 0) {
-            continue;
-        }
-        const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
-        s->entry_size = (size_t) zipmoe_align_up(size, 64);
-        s->mem = (uint8_t *) malloc(s->entry_size * (size_t) s->n_entries);
-        s->entry_key = (int64_t *) malloc(sizeof(int64_t) * (size_t) s->n_entries);
-        s->entry_pinned = (uint64_t *) calloc((size_t) s->n_entries, sizeof(uint64_t));
-        s->entry_last_use = (uint64_t *) calloc((size_t) s->n_entries, sizeof(uint64_t));
-        if (!s->mem || !s->entry_key || !s->entry_pinned || !s->entry_last_use) {
-            snprintf(msg, msg_size, "ggml_zipmoe_cache_new: out of memory for pool %s's %d entries of %zu bytes",
-                     ggml_zipmoe_pool_name(p), s->n_entries, s->entry_size);
-            return GGML_ZIPMOE_ERR_NOMEM;
-        }
-        for (int32_t i = 0; i < s->n_entries; i++) {
-            s->entry_key[i] = -1;
-        }
-    }
-    return GGML_ZIPMOE_OK;
-}
-
 // marks the distinct valid experts of ids in c->plan.seen and lists them ascending in c->plan.unique;
 // returns their count, or -1 if an id is out of range
 static int collect_unique(const struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used,
@@ -323,6 +295,136 @@ static void store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
         c->pools.key_entry[key] = -1;
     }
     c->pools.store[p].entry_key[entry] = -1;
+}
+
+// a kept entry's claim to stay when its store shrinks: first the entries the new pools send
+// there, then the most chosen, then the most recently used
+struct entry_claim {
+    int32_t  entry;
+    int      belongs;
+    uint64_t freq, last_use;
+};
+
+static int by_claim(const void * a, const void * b) {
+    const struct entry_claim * x = (const struct entry_claim *) a;
+    const struct entry_claim * y = (const struct entry_claim *) b;
+    if (x->belongs != y->belongs) {
+        return x->belongs > y->belongs ? -1 : 1;
+    }
+    if (x->freq != y->freq) {
+        return x->freq > y->freq ? -1 : 1;
+    }
+    return x->last_use > y->last_use ? -1 : x->last_use < y->last_use ? 1 : 0;
+}
+
+// store p shrinks to n_new entries: the entries with the weakest claims are forgotten, and those
+// kept beyond n_new move into the holes below it (a move is a memcpy; a re-read is a disk read)
+static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    if (n_new == 0) {
+        for (int32_t i = 0; i < s->n_entries; i++) {
+            store_forget(c, p, i);
+        }
+        return GGML_ZIPMOE_OK;
+    }
+    struct entry_claim * claims = (struct entry_claim *) malloc(sizeof(*claims) * (size_t) (s->n_entries + 1));
+    if (claims == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    int32_t n_held = 0;
+    for (int32_t i = 0; i < s->n_entries; i++) {
+        const int64_t key = s->entry_key[i];
+        if (key >= 0) {
+            const int     layer = (int) (key / c->layout.max_expert);
+            const int32_t e     = (int32_t) (key % c->layout.max_expert);
+            claims[n_held++] = (struct entry_claim) { i, dispatch_pool(c, layer, e) == p, c->policy.freq[key],
+                                                      s->entry_last_use[i] };
+        }
+    }
+    qsort(claims, (size_t) n_held, sizeof(*claims), by_claim);
+    for (int32_t i = n_new; i < n_held; i++) {
+        store_forget(c, p, claims[i].entry);
+    }
+    free(claims);
+    int32_t hole = 0;
+    for (int32_t i = n_new; i < s->n_entries; i++) {
+        const int64_t key = s->entry_key[i];
+        if (key < 0) {
+            continue;
+        }
+        while (s->entry_key[hole] >= 0) {
+            hole++; // fewer than n_new entries are held, so a hole below n_new is found
+        }
+        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+        s->entry_key[hole]      = key;
+        s->entry_last_use[hole] = s->entry_last_use[i];
+        s->entry_key[i]         = -1;
+        c->pools.key_entry[key] = hole;
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// store p's arrays to n_new entries (new ones empty); 0 frees them
+static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t entry_size) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    if (n_new == 0) {
+        free(s->mem);
+        free(s->entry_key);
+        free(s->entry_pinned);
+        free(s->entry_last_use);
+        memset(s, 0, sizeof(*s));
+        return GGML_ZIPMOE_OK;
+    }
+    // each array is replaced only once reallocated, so that a failure leaves the store as it was
+    uint8_t * mem = (uint8_t *) realloc(s->mem, entry_size * (size_t) n_new);
+    if (mem == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    s->mem = mem;
+    int64_t * key = (int64_t *) realloc(s->entry_key, sizeof(int64_t) * (size_t) n_new);
+    s->entry_key  = key != NULL ? key : s->entry_key;
+    uint64_t * pinned = key != NULL ? (uint64_t *) realloc(s->entry_pinned, sizeof(uint64_t) * (size_t) n_new) : NULL;
+    s->entry_pinned   = pinned != NULL ? pinned : s->entry_pinned;
+    uint64_t * last = pinned != NULL ? (uint64_t *) realloc(s->entry_last_use, sizeof(uint64_t) * (size_t) n_new) : NULL;
+    s->entry_last_use = last != NULL ? last : s->entry_last_use;
+    if (last == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    for (int32_t i = s->n_entries; i < n_new; i++) {
+        s->entry_key[i]      = -1;
+        s->entry_last_use[i] = 0;
+    }
+    for (int32_t i = 0; i < n_new; i++) {
+        s->entry_pinned[i] = 0;
+    }
+    s->entry_size = entry_size;
+    s->n_entries  = n_new;
+    return GGML_ZIPMOE_OK;
+}
+
+int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                               size_t msg_size) {
+    // the stores that shrink first, then those that grow: memory is given back before more is taken
+    for (int grow = 0; grow <= 1; grow++) {
+        for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+            struct zipmoe_store * s = &c->pools.store[p];
+            const int32_t n_new = capacity[p] * c->layout.n_served;
+            if ((n_new > s->n_entries) != grow) {
+                continue;
+            }
+            const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
+            int status = grow ? GGML_ZIPMOE_OK : shrink_store(c, p, n_new);
+            if (status == GGML_ZIPMOE_OK) {
+                status = size_store(c, p, n_new, (size_t) zipmoe_align_up(size, 64));
+            }
+            if (status != GGML_ZIPMOE_OK) {
+                snprintf(msg, msg_size, "expert cache: out of memory for pool %s's %d entries of %zu bytes",
+                         ggml_zipmoe_pool_name(p), n_new, (size_t) zipmoe_align_up(size, 64));
+                return GGML_ZIPMOE_ERR_NOMEM;
+            }
+        }
+    }
+    return GGML_ZIPMOE_OK;
 }
 
 static const int32_t pool_state[4] = { GGML_ZIPMOE_STATE_F, GGML_ZIPMOE_STATE_C, GGML_ZIPMOE_STATE_S,

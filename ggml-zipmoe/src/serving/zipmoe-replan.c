@@ -116,7 +116,7 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
 }
 
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
-// (a change empties the stores, which fill again on demand). Returns 1 if the slots changed.
+// (a change keeps the store entries that still fit; the rest fill again on demand). Returns 1 if the slots changed.
 static int replan(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     struct ggml_zipmoe_default_pools choice;
