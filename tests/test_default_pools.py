@@ -83,6 +83,31 @@ def test_the_runtimes_ipf_rejects_inconsistent_marginals():
     assert list(out) == [1.0, 1.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("steps,n,k", [(16, 64, 6), (16, 60, 4), (64, 64, 6), (500, 8, 2)])
+def test_the_rank_bias_is_a_uniform_routers_excess_over_few_steps(steps, n, k):
+    """A uniform router's rank profile over few steps looks concentrated by chance; the bias the re-plan
+    takes off is that excess, against a simulation of the router (k distinct experts of n per step)."""
+    bias = (ctypes.c_double * n)()
+    assert _lib.lib().ggml_zipmoe_plan_rank_bias(steps, n, k, bias) == 0
+    rng = np.random.default_rng(steps * n + k)
+    ranked = -np.sort(-rng.binomial(steps, k / n, size=(100000, n)), axis=1)
+    # the model it computes (independent counts), against its simulation's error
+    np.testing.assert_allclose(np.array(bias), ranked.mean(axis=0) / steps - k / n, atol=0.002)
+    picks = rng.random((2000, steps, n)).argsort(axis=2)[:, :, :k]
+    counts = np.zeros((2000, n))
+    for rep in range(2000):
+        counts[rep] = np.bincount(picks[rep].ravel(), minlength=n)
+    simulated = -np.sort(-counts, axis=1).mean(axis=0) / steps - k / n
+    # the router itself: one step's k experts are distinct, so its counts are weakly dependent, which the
+    # model leaves out: it is off by up to 15% of k / n in the middle ranks, and closer at the top
+    np.testing.assert_allclose(np.array(bias), simulated, atol=0.2 * k / n)
+    assert abs(bias[0] - simulated[0]) < 0.05 * k / n
+    assert bias[0] > 0.5 * k / n if steps == 16 else bias[0] > 0  # 16 steps: the top rank looks 1.5x as likely
+    assert abs(sum(bias)) < 1e-9  # the counts' total is not biased
+    assert _lib.lib().ggml_zipmoe_plan_rank_bias(0, n, k, bias) != 0
+    assert _lib.lib().ggml_zipmoe_plan_rank_bias(steps, n, n + 1, bias) != 0
+
+
 def test_the_runtimes_planner_rejects_bad_params():
     params = _lib.PlanParams()
     result = _lib.PlanResult()

@@ -172,6 +172,13 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cac
 // [0, 1]; 1: always, 0: never selected). OK, or ERR_ARG (inconsistent f, or no convergence).
 GGML_ZIPMOE_API int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q);
 
+// The winner's curse of a profile counted over few steps: bias[r] = E[r-th largest count] / n_steps - k / n
+// (r from 0) for n experts each chosen by a uniform router with probability k / n per step (counts
+// independent Binomial(n_steps, k / n)). A rank profile of n_steps steps, less this, estimates the
+// routing the next steps see: a uniform router's comes out flat, not concentrated by chance.
+// OK, ERR_ARG or ERR_NOMEM.
+GGML_ZIPMOE_API int ggml_zipmoe_plan_rank_bias(uint64_t n_steps, int32_t n, int32_t k, double * bias);
+
 //
 // expert substitution (opt-in, LOSSY) and the routing trace
 //

@@ -214,6 +214,54 @@ static void normalized_selection(const double * log_w, int32_t n, int32_t k, dou
     }
 }
 
+// log of Binomial(trials, p)'s probability of x
+static double log_binomial_pmf(double trials, double x, double p) {
+    return lgamma(trials + 1) - lgamma(x + 1) - lgamma(trials - x + 1) + x * log(p) + (trials - x) * log1p(-p);
+}
+
+int ggml_zipmoe_plan_rank_bias(uint64_t n_steps, int32_t n, int32_t k, double * bias) {
+    if (n_steps == 0 || n < 1 || k < 1 || k > n || bias == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const double p = (double) k / n, T = (double) n_steps;
+    if (k == n) {
+        for (int32_t r = 0; r < n; r++) {
+            bias[r] = 0.0; // every expert every step
+        }
+        return GGML_ZIPMOE_OK;
+    }
+    // E[X_(r)] = sum over x >= 1 of P(at least r + 1 counts >= x); below lo every count is >= x
+    // (to 1e-15), above hi none is, so only x in [lo, hi] is summed
+    const double sd = sqrt(T * p * (1 - p));
+    const double lo = fmax(1.0, floor(T * p - 9 * sd - 1)), hi = fmin(T, ceil(T * p + 9 * sd + 1));
+    double * tail_n = (double *) malloc(sizeof(double) * (size_t) (n + 1));
+    if (tail_n == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    for (int32_t r = 0; r < n; r++) {
+        bias[r] = lo - 1; // x = 1 .. lo - 1
+    }
+    double q = 0.0; // P(count >= x), summed from the top (the mass above hi is negligible)
+    for (double x = hi; x >= lo; x--) {
+        q += exp(log_binomial_pmf(T, x, p));
+        const double qx = fmin(q, 1.0);
+        // P(at least m of the n counts are >= x), m = n .. 1
+        double above = 0.0;
+        for (int32_t m = n; m >= 1; m--) {
+            above += qx <= 0.0 ? 0.0 : qx >= 1.0 ? (m == n) : exp(log_binomial_pmf(n, m, qx));
+            tail_n[m] = fmin(above, 1.0);
+        }
+        for (int32_t r = 0; r < n; r++) {
+            bias[r] += tail_n[r + 1];
+        }
+    }
+    free(tail_n);
+    for (int32_t r = 0; r < n; r++) {
+        bias[r] = bias[r] / T - p;
+    }
+    return GGML_ZIPMOE_OK;
+}
+
 int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q) {
     if (f == NULL || q == NULL || n < 1 || k < 1 || k > n) {
         return GGML_ZIPMOE_ERR_ARG;

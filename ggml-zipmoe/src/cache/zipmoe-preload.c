@@ -87,12 +87,13 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     }
     const uint64_t saved_h2d = zipmoe_gpu_h2d_bytes(c->gpu);
     // each served layer's share of the slots in use (F's capacity with pools), experts in id order;
-    // then, with pools, the experts of the stores' ranks (by id: no activation is counted yet), as
-    // many at a time as there are working slots
+    // then, where C keeps every expert, the rest into C (by id: no activation is counted yet), as
+    // many at a time as there are working slots, so that nothing is read again. Other stores are
+    // left to fill on use: an entry preloaded is decoded here and again when used (a prompt's
+    // first pass reads nearly every expert anyway), and may be evicted before that
     const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;
     const int32_t share = c->pools.f_capacity / n_served;
-    const int     pooled = !(c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F);
-    const int32_t stored = pooled ? c->pools.threshold[c->pools.active[c->pools.n_active - 1]] - c->policy.rank_delta : 0;
+    const int32_t stored = c->pools.inclusive ? c->pools.threshold[GGML_ZIPMOE_POOL_C] - c->policy.rank_delta : 0;
     const int32_t n_work = c->slots.n_used - c->pools.f_capacity;
     int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1));
     int status = ids != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;

@@ -86,8 +86,9 @@ static int descending(const void * a, const void * b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-// rank-based inclusion probabilities of the steps counted, averaged over the served layers
-// (as zipmoe_py/plan_math.py's rank_inclusion_probabilities computes them for zipmoe-plan)
+// rank-based inclusion probabilities of the steps counted, averaged over the served layers (as
+// zipmoe_py/plan_math.py's rank_inclusion_probabilities computes them for zipmoe-plan), less the
+// excess a uniform router's ranks show over that few steps (ggml_zipmoe_plan_rank_bias)
 static bool rank_profile(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
@@ -111,6 +112,19 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
     for (int32_t e = 0; e < n_exp; ++e) {
         r->observed[e] /= MAX(1, n_served);
     }
+    // a few steps' top ranks overstate any router's concentration by chance (a uniform router's top
+    // expert of 16 steps looks twice as likely as the rest): that expected excess comes off
+    double sum = 0.0, kept = 0.0;
+    const bool debias = ggml_zipmoe_plan_rank_bias(r->token_steps, n_exp, s->p.n_expert_used, ranked) == GGML_ZIPMOE_OK;
+    for (int32_t e = 0; e < n_exp && debias; ++e) {
+        sum += r->observed[e];
+        r->observed[e] = MAX(0.0, r->observed[e] - ranked[e]);
+        kept += r->observed[e];
+    }
+    for (int32_t e = 0; e < n_exp && debias && kept > 0; ++e) {
+        r->observed[e] *= sum / kept; // the same total: k per step
+    }
+    qsort(r->observed, (size_t) n_exp, sizeof(double), descending);
     free(ranked);
     return true;
 }
