@@ -5,7 +5,8 @@ default context; stock-paged, stock with `--no-repack -c 4096`: on an AVX2 CPU s
 experts (Q4_K) out of the mapping into memory and clears the KV cache of the trained context
 (DeepSeek-V2-Lite: 163,840 tokens, 4.9 GiB), so under a cap smaller than the model it is killed; with
 the experts left in the mapping and the context at upstream fit's floor, it pages them, as stock
-llama.cpp runs a model larger than memory.
+llama.cpp runs a model larger than memory. A fourth, zipmoe-before, runs the ZipMoE GGUF through another
+build's llama-completion (--before), for a change's A/B.
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
         [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
@@ -63,12 +64,13 @@ def disk_bw(path: Path) -> float:
 
 
 # system -> (which file, llama-completion's extra arguments)
-SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", [])}
+SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", []),
+           "zipmoe-before": ("zipmoe", [])}  # zipmoe-before: the ZipMoE GGUF through --before's llama-completion
 
 
-def run_one(cap: int, model: Path, extra: list[str], args) -> dict:
+def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None = None) -> dict:
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--", sys.executable, "-c",
-           IO_WRAPPER, str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp",
+           IO_WRAPPER, str(program or llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp",
            "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *extra]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
@@ -80,6 +82,8 @@ def run_one(cap: int, model: Path, extra: list[str], args) -> dict:
     stats = STATS.findall(proc.stderr)
     if stats:
         row["zipmoe_stats"] = stats[-1].strip()
+    # the runtime's own lines: memory plan, pools chosen and re-planned, preload
+    row["zipmoe_log"] = [line.strip() for line in proc.stderr.splitlines() if "ZipMoE" in line][:60]
     io = [line.split()[1:] for line in proc.stderr.splitlines() if line.startswith("IO ")]
     if io:
         fields = dict(zip(io[-1][::2], io[-1][1::2]))
@@ -139,8 +143,12 @@ def counter_lines(rows: list[dict], heading: str) -> list[str]:
 
 
 def peer_of(systems) -> str:
-    """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory"""
-    return "stock-paged" if "stock-paged" in systems else "stock"
+    """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory; without stock, the
+    build before (--before)"""
+    for peer in ("stock-paged", "stock", "zipmoe-before"):
+        if peer in systems:
+            return peer
+    return "stock"
 
 
 def bound_columns(result: dict, cap: int, ok: list[dict]) -> str:
@@ -196,7 +204,7 @@ def markdown(result: dict) -> str:
                          f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
                          f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
                          f"{failed_words(mine, ok, result['rounds'])} |"
-                         + (bound_columns(result, cap, ok) + " |" if limits and system == "zipmoe" and ok else
+                         + (bound_columns(result, cap, ok) + " |" if limits and system.startswith("zipmoe") and ok else
                             " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
     return "\n".join(lines) + "\n"
@@ -216,6 +224,8 @@ def main() -> int:
                     help=f"which of {', '.join(SYSTEMS)} to run, in this order in each round (default: %(default)s)")
     ap.add_argument("--limits", type=Path, default=None,
                     help="bench/limits.py bound JSON for this model and these caps: adds TPOT / bound and TTFT / bound")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="llama-completion of another build (its bin/ beside its lib/): the zipmoe-before system")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="run a system again at a cap where it failed in an earlier round (default: skip it)")
     args = ap.parse_args()
@@ -225,6 +235,8 @@ def main() -> int:
     systems = args.systems.split(",")
     if not systems or any(s not in SYSTEMS for s in systems):
         ap.error(f"--systems: '{args.systems}' is not a list of {', '.join(SYSTEMS)}")
+    if ("zipmoe-before" in systems) != (args.before is not None):
+        ap.error("--before and the zipmoe-before system go together")
     stock = args.stock.resolve()
     zipmoe = zipmoe_beside(stock, args.zipmoe)
     caps = [parse_size(c) for c in args.caps.split(",")]
@@ -241,7 +253,8 @@ def main() -> int:
                 which, extra = SYSTEMS[system]
                 if (cap, system) in failed and not args.rerun_failed:
                     continue
-                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[which], extra, args)}
+                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[which], extra, args,
+                                                                                       args.before if system == "zipmoe-before" else None)}
                 rows.append(row)
                 if "error" in row:
                     failed.add((cap, system))
@@ -257,6 +270,7 @@ def main() -> int:
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "gen_tokens": args.gen_tokens, "rounds": args.rounds, "seed": args.seed,
               "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "systems": systems,
+              **({"before": str(args.before)} if args.before else {}),
               **({"limits": limits} if limits else {}), **run_facts(args.out), "rows": rows}
     save(result, args.out, markdown)
     return 0
