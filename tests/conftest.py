@@ -23,6 +23,16 @@ def zipmoe_command(name: str) -> str:
     return str(path)
 
 
+def bench_module(name: str):
+    """bench/NAME.py loaded as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(cmd, **kwargs) -> subprocess.CompletedProcess:
     kwargs.setdefault("capture_output", True)
     kwargs.setdefault("timeout", 600)

@@ -3,12 +3,12 @@ against the exact run, SMoE at alpha 0 too, and a lossy configuration that repla
 in its metrics."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import bench_module
+
 TEXT = ("Mixture of experts models route every token to a few of their experts. The router scores each "
         "expert, keeps the best ones and weights their outputs by the scores. A cache of experts keeps the "
         "popular ones in memory while the others stay compressed on disk until the router asks for them.")
@@ -16,10 +16,7 @@ TEXT = ("Mixture of experts models route every token to a few of their experts. 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("accuracy_bench", REPO / "bench" / "accuracy_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("accuracy_bench")
 
 
 def test_lossless_deltas_are_exactly_zero_and_lossy_ones_are_not(arch, harness, tiny_gguf, zipmoe_gguf):

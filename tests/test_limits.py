@@ -3,21 +3,15 @@ file, and its bound is the runtime planner's makespan plus the compute floor, wi
 edge cases: everything in F reads nothing, more memory never raises the bound."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def limits():
-    spec = importlib.util.spec_from_file_location("limits", REPO / "bench" / "limits.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("limits")
 
 
 def test_the_line_through_the_truncations_reports_its_residuals(limits):
