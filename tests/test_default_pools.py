@@ -265,6 +265,11 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         choice = _lib.DefaultPools()
         assert handle.ggml_zipmoe_cache_default_pools(cache, 1 << 40, 6, 2, 8, 0, 0, None, ctypes.byref(choice)) == 0
         assert list(choice.capacity) == [0, 0, 0, 0] and b"every expert fits full" in choice.why
+        # a budget of 3 slots: said in slots, beside what pools would need (4 MoE layers, 8 working slots)
+        assert handle.ggml_zipmoe_cache_default_pools(cache, 3 * one, 2, 2, 8, 0, 0, None, ctypes.byref(choice)) == 0
+        assert list(choice.capacity) == [0, 0, 0, 0]
+        assert b"holds 3 full experts, too few for pools, which need more than 8 working slots and one expert per " \
+               b"MoE layer in F (12)" in choice.why, choice.why
     finally:
         handle.ggml_zipmoe_cache_free(cache)
         handle.ggml_zipmoe_file_close(file)

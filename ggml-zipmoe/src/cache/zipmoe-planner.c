@@ -492,8 +492,10 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     const uint64_t all_c = entry_c * N * L;
     const int      fits_compressed = budget >= all_c + work;
     if (budget <= work + X * L) {
-        snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB is too little for pools beside %d working slots",
-                 budget / (double) (1 << 30), work_slots);
+        // said in slots: the budget may hold fewer slots than the working slots pools would need
+        snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB holds %llu full experts, too few for pools, "
+                 "which need more than %d working slots and one expert per MoE layer in F (%d)",
+                 budget / (double) (1 << 30), (unsigned long long) (budget / X), work_slots, work_slots + L);
         return GGML_ZIPMOE_OK;
     }
 
