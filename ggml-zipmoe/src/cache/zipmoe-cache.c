@@ -504,9 +504,8 @@ int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * ca
     if (status != GGML_ZIPMOE_OK) {
         // the stores could not be made: one F pool of every slot, as before any pools
         const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
-        free_stores(c);
         c->pools.n_active = 0;
-        set_up_pools(c, none, 0, 0, NULL, 0);
+        set_up_pools(c, none, 0, 0, NULL, 0); // frees the stores
         snprintf(c->error, sizeof(c->error), "%s", msg);
     } else {
         c->pools.inclusive = inclusive && n_pools > 0 && capacity[GGML_ZIPMOE_POOL_C] >= c->layout.max_expert;
