@@ -357,11 +357,12 @@ def test_default_budget_follows_a_real_memory_limit(tmp_path_factory):
     assert result["peak_rss"] <= cap
 
 
-def test_an_unset_context_takes_at_most_an_eighth_of_the_memory_left(tiny_gguf, zipmoe_gguf):
+def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf, zipmoe_gguf):
     """n_ctx unset (llama-completion's default): stock takes the trained context (the tiny DeepSeek-V2
-    keeps DeepSeek-V2-Lite's 163,840 tokens); a ZipMoE model takes it only when its KV cache fits in 1/8
-    of the memory left beside the non-expert weights, else the largest multiple of 256 that does, so a
-    small machine's experts keep their memory. A context size given stays as given."""
+    keeps DeepSeek-V2-Lite's 163,840 tokens); a ZipMoE model takes it only when its KV cache fits in
+    what every expert in BF16 leaves of the memory beside the non-expert weights, else the largest
+    multiple of 256 that does, at least upstream fit's 4096 tokens: a small machine's experts keep their
+    memory. A context size given stays as given."""
     import re
 
     def completion(path, *extra, env=None):
@@ -374,16 +375,25 @@ def test_an_unset_context_takes_at_most_an_eighth_of_the_memory_left(tiny_gguf, 
     trained = 163840
     assert completion(tiny_gguf("deepseek2"))[0] == trained
     zipmoe = zipmoe_gguf("deepseek2")
-    assert completion(zipmoe)[0] == trained  # its 0.32 GiB KV cache is far below 1/8 of this machine
-    limit = {"ZIPMOE_MEM_LIMIT": str(GIB)}
-    n_ctx, log = completion(zipmoe, env=limit)
-    assert 4096 <= n_ctx < trained and n_ctx % 256 == 0
-    said = re.search(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) GiB, at most 1/8 of the "
-                     r"([0-9.]+) GiB left beside the non-expert weights\), not the trained 163840", log)
-    assert said and int(said.group(1)) == n_ctx, log[-3000:]
-    kv_gib, left_gib = float(said.group(2)), float(said.group(3))
-    assert kv_gib <= left_gib / 8 + 0.005
-    # the estimate is the KV cache llama.cpp makes
-    kv_mib = float(re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-1])
-    assert abs(kv_mib / 1024 - kv_gib) <= 0.005
+    assert completion(zipmoe)[0] == trained  # its 0.32 GiB KV cache fits beside every expert on this machine
+    said_re = re.compile(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) GiB\), not the trained "
+                         r"163840 \(([0-9.]+) GiB\): as upstream's fit, the context gets what the model leaves, at "
+                         r"least 4096 tokens, and here the model's experts \(([0-9.]+) GiB\) take all but ([0-9.]+) "
+                         r"GiB of the ([0-9.]+) GiB left beside the non-expert weights")
+    for limit_mib in (256, 48):  # the spare memory holds 100k tokens; under 4096
+        limit = {"ZIPMOE_MEM_LIMIT": str(limit_mib << 20)}
+        n_ctx, log = completion(zipmoe, env=limit)
+        said = said_re.search(log)
+        assert said and int(said.group(1)) == n_ctx, log[-3000:]
+        kv_gib, trained_gib, experts_gib, spare_gib, left_gib = (float(said.group(i)) for i in range(2, 7))
+        assert 4096 <= n_ctx < trained and n_ctx % 256 == 0
+        assert abs(left_gib - experts_gib - spare_gib) <= 0.015 and spare_gib < trained_gib  # three roundings to 0.01
+        per_token_gib = trained_gib / trained
+        if n_ctx > 4096:  # the most the spare memory holds, to 256 tokens and the log's rounding
+            assert kv_gib <= spare_gib + 0.005 and (n_ctx + 256) * per_token_gib > spare_gib - 0.005
+        else:
+            assert spare_gib < (4096 + 256) * per_token_gib + 0.005
+        # the estimate is the KV cache llama.cpp makes
+        kv_mib = float(re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-1])
+        assert abs(kv_mib / 1024 - kv_gib) <= 0.005
     assert completion(zipmoe, "-c", 512, env=limit)[0] == 512

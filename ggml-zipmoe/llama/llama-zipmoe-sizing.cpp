@@ -48,7 +48,11 @@ void llama_zipmoe::check_model(const llama_model & model) {
     }
 }
 
-uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) const {
+// upstream common's fit_params_min_ctx: the least context its fit gives a model that does not fit
+static constexpr uint32_t k_unset_context_floor = 4096;
+
+uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
+                                          uint32_t n_streams) const {
     const uint32_t n_train = hparams.n_ctx_train;
     if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
         return n_train; // a KV cache of another shape than one cell per token and layer
@@ -61,18 +65,28 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
             per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
         }
     }
+    // as upstream's fit (common/fit.cpp) sizes an unset context: what the model leaves of the memory,
+    // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in
+    // BF16: each expert slot speeds decoding up, while KV cells are only ever used by a long context
     const ggml_zipmoe_serving_plan plan = serving_plan();
+    ggml_zipmoe_serving_info info;
+    ggml_zipmoe_serving_get_info(serving, &info);
     const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
-    const uint64_t share = left / 8;
-    if (per_token == 0 || (uint64_t) n_train * per_token <= share) {
-        return n_train;
+    const uint64_t spare = left > info.all_experts ? left - info.all_experts : 0;
+    if (per_token == 0 || (uint64_t) n_train * per_token <= spare) {
+        return n_train; // stock's unset context: the trained one, shared by the streams
     }
-    const uint32_t n = std::max<uint32_t>(std::min<uint32_t>(4096, n_train),
-                                          (uint32_t) std::min<uint64_t>(share / per_token / 256 * 256, n_train));
-    LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s, at most 1/8 of the %s left beside "
-                   "the non-expert weights), not the trained %u (%s), which would take the experts' memory; give "
-                   "-c / n_ctx for another\n", __func__, n, llama_zipmoe_gib((uint64_t) n * per_token).c_str(),
-                   llama_zipmoe_gib(left).c_str(), n_train, llama_zipmoe_gib((uint64_t) n_train * per_token).c_str());
+    // fit's floor is per stream (a context of several sequences, each with its own cells)
+    const uint32_t floor_ctx = (uint32_t) std::min<uint64_t>((uint64_t) std::min(k_unset_context_floor, n_train) *
+                                                             std::max<uint32_t>(1, n_streams), UINT32_MAX);
+    const uint32_t n = std::max<uint32_t>(floor_ctx, (uint32_t) (spare / per_token / 256 * 256));
+    LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s), not the trained %u (%s): as "
+                   "upstream's fit, the context gets what the model leaves, at least %u tokens, and here the model's "
+                   "experts (%s) take all but %s of the %s left beside the non-expert weights; give -c / n_ctx for "
+                   "another\n", __func__, n, llama_zipmoe_gib((uint64_t) n * per_token).c_str(), n_train,
+                   llama_zipmoe_gib((uint64_t) n_train * per_token).c_str(), floor_ctx,
+                   llama_zipmoe_gib(info.all_experts).c_str(), llama_zipmoe_gib(spare).c_str(),
+                   llama_zipmoe_gib(left).c_str());
     return n;
 }
 

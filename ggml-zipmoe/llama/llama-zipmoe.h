@@ -150,12 +150,14 @@ struct llama_zipmoe {
     // per-expert scales, merged gate_up) and records the non-expert weights held in host memory
     void check_model(const llama_model & model);
 
-    // the context size of a context made without one (n_ctx 0): the trained context when its KV cache takes
-    // at most 1/8 of the memory left beside the non-expert weights, else the largest multiple of 256 that
-    // does (but at least 4096 tokens). The KV cache is cleared, so all of it is resident from the start,
-    // and an unset context's is mostly never used: the trained context of DeepSeek-V2-Lite (163,840
-    // tokens, 4.9 GiB) would take the experts' memory, or a small machine's whole. Logs the choice.
-    uint32_t unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) const;
+    // the context size of a context made without one (n_ctx 0), as upstream's fit sizes one for a model
+    // that does not fit: the trained context (per stream) when its KV cache fits in what every expert in
+    // BF16 leaves beside the non-expert weights, else the largest multiple of 256 that does, at least
+    // 4096 tokens per stream. The KV cache is cleared, so all of it is resident from the start, and an
+    // unset context's is mostly never used: the trained context of DeepSeek-V2-Lite (163,840 tokens,
+    // 4.9 GiB) would take the experts' memory, or a small machine's whole. Logs the choice.
+    uint32_t unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
+                                uint32_t n_streams) const;
 
     // a context was made / is freed: the slots in use are sized again for every live context.
     // attach throws (context creation fails) when pools cannot fit.
