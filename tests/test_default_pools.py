@@ -108,6 +108,31 @@ def test_the_rank_bias_is_a_uniform_routers_excess_over_few_steps(steps, n, k):
     assert _lib.lib().ggml_zipmoe_plan_rank_bias(steps, n, n + 1, bias) != 0
 
 
+def test_zipmoe_plan_takes_a_profile_through_the_re_plans_debiasing(tmp_path):
+    """A uniform router's profile of few ubatches, sorted by rank, looks concentrated; zipmoe-plan (as the
+    runtime's re-plan) takes the rank bias off: the profile comes out nearly flat, with the same sum k, and a
+    long profile is left nearly as counted."""
+    from zipmoe_py import plan_math
+    from zipmoe_py.plan_cli import _batch_marginals
+
+    n, k, steps = 64, 6, 16
+    rng = np.random.default_rng(3)
+    counts = np.zeros((4, n), dtype=np.int64)
+    for layer in range(4):
+        for _ in range(steps):
+            counts[layer, rng.choice(n, k, replace=False)] += 1
+    profile = {"n_expert_used": k, "batches": {"1": {"counts": counts.tolist(), "n_ubatches": steps}}}
+    raw = plan_math.rank_inclusion_probabilities(counts, steps)
+    f, got_k = _batch_marginals(profile, 1, tmp_path / "p.json")
+    assert got_k == k and f.sum() == pytest.approx(k) and np.all(np.diff(f) <= 0)
+    assert raw[0] > 2 * k / n and f[0] < 0.5 * raw[0]  # the top rank's chance excess is gone
+    assert np.abs(f - k / n).max() < np.abs(raw - k / n).max() / 3
+    many = plan_math.debiased_rank_profile(np.linspace(0.2, 0.0, n) * k / np.linspace(0.2, 0.0, n).sum(), 10**6, k)
+    np.testing.assert_allclose(many, np.linspace(0.2, 0.0, n) * k / np.linspace(0.2, 0.0, n).sum(), atol=2e-3)
+    with pytest.raises(ValueError, match="cannot be debiased"):
+        plan_math.debiased_rank_profile(raw, 0, k)
+
+
 def test_the_runtimes_planner_rejects_bad_params():
     params = _lib.PlanParams()
     result = _lib.PlanResult()

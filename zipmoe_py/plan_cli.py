@@ -17,8 +17,8 @@ from . import _lib
 from .errors import ZipMoEError
 from .options import parse_size
 from .plan_files import load_costs, load_profile, save_plan
-from .plan_math import (default_costs, grid_steps, parse_pool_set, plan, rank_inclusion_probabilities,
-                        round_to_subset_size)
+from .plan_math import (debiased_rank_profile, default_costs, grid_steps, parse_pool_set, plan,
+                        rank_inclusion_probabilities, round_to_subset_size)
 
 
 def _batch_marginals(profile: dict, batch_size: int, path: Path) -> tuple[np.ndarray, int]:
@@ -34,7 +34,8 @@ def _batch_marginals(profile: dict, batch_size: int, path: Path) -> tuple[np.nda
         if abs(f.sum() - k) > 1e-9 * k:
             raise ZipMoEError(f"{path}: field 'batches.1.counts' gives {f.sum():.6g} selected experts per ubatch "
                               f"on average, but one token selects n_expert_used={k}")
-        return f, k
+        # as the runtime's re-plan: a few ubatches' top ranks look hotter than they are
+        return debiased_rank_profile(f, batch["n_ubatches"], k), k
     return round_to_subset_size(f)
 
 

@@ -127,6 +127,17 @@ def check_plan_arguments(pools: Sequence[str], grid: float, budget_bytes: int, e
     return chosen, steps
 
 
+def debiased_rank_profile(f: np.ndarray | Sequence[float], n_steps: int, k: int) -> np.ndarray:
+    """A rank profile counted over n_steps one-token steps, less the excess a uniform router's top ranks show
+    over that many steps by chance, as the runtime's re-plan takes it (ggml_zipmoe_plan_debias_profile)."""
+    ranked = np.array(f, dtype=np.float64)
+    if ranked.size == 0 or _lib.lib().ggml_zipmoe_plan_debias_profile(
+            n_steps, ranked.size, k, ranked.ctypes.data_as(ctypes.POINTER(ctypes.c_double))) != _lib.OK:
+        raise ValueError(f"a rank profile of {ranked.size} experts over {n_steps} steps cannot be debiased "
+                         f"with k = {k}: the steps must be positive and 1 <= k <= the experts")
+    return ranked
+
+
 def fit_selection_probabilities(f: np.ndarray | Sequence[float], k: int) -> np.ndarray:
     """The runtime's modified IPF (ggml_zipmoe_plan_fit, eq. (24)): selection probabilities q_r whose
     conditional Bernoulli distribution on k-sets has the inclusion probabilities f."""

@@ -179,6 +179,12 @@ GGML_ZIPMOE_API int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k,
 // OK, ERR_ARG or ERR_NOMEM.
 GGML_ZIPMOE_API int ggml_zipmoe_plan_rank_bias(uint64_t n_steps, int32_t n, int32_t k, double * bias);
 
+// A rank profile f [n] (inclusion probabilities, sum k) counted over n_steps steps, sorted and less its
+// rank bias (above), clamped at 0 and scaled back to the same sum, sorted again: the routing the next
+// steps are expected to see. The re-plan and zipmoe-plan both take their profiles through this.
+// OK, ERR_ARG or ERR_NOMEM (f unchanged on error).
+GGML_ZIPMOE_API int ggml_zipmoe_plan_debias_profile(uint64_t n_steps, int32_t n, int32_t k, double * f);
+
 //
 // expert substitution (opt-in, LOSSY) and the routing trace
 //

@@ -262,6 +262,39 @@ int ggml_zipmoe_plan_rank_bias(uint64_t n_steps, int32_t n, int32_t k, double * 
     return GGML_ZIPMOE_OK;
 }
 
+static int descending_doubles(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+int ggml_zipmoe_plan_debias_profile(uint64_t n_steps, int32_t n, int32_t k, double * f) {
+    if (f == NULL || n < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    double * bias = (double *) malloc(sizeof(double) * (size_t) n);
+    if (bias == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    const int rc = ggml_zipmoe_plan_rank_bias(n_steps, n, k, bias);
+    if (rc != GGML_ZIPMOE_OK) {
+        free(bias);
+        return rc;
+    }
+    qsort(f, (size_t) n, sizeof(double), descending_doubles);
+    double sum = 0.0, kept = 0.0;
+    for (int32_t r = 0; r < n; r++) {
+        sum += f[r];
+        f[r] = fmax(0.0, f[r] - bias[r]);
+        kept += f[r];
+    }
+    for (int32_t r = 0; r < n && kept > 0; r++) {
+        f[r] *= sum / kept; // the same total: k per step
+    }
+    qsort(f, (size_t) n, sizeof(double), descending_doubles);
+    free(bias);
+    return GGML_ZIPMOE_OK;
+}
+
 int ggml_zipmoe_plan_fit(const double * f, int32_t n, int32_t k, double * q) {
     if (f == NULL || q == NULL || n < 1 || k < 1 || k > n) {
         return GGML_ZIPMOE_ERR_ARG;

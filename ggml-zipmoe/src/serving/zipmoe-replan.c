@@ -114,17 +114,9 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
     }
     // a few steps' top ranks overstate any router's concentration by chance (a uniform router's top
     // expert of 16 steps looks twice as likely as the rest): that expected excess comes off
-    double sum = 0.0, kept = 0.0;
-    const bool debias = ggml_zipmoe_plan_rank_bias(r->token_steps, n_exp, s->p.n_expert_used, ranked) == GGML_ZIPMOE_OK;
-    for (int32_t e = 0; e < n_exp && debias; ++e) {
-        sum += r->observed[e];
-        r->observed[e] = MAX(0.0, r->observed[e] - ranked[e]);
-        kept += r->observed[e];
+    if (ggml_zipmoe_plan_debias_profile(r->token_steps, n_exp, s->p.n_expert_used, r->observed) != GGML_ZIPMOE_OK) {
+        qsort(r->observed, (size_t) n_exp, sizeof(double), descending);
     }
-    for (int32_t e = 0; e < n_exp && debias && kept > 0; ++e) {
-        r->observed[e] *= sum / kept; // the same total: k per step
-    }
-    qsort(r->observed, (size_t) n_exp, sizeof(double), descending);
     free(ranked);
     return true;
 }
@@ -135,10 +127,18 @@ static int replan(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     struct ggml_zipmoe_default_pools choice;
     memset(&choice, 0, sizeof(choice));
+    // the first plan had only the default rates (or those given); by now the fetches have measured
+    // this machine's (zipmoe-fetch.c: calibrate), and later plans for the memory left keep them
+    s->plan_rates[0] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_READ);
+    s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads, s->p.work_slots,
                                         s->plan_rates[0], s->plan_rates[1], r->observed, &choice) != GGML_ZIPMOE_OK) {
         return 0;
     }
+    // the reads until now, so that a log reader can tell the steady state's bytes per token from the warm-up's
+    struct ggml_zipmoe_cache_stats st;
+    ggml_zipmoe_cache_get_stats(s->cache, &st);
+    const double read_so_far = (double) st.bytes_read;
     const bool    use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
     const int32_t capacity  = ggml_zipmoe_cache_slot_capacity(s->cache);
     const int32_t fewest    = MIN(capacity, s->p.n_expert_used);
@@ -156,8 +156,8 @@ static int replan(struct ggml_zipmoe_serving * s) {
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the observed profile: %.2f ms per layer expected, "
                  "against %.2f ms with these)", s->auto_choice.why, expected * 1e3, choice.current_makespan_s * 1e3);
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: kept (%s)",
-                           (unsigned long long) r->token_steps, choice.why);
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far): kept (%s)",
+                           (unsigned long long) r->token_steps, read_so_far / 1e6, choice.why);
         return 0;
     }
     if (zipmoe_serving_use_slots(s, n, &choice) != GGML_ZIPMOE_OK) {
@@ -170,8 +170,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
     memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
     s->plan.n_slots = s->n_slots;
     snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
-    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: F %d, C %d, S %d, E %d per MoE layer, "
-                       "%d slots: %s", (unsigned long long) r->token_steps, choice.capacity[0], choice.capacity[1],
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far): F %d, C %d, S %d, "
+                       "E %d per MoE layer, %d slots: %s", (unsigned long long) r->token_steps, read_so_far / 1e6,
+                       choice.capacity[0], choice.capacity[1],
                        choice.capacity[2], choice.capacity[3], n, choice.why);
     return 1;
 }
