@@ -40,7 +40,7 @@ class CacheStats(ctypes.Structure):
                                                      "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes",
                                                      "substitutions", "substitution_tokens", "lock_wait_ns", "plan_ns",
                                                      "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
-                                                     "graph_ns", "graphs")]
+                                                     "graph_ns", "graphs", "preload_experts", "preload_bytes_read")]
 
 
 class BuddyParams(ctypes.Structure):
@@ -301,6 +301,8 @@ _PROTOTYPES = {
                                                        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(DefaultPools)]),
     "ggml_zipmoe_plan_rank_bias": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
                                                   ctypes.POINTER(ctypes.c_double)]),
+    "ggml_zipmoe_plan_debias_profile": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
+                                                       ctypes.POINTER(ctypes.c_double)]),
     "ggml_zipmoe_plan_fit": (ctypes.c_int, [ctypes.POINTER(ctypes.c_double), ctypes.c_int32, ctypes.c_int32,
                                             ctypes.POINTER(ctypes.c_double)]),
     "ggml_zipmoe_cache_extra_bytes": (ctypes.c_size_t, [ctypes.c_void_p, ctypes.c_int]),

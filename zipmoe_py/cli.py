@@ -87,14 +87,28 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     return text
 
 
-def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
+def _counter_delta(now: dict, before: dict | None) -> dict:
+    """every counter of the cache's statistics (the memory plan and the rest are not counters)"""
+    return {k: now[k] - (before or {}).get(k, 0) for k, _ in _lib.CacheStats._fields_}
+
+
+def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | None = None) -> dict | None:
+    """the reply's counters: per token over the tokens after the first (the steady state), the prompt's
+    pass with the first token apart (first_token: the statistics when it came)"""
     now = llm.zipmoe_stats()
     if now is None:
         print("[stats] not a ZipMoE model: no expert cache", file=sys.stderr)
         return None
-    # every counter of the cache's statistics (the memory plan and the rest are not counters)
-    delta = {k: now[k] - (before or {}).get(k, 0) for k, _ in _lib.CacheStats._fields_}
-    print(f"[stats] this reply ({n_tokens} tokens): {_format_stats(delta, n_tokens)}", file=sys.stderr)
+    if first_token is not None and n_tokens > 1:
+        print(f"[stats] this reply ({n_tokens - 1} tokens after the first): "
+              f"{_format_stats(_counter_delta(now, first_token), n_tokens - 1)}", file=sys.stderr)
+        print(f"[stats] this reply's prompt and first token: {_format_stats(_counter_delta(first_token, before))}",
+              file=sys.stderr)
+    else:
+        delta = _counter_delta(now, before)
+        print(f"[stats] this reply ({n_tokens} tokens, the prompt's pass included): {_format_stats(delta, n_tokens)}",
+              file=sys.stderr)
+    delta = _counter_delta(now, before)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
     subst = now.get("substitution") or {}
     if subst.get("lossy"):
@@ -111,7 +125,8 @@ def _print_stats(llm, before: dict | None, n_tokens: int) -> dict | None:
     rates = now.get("rates")
     if rates:
         print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s, decode {rates['decode'] / 1e9:.2f} "
-              f"GB/s per thread (measured by the runtime unless given), compute {rates['compute'] / 1e9:.2f} GB/s",
+              f"GB/s per thread (measured by the runtime unless given), compute {rates['compute'] / 1e9:.2f} GB/s "
+              "(the default unless given: not measured)",
               file=sys.stderr)
     plan = now.get("memory")
     if plan:
@@ -152,12 +167,15 @@ def _gpu_offload() -> bool:
 def _stream_reply(llm, messages: list[dict], args) -> str:
     parts = []
     before = llm.zipmoe_stats() if args.stats else None
+    first_token = None
     n_tokens = 0
     try:
         for chunk in llm.create_chat_completion(messages=messages, stream=True, temperature=args.temp,
                                                 max_tokens=args.n_predict if args.n_predict > 0 else None):
             delta = chunk["choices"][0]["delta"]
             n_tokens += "content" in delta  # the first chunk carries the role, the last the finish reason
+            if n_tokens == 1 and first_token is None and args.stats:
+                first_token = llm.zipmoe_stats()  # the prompt's pass is done
             text = delta.get("content") or ""
             if text:
                 parts.append(text)
@@ -177,7 +195,7 @@ def _stream_reply(llm, messages: list[dict], args) -> str:
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.stats:
-        _print_stats(llm, before, n_tokens)
+        _print_stats(llm, before, n_tokens, first_token)
     return "".join(parts)
 
 

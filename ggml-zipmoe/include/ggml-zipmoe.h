@@ -383,6 +383,8 @@ struct ggml_zipmoe_cache_stats {
                                   // touched for the first time, or again after being given back)
     uint64_t graph_ns;            // wall time of the graphs that fetched (ggml_zipmoe_cache_count_graph):
     uint64_t graphs;              //   graph_ns - fetch_ns is the rest of their compute
+    uint64_t preload_experts;     // experts ggml_zipmoe_cache_preload filled (counted in no fetch counter above;
+    uint64_t preload_bytes_read;  //   their bytes sent to a device are in h2d_bytes) and the stored bytes it read
 };
 
 struct ggml_zipmoe_cache;

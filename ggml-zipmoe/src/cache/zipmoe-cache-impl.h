@@ -266,7 +266,7 @@ struct zipmoe_prefetch {
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
         fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
-        decode_faults, graph_ns, graphs;
+        decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]

@@ -28,6 +28,8 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->decode_faults  = atomic_load(&c->stats.decode_faults);
     s->graph_ns       = atomic_load(&c->stats.graph_ns);
     s->graphs         = atomic_load(&c->stats.graphs);
+    s->preload_experts    = atomic_load(&c->stats.preload_experts);
+    s->preload_bytes_read = atomic_load(&c->stats.preload_bytes_read);
 }
 
 void ggml_zipmoe_cache_count_graph(struct ggml_zipmoe_cache * c, uint64_t ns) {
@@ -63,7 +65,8 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
         &c->stats.store_hits[2], &c->stats.store_hits[3], &c->stats.bytes_read, &c->stats.slot_write_bytes,
         &c->stats.io_ns, &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns, &c->stats.lock_wait_ns,
         &c->stats.plan_ns, &c->stats.fetch_work_ns, &c->stats.read_wait_ns, &c->stats.finish_wait_ns,
-        &c->stats.decode_faults, &c->stats.graph_ns, &c->stats.graphs,
+        &c->stats.decode_faults, &c->stats.graph_ns, &c->stats.graphs, &c->stats.preload_experts,
+        &c->stats.preload_bytes_read,
     };
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         atomic_store(counters[i], 0);
