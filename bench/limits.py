@@ -352,6 +352,16 @@ def costs_from_rates(facts: dict, read_bps: float, decode_bps_per_thread: float)
                  c_s=facts["bf16_expert_bytes"] / (n * k_shards) / decode_bps_per_thread)
 
 
+def implied_read_bytes(facts: dict, f: np.ndarray, capacities: dict) -> float:
+    """stored bytes a token reads, as the pools imply for a routing profile: ranks in F and C read nothing,
+    S reads the E-chunks, E the SM-chunks, ranks beyond every pool the whole stored expert"""
+    sm = facts["sm_bytes"]
+    per_rank = [0.0] * (capacities.get("F", 0) + capacities.get("C", 0)) + \
+        [facts["stored_expert_bytes"] - sm] * capacities.get("S", 0) + [sm] * capacities.get("E", 0)
+    cost = np.array((per_rank + [facts["stored_expert_bytes"]] * len(f))[:len(f)])
+    return facts["n_layer_moe"] * float(np.sum(np.asarray(f) * cost))
+
+
 def tpot_bound(facts: dict, f: np.ndarray, k: int, budget: int, costs, threads: int, compute_s: float) -> dict:
     from zipmoe_py.plan_math import plan
 

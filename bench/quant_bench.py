@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,8 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
           "so most of the weights sit idle at any moment and can wait on disk until they are needed. A cache "
           "of the experts that were used recently, sized to the memory the machine has, keeps the hot ones at "
           "hand, and the rest are read when the router asks for them.")
-LOAD = __import__("re").compile(r"load time =\s*([0-9.]+) ms")
+LOAD = re.compile(r"load time =\s*([0-9.]+) ms")
+STATS_READ = re.compile(r"([0-9.]+) MB read \(prefetch")
 # runs the command, then prints this process's /proc/self/io, which counts the reaped child's reads too
 IO_WRAPPER = ("import subprocess, sys; r = subprocess.run(sys.argv[1:]); "
               "print('IO ' + ' '.join(open('/proc/self/io').read().split()), file=sys.stderr); sys.exit(r.returncode)")
@@ -66,6 +68,49 @@ def disk_bw(path: Path) -> float:
 # system -> (which file, llama-completion's extra arguments)
 SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", []),
            "zipmoe-before": ("zipmoe", [])}  # zipmoe-before: the ZipMoE GGUF through --before's llama-completion
+
+
+def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
+    """the bound of this round: the disk's read rates measured now (one round of limits.py's read patterns on
+    the file's own chunks), the decode rates and compute floor of the --limits run; a row per cap (batch 1)"""
+    import limits as machine  # limits.py imports this module: import it when used
+
+    reads = machine.read_rates(zipmoe, 1, limits["reads"]["volume_bytes"])
+    rows = machine.bounds(limits["facts"], reads, limits["decode"], limits["floor"], caps, [1], limits["profile"],
+                          limits["threads"], limits["overhead_bytes"], limits["prompt_tokens"])
+    return {"reads_gbps": {k: v["median"] for k, v in reads["gbps"].items()},
+            "rows": {str(r["cap_bytes"]): {k: r[k] for k in ("tpot_bound_s", "ttft_bound_s") if k in r} for r in rows}}
+
+
+REPLANNED = re.compile(r"re-planned after (\d+) decode steps \(([0-9.]+) MB read so far\)")
+POOLS = re.compile(r"pools (?:per MoE layer|re-planned after [^:]*): F (\d+), C (\d+), S (\d+), E (\d+)")
+
+
+def steady_reads(row: dict) -> dict:
+    """the reads per token after the re-plan (the steady state: the runtime's bytes_read when it re-planned and
+    when the context was freed), and the pools in use then"""
+    replanned = [REPLANNED.search(line) for line in row.get("zipmoe_log", [])]
+    replanned = [m for m in replanned if m]
+    total = STATS_READ.search(row.get("zipmoe_stats", ""))
+    if not replanned or not total or row["decode_tokens"] <= int(replanned[0].group(1)):
+        return {}
+    steps, so_far = int(replanned[0].group(1)), float(replanned[0].group(2)) * 1e6
+    found = {"steady_read_per_token": (float(total.group(1)) * 1e6 - so_far) / (row["decode_tokens"] - steps)}
+    # the pools the context served with after the re-plan: the last plan logged before the context was freed
+    freed = [i for i, line in enumerate(row["zipmoe_log"]) if "expert cache so far:" in line]
+    pools = [POOLS.search(line) for line in row["zipmoe_log"][:freed[-1] if freed else None]]
+    pools = [m for m in pools if m]
+    if pools:
+        found["steady_pools"] = dict(zip("FCSE", map(int, pools[-1].groups())))
+    return found
+
+
+def implied_reads(limits: dict, pools: dict) -> float:
+    """the stored bytes a token reads with these pools, for the routing profile of the --limits run"""
+    import limits as machine
+
+    f, _ = machine.inclusion(limits["profile"], limits["facts"]["n_expert"], limits["facts"]["k"], 1)
+    return machine.implied_read_bytes(limits["facts"], f, pools)
 
 
 def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None = None) -> dict:
@@ -97,6 +142,7 @@ def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None 
     row.update({"tpot_s": ms / 1e3 / n, "decode_tokens": n, "prompt_tokens": perf["prompt eval"][1],
                 "prompt_s": perf["prompt eval"][0] / 1e3, "load_s": float(load[-1]) / 1e3})
     row["ttft_s"] = row["load_s"] + row["prompt_s"]
+    row.update(steady_reads(row))
     if "read_bytes" in row:
         row["read_per_token"] = row["read_bytes"] / (n + 1)  # the first token comes from the prompt's pass
     return row
@@ -106,6 +152,11 @@ def cell(values: list[float], fmt: str) -> str:
     if not values:
         return "failed"
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def optional_cell(values: list[float], fmt: str = "{:.2f}") -> str:
+    """a cell of a column only some systems have: empty where this one has none"""
+    return cell(values, fmt) if values else ""
 
 
 def failed_words(mine: list[dict], ok: list[dict], rounds: int) -> str:
@@ -153,20 +204,24 @@ def peer_of(systems) -> str:
 
 def bound_columns(result: dict, cap: int, ok: list[dict]) -> str:
     """TPOT / bound and the bounds of bench/limits.py for this cap (batch 1), and where the runs' graph time
-    went (the runtime's account, whole run: compute outside fetches, waiting for reads, thread 0 decoding)"""
+    went (the runtime's account, whole run: compute outside fetches, waiting for reads, thread 0 decoding).
+    A run measured with its round's read rates is divided by its own round's bound; the bound cells are then
+    the rounds' median (min-max)."""
     if "limits" not in result:
         return ""
     bound = next((r for r in result["limits"]["rows"] if r["cap_bytes"] == cap and r["batch"] == 1), None)
     if bound is None or "tpot_bound_s" not in bound:
         return " | | | |"
-    ratio = [r["tpot_s"] / bound["tpot_bound_s"] for r in ok]
+    tpot_bounds = [r.get("round_bound", bound)["tpot_bound_s"] for r in ok]
+    ttft_bounds = [r.get("round_bound", bound)["ttft_bound_s"] for r in ok]
     found = [ACCOUNT.search(r.get("zipmoe_stats", "")) for r in ok]
     # (fetch wall, thread 0 decoding, waiting for reads, graphs) in seconds
     account = [[float(x) / 1e3 for x in m.groups()] for m in found if m]
     parts = [[a[3] - a[0] for a in account], [a[2] for a in account], [a[1] for a in account]]
     where = " / ".join(cell(values, "{:.1f}") for values in parts) if account else ""
-    return (f" {bound['tpot_bound_s'] * 1e3:.0f} | {cell(ratio, '{:.2f}')} | {bound['ttft_bound_s']:.1f} | "
-            f"{cell([r['ttft_s'] / bound['ttft_bound_s'] for r in ok], '{:.2f}')} | {where}")
+    return (f" {cell([b * 1e3 for b in tpot_bounds], '{:.0f}')} | "
+            f"{cell([r['tpot_s'] / b for r, b in zip(ok, tpot_bounds)], '{:.2f}')} | {cell(ttft_bounds, '{:.1f}')} | "
+            f"{cell([r['ttft_s'] / b for r, b in zip(ok, ttft_bounds)], '{:.2f}')} | {where}")
 
 
 def markdown(result: dict) -> str:
@@ -183,9 +238,9 @@ def markdown(result: dict) -> str:
              f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
              "```", result["command"], "```", "",
              f"| cap | system | TPOT ms | {peer} TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
-             "peak GB | failed |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
+             "peak GB | failed | steady GB read per token (after the re-plan) | / the pools' implied |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
                                      "waiting for reads / decoding |" if limits else ""),
-             "| --- " * (13 if limits else 8) + "|"]
+             "| --- " * (15 if limits else 10) + "|"]
     if limits:
         lines[6:6] = [f"Bounds: `{result['limits']['command']}` ({result['limits']['date']}, build "
                       f"{result['limits']['build']}; profile {result['limits']['profile']}).", ""]
@@ -203,7 +258,9 @@ def markdown(result: dict) -> str:
                          f"{cell([r['ttft_s'] for r in ok], '{:.1f}')} | "
                          f"{cell([r['read_per_token'] / 1e9 for r in ok if 'read_per_token' in r], '{:.2f}')} | "
                          f"{cell([(r['peak_bytes'] or 0) / 1e9 for r in ok], '{:.2f}')} | "
-                         f"{failed_words(mine, ok, result['rounds'])} |"
+                         f"{failed_words(mine, ok, result['rounds'])} | "
+                         f"{optional_cell([r['steady_read_per_token'] / 1e9 for r in ok if 'steady_read_per_token' in r])} | "
+                         f"{optional_cell([r['steady_read_per_token'] / r['implied_read_per_token'] for r in ok if r.get('implied_read_per_token')])} |"
                          + (bound_columns(result, cap, ok) + " |" if limits and system.startswith("zipmoe") and ok else
                             " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
@@ -248,13 +305,23 @@ def main() -> int:
     files = {"stock": stock, "zipmoe": zipmoe}
     failed: set[tuple[int, str]] = set()
     for rnd in range(args.rounds):
+        bound = round_bounds(limits, zipmoe, caps) if limits else None
+        if bound:
+            print(f"round {rnd}: O_DIRECT chunk reads {bound['reads_gbps']['chunks_depth1']:.2f} GB/s, sequential "
+                  f"{bound['reads_gbps']['sequential']:.2f}; bounds " + ", ".join(
+                      f"{int(c) / (1 << 30):.0f} GiB {b.get('tpot_bound_s', 0) * 1e3:.0f} ms"
+                      for c, b in bound["rows"].items()), flush=True)
         for cap in caps:
             for system in systems:
                 which, extra = SYSTEMS[system]
                 if (cap, system) in failed and not args.rerun_failed:
                     continue
-                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[which], extra, args,
+                row = {"round": rnd, "system": system, "cap_bytes": cap,
+                       **({"round_bound": {"reads_gbps": bound["reads_gbps"], **bound["rows"][str(cap)]}} if bound else {}),
+                       **run_one(cap, files[which], extra, args,
                                                                                        args.before if system == "zipmoe-before" else None)}
+                if limits and "steady_pools" in row:
+                    row["implied_read_per_token"] = implied_reads(limits, row["steady_pools"])
                 rows.append(row)
                 if "error" in row:
                     failed.add((cap, system))

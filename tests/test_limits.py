@@ -86,3 +86,33 @@ def test_the_bound_is_the_planners_makespan_plus_the_compute_floor(limits, zipmo
     cold = facts["non_expert_bytes"] + needed * facts["stored_expert_bytes"]
     assert one["ttft_bound_s"] == pytest.approx(3.0 + cold / 1.8e9)
     assert "ttft_bound_s" not in by_cap[(caps[0], 4)]
+
+
+def test_the_pools_imply_the_reads_of_the_ranks_beyond_f_and_c(limits, zipmoe_gguf):
+    facts = limits.model_facts(zipmoe_gguf("deepseek2"))
+    n, k, layers = facts["n_expert"], facts["k"], facts["n_layer_moe"]
+    f = np.full(n, k / n)
+    stored, sm = facts["stored_expert_bytes"], facts["sm_bytes"]
+    assert limits.implied_read_bytes(facts, f, {"F": n}) == 0.0
+    assert limits.implied_read_bytes(facts, f, {}) == pytest.approx(layers * k * stored)
+    # one rank in each pool: F and C read nothing, S its E-chunks, E its SM-chunks, the rest everything
+    mixed = limits.implied_read_bytes(facts, f, {"F": 1, "C": 1, "S": 1, "E": 1})
+    assert mixed == pytest.approx(layers * k / n * ((stored - sm) + sm + (n - 4) * stored))
+
+
+def test_a_runs_steady_reads_are_those_after_the_re_plan(zipmoe_gguf):
+    quant_bench = bench_module("quant_bench")
+    log = ["I llama_zipmoe: ZipMoE expert cache pools per MoE layer: F 0, C 17, S 0, E 46, 8 working slots: ...",
+           "I detach: ZipMoE expert cache so far: 0 fetches, 0 hits, 0 misses (0 from C/S/E), 0.0 MB read (prefetch ...",
+           "I llama_zipmoe: ZipMoE expert cache pools per MoE layer: F 2, C 20, S 0, E 40, 8 working slots: ...",
+           "I llama_zipmoe: ZipMoE pools re-planned after 16 decode steps (3000.0 MB read so far): F 5, C 30, S 1, "
+           "E 20 per MoE layer, 300 slots: ...",
+           "I detach: ZipMoE expert cache so far: 10 fetches, ..., 8000.0 MB read (prefetch 0.0 MB read, ...",
+           "I llama_zipmoe: ZipMoE expert cache pools per MoE layer: F 9, C 9, S 0, E 9, 8 working slots: ..."]
+    row = {"zipmoe_log": log, "zipmoe_stats": log[4].split("so far: ")[1], "decode_tokens": 66}
+    found = quant_bench.steady_reads(row)
+    assert found["steady_read_per_token"] == pytest.approx(5000e6 / 50)
+    assert found["steady_pools"] == {"F": 5, "C": 30, "S": 1, "E": 20}  # not the plan made after the context went
+    kept = dict(row, zipmoe_log=log[:3] + [log[3].split("): F")[0] + "): kept (...)"] + log[4:])
+    assert quant_bench.steady_reads(kept)["steady_pools"] == {"F": 2, "C": 20, "S": 0, "E": 40}
+    assert quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + log[4:])) == {}  # never re-planned
