@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
-from floors import ACCOUNT  # noqa: E402
+from floors import ACCOUNT, STATS as COUNTERS  # noqa: E402
 
 # 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
@@ -48,7 +48,6 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
           "of the experts that were used recently, sized to the memory the machine has, keeps the hot ones at "
           "hand, and the rest are read when the router asks for them.")
 LOAD = re.compile(r"load time =\s*([0-9.]+) ms")
-STATS_READ = re.compile(r"([0-9.]+) MB read \(prefetch")
 # runs the command, then prints this process's /proc/self/io, which counts the reaped child's reads too
 IO_WRAPPER = ("import subprocess, sys; r = subprocess.run(sys.argv[1:]); "
               "print('IO ' + ' '.join(open('/proc/self/io').read().split()), file=sys.stderr); sys.exit(r.returncode)")
@@ -91,7 +90,7 @@ def steady_reads(row: dict) -> dict:
     when the context was freed), and the pools in use then"""
     replanned = [REPLANNED.search(line) for line in row.get("zipmoe_log", [])]
     replanned = [m for m in replanned if m]
-    total = STATS_READ.search(row.get("zipmoe_stats", ""))
+    total = COUNTERS.search(row.get("zipmoe_stats", ""))
     if not replanned or not total or row["decode_tokens"] <= int(replanned[0].group(1)):
         return {}
     steps, so_far = int(replanned[0].group(1)), float(replanned[0].group(2)) * 1e6
@@ -103,6 +102,27 @@ def steady_reads(row: dict) -> dict:
     if pools:
         found["steady_pools"] = dict(zip("FCSE", map(int, pools[-1].groups())))
     return found
+
+
+def add_run_bounds(result: dict) -> None:
+    """per ZipMoE run, the TPOT bound at the read rate the runtime itself saw during the run (its bytes read over
+    its I/O thread's time in reads): this disk's rate drifts within minutes, so a rate measured before the round
+    may not be the run's"""
+    import limits as machine
+
+    if "limits" not in result:
+        return
+    lim = result["limits"]
+    for row in result["rows"]:
+        found = COUNTERS.search(row.get("zipmoe_stats", ""))
+        if "tpot_s" not in row or not found or float(found.group(2)) <= 0:
+            continue
+        rate = float(found.group(1)) * 1e6 / (float(found.group(2)) / 1e3) / 1e9
+        reads = {"gbps": {**{f"chunks_depth{d}": {"median": rate} for d in machine.DEPTHS}, "sequential": {"median": rate}}}
+        bound = machine.bounds(lim["facts"], reads, lim["decode"], lim["floor"], [row["cap_bytes"]], [1], lim["profile"],
+                               lim["threads"], lim["overhead_bytes"], lim["prompt_tokens"])[0]
+        if "tpot_bound_s" in bound:
+            row["run_bound"] = {"read_gbps": rate, "tpot_bound_s": bound["tpot_bound_s"]}
 
 
 def implied_reads(limits: dict, pools: dict) -> float:
@@ -238,9 +258,10 @@ def markdown(result: dict) -> str:
              f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
              "```", result["command"], "```", "",
              f"| cap | system | TPOT ms | {peer} TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
-             "peak GB | failed | steady GB read per token (after the re-plan) | / the pools' implied |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
+             "peak GB | failed | steady GB read per token (after the re-plan) | / the pools' implied | the run's own read GB/s | "
+             "TPOT / bound at it |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
                                      "waiting for reads / decoding |" if limits else ""),
-             "| --- " * (15 if limits else 10) + "|"]
+             "| --- " * (17 if limits else 12) + "|"]
     if limits:
         lines[6:6] = [f"Bounds: `{result['limits']['command']}` ({result['limits']['date']}, build "
                       f"{result['limits']['build']}; profile {result['limits']['profile']}).", ""]
@@ -261,6 +282,8 @@ def markdown(result: dict) -> str:
                          f"{failed_words(mine, ok, result['rounds'])} | "
                          f"{optional_cell([r['steady_read_per_token'] / 1e9 for r in ok if 'steady_read_per_token' in r])} | "
                          f"{optional_cell([r['steady_read_per_token'] / r['implied_read_per_token'] for r in ok if r.get('implied_read_per_token')])} |"
+                         f" {optional_cell([r['run_bound']['read_gbps'] for r in ok if 'run_bound' in r])} | "
+                         f"{optional_cell([r['tpot_s'] / r['run_bound']['tpot_bound_s'] for r in ok if 'run_bound' in r])} |"
                          + (bound_columns(result, cap, ok) + " |" if limits and system.startswith("zipmoe") and ok else
                             " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
@@ -339,6 +362,7 @@ def main() -> int:
               "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "systems": systems,
               **({"before": str(args.before)} if args.before else {}),
               **({"limits": limits} if limits else {}), **run_facts(args.out), "rows": rows}
+    add_run_bounds(result)
     save(result, args.out, markdown)
     return 0
 

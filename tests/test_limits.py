@@ -107,7 +107,8 @@ def test_a_runs_steady_reads_are_those_after_the_re_plan(zipmoe_gguf):
            "I llama_zipmoe: ZipMoE expert cache pools per MoE layer: F 2, C 20, S 0, E 40, 8 working slots: ...",
            "I llama_zipmoe: ZipMoE pools re-planned after 16 decode steps (3000.0 MB read so far): F 5, C 30, S 1, "
            "E 20 per MoE layer, 300 slots: ...",
-           "I detach: ZipMoE expert cache so far: 10 fetches, ..., 8000.0 MB read (prefetch 0.0 MB read, ...",
+           "I detach: ZipMoE expert cache so far: 10 fetches, 0 hits, 9 misses (0 from C/S/E), 8000.0 MB read (prefetch "
+           "0.0 MB read, 0.0 MB used, 0 experts served, recall 0.00); io 9.0 ms, decode 1.0 ms, recover 1.0 ms, ...",
            "I llama_zipmoe: ZipMoE expert cache pools per MoE layer: F 9, C 9, S 0, E 9, 8 working slots: ..."]
     row = {"zipmoe_log": log, "zipmoe_stats": log[4].split("so far: ")[1], "decode_tokens": 66}
     found = quant_bench.steady_reads(row)
@@ -116,3 +117,31 @@ def test_a_runs_steady_reads_are_those_after_the_re_plan(zipmoe_gguf):
     kept = dict(row, zipmoe_log=log[:3] + [log[3].split("): F")[0] + "): kept (...)"] + log[4:])
     assert quant_bench.steady_reads(kept)["steady_pools"] == {"F": 2, "C": 20, "S": 0, "E": 40}
     assert quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + log[4:])) == {}  # never re-planned
+
+
+def test_a_runs_bound_takes_the_read_rate_the_runtime_saw(limits, zipmoe_gguf):
+    quant_bench = bench_module("quant_bench")
+    model = zipmoe_gguf("deepseek2")
+    facts = limits.model_facts(model)
+    everything = facts["n_layer_moe"] * facts["n_expert"] * facts["entry_bytes"]["F"]
+    cap = facts["non_expert_bytes"] + everything // 4
+    lim = {"facts": facts, "decode": {"gbps": {"all_threads": {"median": 6.0}}}, "profile": "uniform", "threads": 2,
+           "floor": {"tpot_s": {"floor_s": 0.2}, "prompt_s": {"floor_s": 3.0}}, "overhead_bytes": 0,
+           "prompt_tokens": 40}
+
+    def stats(mb, io_ms):
+        return (f"1 fetches, 0 hits, 1 misses (0 from C/S/E), {mb:.1f} MB read (prefetch 0.0 MB read, 0.0 MB used, 0 "
+                f"experts served, recall 0.00); io {io_ms:.1f} ms, decode 1.0 ms, recover 1.0 ms, fetch wall 2.0 ms")
+
+    rows = [{"cap_bytes": cap, "tpot_s": 0.5, "zipmoe_stats": stats(1000, 1000)},
+            {"cap_bytes": cap, "tpot_s": 0.5, "zipmoe_stats": stats(1000, 4000)},
+            {"cap_bytes": cap, "tpot_s": 0.5}]  # stock: no counters, no bound
+    result = {"limits": lim, "rows": rows}
+    quant_bench.add_run_bounds(result)
+    fast, slow = rows[0]["run_bound"], rows[1]["run_bound"]
+    assert fast["read_gbps"] == pytest.approx(1.0) and slow["read_gbps"] == pytest.approx(0.25)
+    assert slow["tpot_bound_s"] > fast["tpot_bound_s"] > 0.2
+    reads = {"gbps": {**{f"chunks_depth{d}": {"median": 1.0} for d in limits.DEPTHS}, "sequential": {"median": 1.0}}}
+    same = limits.bounds(facts, reads, lim["decode"], lim["floor"], [cap], [1], "uniform", 2, 0, 40)[0]
+    assert fast["tpot_bound_s"] == pytest.approx(same["tpot_bound_s"])
+    assert "run_bound" not in rows[2]
