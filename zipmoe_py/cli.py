@@ -99,16 +99,15 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
     if now is None:
         print("[stats] not a ZipMoE model: no expert cache", file=sys.stderr)
         return None
+    delta = _counter_delta(now, before)
     if first_token is not None and n_tokens > 1:
         print(f"[stats] this reply ({n_tokens - 1} tokens after the first): "
               f"{_format_stats(_counter_delta(now, first_token), n_tokens - 1)}", file=sys.stderr)
         print(f"[stats] this reply's prompt and first token: {_format_stats(_counter_delta(first_token, before))}",
               file=sys.stderr)
     else:
-        delta = _counter_delta(now, before)
         print(f"[stats] this reply ({n_tokens} tokens, the prompt's pass included): {_format_stats(delta, n_tokens)}",
               file=sys.stderr)
-    delta = _counter_delta(now, before)
     print(f"[stats] total ({now['n_slots']} slots): {_format_stats(now)}", file=sys.stderr)
     subst = now.get("substitution") or {}
     if subst.get("lossy"):
