@@ -450,6 +450,12 @@ def markdown(result: dict) -> str:
 def bound_main(args) -> int:
     facts = model_facts(args.model)
     floor = json.loads(args.floor.read_text()) if args.floor else None
+    # the TTFT bound's prompt compute is the floor's, measured at the floor's prompt length
+    if args.prompt_tokens is None:
+        args.prompt_tokens = floor["prompt_tokens"] if floor else 44
+    elif floor and args.prompt_tokens != floor["prompt_tokens"]:
+        raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: {args.floor} measured the prompt's floor at "
+                         f"{floor['prompt_tokens']} tokens (run `limits.py floor --prompt-tokens {args.prompt_tokens}`)")
     if floor and floor.get("full_layers") != layer_count(args.model):
         raise SystemExit(f"{args.floor}: its floor is for {floor.get('full_layers')} layers, {args.model} has "
                          f"{layer_count(args.model)}")
@@ -489,9 +495,12 @@ def main(argv=None) -> int:
                     help="bytes read per read pattern and round (default: 512M)")
     bd.add_argument("--seconds", type=float, default=2.0, help="seconds per decoding measurement (default: %(default)s)")
     bd.add_argument("--out", type=Path, required=True)
+    fl.add_argument("--prompt-tokens", type=int, default=44,
+                    help="prompt length: the bench's prompt in the model's tokenizer (default: %(default)s)")
+    bd.add_argument("--prompt-tokens", type=int, default=None,
+                    help="prompt length of the TTFT bound (default: the floor's, else 44)")
     for p in (fl, bd):
         p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads (default: the cores, %(default)s)")
-        p.add_argument("--prompt-tokens", type=int, default=44, help="prompt length (default: %(default)s)")
     args = ap.parse_args(argv)
     return floor_main(args) if args.what == "floor" else bound_main(args)
 

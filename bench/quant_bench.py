@@ -6,7 +6,8 @@ experts (Q4_K) out of the mapping into memory and clears the KV cache of the tra
 (DeepSeek-V2-Lite: 163,840 tokens, 4.9 GiB), so under a cap smaller than the model it is killed; with
 the experts left in the mapping and the context at upstream fit's floor, it pages them, as stock
 llama.cpp runs a model larger than memory. A fourth, zipmoe-before, runs the ZipMoE GGUF through another
-build's llama-completion (--before), for a change's A/B.
+build's llama-completion (--before), for a change's A/B; zipmoe-no-preload runs it with the preload off
+(`--override-kv zipmoe.preload=bool:false`), the A/B of that default.
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
         [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
@@ -65,8 +66,10 @@ def disk_bw(path: Path) -> float:
 
 
 # system -> (which file, llama-completion's extra arguments)
+# zipmoe-before: the ZipMoE GGUF through --before's llama-completion; zipmoe-no-preload: the preload off (an A/B
+# of that default)
 SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", []),
-           "zipmoe-before": ("zipmoe", [])}  # zipmoe-before: the ZipMoE GGUF through --before's llama-completion
+           "zipmoe-before": ("zipmoe", []), "zipmoe-no-preload": ("zipmoe", ["--override-kv", "zipmoe.preload=bool:false"])}
 
 
 def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
@@ -105,9 +108,9 @@ def steady_reads(row: dict) -> dict:
 
 
 def add_run_bounds(result: dict) -> None:
-    """per ZipMoE run, the TPOT bound at the read rate the runtime itself saw during the run (its bytes read over
-    its I/O thread's time in reads): this disk's rate drifts within minutes, so a rate measured before the round
-    may not be the run's"""
+    """per ZipMoE run, the TPOT and TTFT bounds at the read rate the runtime itself saw during the run (its bytes
+    read over its I/O thread's time in reads): this disk's rate drifts within minutes, so a rate measured before
+    the round may not be the run's"""
     import limits as machine
 
     if "limits" not in result:
@@ -122,7 +125,8 @@ def add_run_bounds(result: dict) -> None:
         bound = machine.bounds(lim["facts"], reads, lim["decode"], lim["floor"], [row["cap_bytes"]], [1], lim["profile"],
                                lim["threads"], lim["overhead_bytes"], lim["prompt_tokens"])[0]
         if "tpot_bound_s" in bound:
-            row["run_bound"] = {"read_gbps": rate, "tpot_bound_s": bound["tpot_bound_s"]}
+            row["run_bound"] = {"read_gbps": rate, "tpot_bound_s": bound["tpot_bound_s"],
+                                "ttft_bound_s": bound["ttft_bound_s"]}
 
 
 def implied_reads(limits: dict, pools: dict) -> float:
@@ -215,8 +219,8 @@ def counter_lines(rows: list[dict], heading: str) -> list[str]:
 
 def peer_of(systems) -> str:
     """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory; without stock, the
-    build before (--before)"""
-    for peer in ("stock-paged", "stock", "zipmoe-before"):
+    build before (--before), or ZipMoE with the preload off"""
+    for peer in ("stock-paged", "stock", "zipmoe-before", "zipmoe-no-preload"):
         if peer in systems:
             return peer
     return "stock"
@@ -259,12 +263,15 @@ def markdown(result: dict) -> str:
              "```", result["command"], "```", "",
              f"| cap | system | TPOT ms | {peer} TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
              "peak GB | failed | steady GB read per token (after the re-plan) | / the pools' implied | the run's own read GB/s | "
-             "TPOT / bound at it |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
+             "TPOT / bound at it | TTFT / bound at it |" + (" TPOT bound ms | TPOT / bound | TTFT bound s | TTFT / bound | graphs s: compute / "
                                      "waiting for reads / decoding |" if limits else ""),
-             "| --- " * (17 if limits else 12) + "|"]
+             "| --- " * (18 if limits else 13) + "|"]
     if limits:
         lines[6:6] = [f"Bounds: `{result['limits']['command']}` ({result['limits']['date']}, build "
                       f"{result['limits']['build']}; profile {result['limits']['profile']}).", ""]
+        if result["limits"]["prompt_tokens"] != result["prompt_tokens"]:
+            lines[8:8] = [f"**The TTFT bound is for a {result['limits']['prompt_tokens']}-token prompt; these runs' prompt "
+                          f"had {result['prompt_tokens']} tokens.**", ""]
     for cap in result["caps"]:
         rows = [r for r in result["rows"] if r["cap_bytes"] == cap]
         for system in systems:
@@ -283,7 +290,8 @@ def markdown(result: dict) -> str:
                          f"{optional_cell([r['steady_read_per_token'] / 1e9 for r in ok if 'steady_read_per_token' in r])} | "
                          f"{optional_cell([r['steady_read_per_token'] / r['implied_read_per_token'] for r in ok if r.get('implied_read_per_token')])} |"
                          f" {optional_cell([r['run_bound']['read_gbps'] for r in ok if 'run_bound' in r])} | "
-                         f"{optional_cell([r['tpot_s'] / r['run_bound']['tpot_bound_s'] for r in ok if 'run_bound' in r])} |"
+                         f"{optional_cell([r['tpot_s'] / r['run_bound']['tpot_bound_s'] for r in ok if 'run_bound' in r])} | "
+                         f"{optional_cell([r['ttft_s'] / r['run_bound']['ttft_bound_s'] for r in ok if 'ttft_bound_s' in r.get('run_bound', {})])} |"
                          + (bound_columns(result, cap, ok) + " |" if limits and system.startswith("zipmoe") and ok else
                             " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")

@@ -144,4 +144,13 @@ def test_a_runs_bound_takes_the_read_rate_the_runtime_saw(limits, zipmoe_gguf):
     reads = {"gbps": {**{f"chunks_depth{d}": {"median": 1.0} for d in limits.DEPTHS}, "sequential": {"median": 1.0}}}
     same = limits.bounds(facts, reads, lim["decode"], lim["floor"], [cap], [1], "uniform", 2, 0, 40)[0]
     assert fast["tpot_bound_s"] == pytest.approx(same["tpot_bound_s"])
+    assert fast["ttft_bound_s"] == pytest.approx(same["ttft_bound_s"]) and slow["ttft_bound_s"] > fast["ttft_bound_s"]
     assert "run_bound" not in rows[2]
+
+
+def test_the_ttft_bound_takes_the_prompt_length_its_floor_was_measured_at(limits, zipmoe_gguf, tmp_path):
+    floor = tmp_path / "floor.json"
+    floor.write_text('{"prompt_tokens": 78, "full_layers": 2}')
+    model = zipmoe_gguf("deepseek2")
+    with pytest.raises(SystemExit, match=r"--prompt-tokens 44: .*floor.json measured the prompt's floor at 78 tokens"):
+        limits.main(["bound", str(model), "--floor", str(floor), "--prompt-tokens", "44", "--out", str(tmp_path / "b.json")])
