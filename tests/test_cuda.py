@@ -76,7 +76,7 @@ def test_cuda_with_pools_and_prefetch_is_bit_identical(arch, prefetch, zipmoe_gg
 def test_cuda_preload_is_bit_identical(arch, zipmoe_gguf, cuda_reference):
     path = zipmoe_gguf(arch)
     want, want_tokens = cuda_reference(arch, PROMPTS)
-    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "half"), zipmoe_preload=True)
+    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "everything"), zipmoe_preload=True)
     got, got_tokens, _ = trace_and_close(llm, PROMPTS)
     assert got_tokens == want_tokens and np.array_equal(got, want)
 

@@ -477,6 +477,9 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_cancel(struct ggml_zipmoe_cache * cache);
 // capacity / served layers), experts in id order, read on the I/O thread and decoded on n_threads
 // threads of its own (the calling thread one of them): what a memory-mapped model's populate does for
 // its weights, done once before serving so that the first tokens do not wait on the disk for them.
+// Only where that leaves every expert of every served layer in a slot (or, where C keeps every
+// expert, in a slot or C); otherwise it loads nothing (*n_loaded 0): a prompt reads nearly every
+// expert anyway, and guesses made before any activation was counted are evicted unused.
 // Statistics and activation counts are left as they were. Returns OK or the first failure (then
 // ggml_zipmoe_cache_error names the chunk; the experts before it stay loaded); *n_loaded (may be
 // NULL) gets the experts loaded.

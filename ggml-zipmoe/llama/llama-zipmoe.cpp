@@ -632,6 +632,11 @@ void llama_zipmoe::preload(llama_context * lctx) {
                        ggml_zipmoe_cache_error(cache));
         return;
     }
+    if (n_loaded == 0) {
+        LLAMA_LOG_INFO("%s: ZipMoE preload: nothing loaded: it fills the slots only where they hold every expert "
+                       "(else a prompt reads those it needs)\n", __func__);
+        return;
+    }
     LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
                    (double) n_loaded * info.expert_bytes / k_mib, seconds);
     // every expert resident: the graphs may use the slots in place (rebuilt for it)

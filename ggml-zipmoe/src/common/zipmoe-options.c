@@ -39,7 +39,8 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
         NONE },
     [GGML_ZIPMOE_OPTION_PRELOAD] = { "preload", "zipmoe.preload", "ZIPMOE_PRELOAD", GGML_ZIPMOE_TYPE_BOOL, BOTH, 0,
         1, NAN, 1, NULL, NULL, "on",
-        "fill the expert slots when the first context is made, as a memory-mapped model's populate does", NONE },
+        "fill the expert slots when the first context is made, as a memory-mapped model's populate does, where "
+        "they hold every expert (else a prompt reads those it needs)", NONE },
     [GGML_ZIPMOE_OPTION_THREADS] = { "threads", "zipmoe.threads", "ZIPMOE_THREADS", GGML_ZIPMOE_TYPE_INT, BOTH, 0,
         4096, NAN, 0, "threads", "0: all of the graph's threads", "0",
         "graph threads that decode fetched experts (reads run on the cache's own I/O thread)", NONE },
