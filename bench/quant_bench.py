@@ -217,6 +217,10 @@ def counter_lines(rows: list[dict], heading: str) -> list[str]:
     return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
 
 
+def stock_size(result: dict) -> str:
+    return f"{result['stock_bytes'] / 1e9:.2f} GB" if result["stock_bytes"] is not None else "not present: no stock system ran"
+
+
 def peer_of(systems) -> str:
     """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory; without stock, the
     build before (--before), or ZipMoE with the preload off"""
@@ -258,7 +262,7 @@ def markdown(result: dict) -> str:
              f"CLI's default context, page cache evicted before each run; O_DIRECT "
              f"{result['odirect_gbps_before']:.2f} GB/s before the first round, {result['odirect_gbps_after']:.2f} "
              f"after the last.", "",
-             f"Stock: `{Path(result['stock']).name}` ({result['stock_bytes'] / 1e9:.2f} GB). ZipMoE: "
+             f"Stock: `{Path(result['stock']).name}` ({stock_size(result)}). ZipMoE: "
              f"`{Path(result['zipmoe']).name}` ({result['zipmoe_bytes'] / 1e9:.2f} GB).", "",
              "```", result["command"], "```", "",
              f"| cap | system | TPOT ms | {peer} TPOT / TPOT | TTFT s (load + prompt) | GB read per token | "
@@ -300,7 +304,8 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stock", type=Path, required=True, help="the quantized GGUF stock llama.cpp runs")
+    ap.add_argument("--stock", type=Path, required=True,
+                    help="the GGUF (quantized or BF16) stock llama.cpp runs; may be absent when no stock system runs")
     ap.add_argument("--zipmoe", type=Path, default=None, help="its ZipMoE GGUF (default: made beside it)")
     ap.add_argument("--caps", default="4G,6G", help="memory caps (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default: %(default)s)")
@@ -330,7 +335,10 @@ def main() -> int:
     caps = [parse_size(c) for c in args.caps.split(",")]
     limits = json.loads(args.limits.read_text()) if args.limits else None
     bw_before = disk_bw(zipmoe)
-    print(f"{stock.name}: {stock.stat().st_size / 1e9:.2f} GB; ZipMoE {zipmoe.stat().st_size / 1e9:.2f} GB; "
+    if not stock.exists() and any(SYSTEMS[s][0] == "stock" for s in systems):
+        ap.error(f"--stock: {stock} does not exist")
+    stock_bytes = stock.stat().st_size if stock.exists() else None  # only the stock systems read it
+    print(f"{stock.name}: {stock_size({'stock_bytes': stock_bytes})}; ZipMoE {zipmoe.stat().st_size / 1e9:.2f} GB; "
           f"O_DIRECT {bw_before:.2f} GB/s", flush=True)
     rows = []
     files = {"stock": stock, "zipmoe": zipmoe}
@@ -364,7 +372,7 @@ def main() -> int:
                       f"peak {(row['peak_bytes'] or 0) / 1e9:5.2f} GB", flush=True)
     bw_after = disk_bw(zipmoe)
     prompt_tokens = next((r["prompt_tokens"] for r in rows if "prompt_tokens" in r), 0)
-    result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
+    result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock_bytes,
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "gen_tokens": args.gen_tokens, "rounds": args.rounds, "seed": args.seed,
               "prompt": PROMPT, "prompt_tokens": prompt_tokens, "caps": caps, "systems": systems,

@@ -154,3 +154,9 @@ def test_the_ttft_bound_takes_the_prompt_length_its_floor_was_measured_at(limits
     model = zipmoe_gguf("deepseek2")
     with pytest.raises(SystemExit, match=r"--prompt-tokens 44: .*floor.json measured the prompt's floor at 78 tokens"):
         limits.main(["bound", str(model), "--floor", str(floor), "--prompt-tokens", "44", "--out", str(tmp_path / "b.json")])
+
+
+def test_a_zipmoe_only_bench_needs_no_stock_file():
+    quant_bench = bench_module("quant_bench")
+    assert quant_bench.stock_size({"stock_bytes": 2_000_000_000}) == "2.00 GB"
+    assert "not present" in quant_bench.stock_size({"stock_bytes": None})
