@@ -632,9 +632,8 @@ void llama_zipmoe::preload(llama_context * lctx) {
                        ggml_zipmoe_cache_error(cache));
         return;
     }
-    if (n_loaded == 0) {
-        LLAMA_LOG_INFO("%s: ZipMoE preload: nothing loaded: it fills the slots only where they hold every expert "
-                       "(else a prompt reads those it needs)\n", __func__);
+    if (n_loaded == 0) { // a prompt reads the experts it needs
+        LLAMA_LOG_INFO("%s: ZipMoE preload: nothing loaded: the slots in use do not hold every expert\n", __func__);
         return;
     }
     LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
