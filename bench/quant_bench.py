@@ -84,7 +84,7 @@ def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
             "rows": {str(r["cap_bytes"]): {k: r[k] for k in ("tpot_bound_s", "ttft_bound_s") if k in r} for r in rows}}
 
 
-REPLANNED = re.compile(r"re-planned after (\d+) decode steps \(([0-9.]+) MB read so far\)")
+REPLANNED = re.compile(r"re-planned after (\d+) decode steps \(([0-9.]+) MB read so far[;)]")
 POOLS = re.compile(r"pools (?:per MoE layer|re-planned after [^:]*): F (\d+), C (\d+), S (\d+), E (\d+)")
 
 

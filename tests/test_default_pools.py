@@ -20,7 +20,7 @@ from zipmoe_py.plan_files import Costs
 from zipmoe_py.plan_math import round_to_subset_size
 
 from conftest import run, zipmoe_command
-from test_serve import PROMPTS, expert_geometry, load, logits_trace
+from test_serve import PROMPTS, TOP_K, expert_geometry, load, logits_trace
 
 POOLS = ("F", "C", "S", "E")
 
@@ -196,6 +196,33 @@ def test_between_the_planner_picks_the_pools_and_stays_exact(arch, zipmoe_gguf, 
         with zformat.ZipMoEFile(path) as zf:
             n_moe = len(zf.moe_layers())
         assert memory["n_slots"] == memory["pools"]["F"] * n_moe + 8  # 8 working slots by default
+    np.testing.assert_array_equal(logits, references(arch))
+
+
+def test_short_of_every_compressed_expert_c_and_e_keep_each_compressed_and_stay_exact(arch, zipmoe_gguf, references):
+    """A byte short of every compressed expert in C (and the working slots): C keeps all but one per layer, E
+    that one's E-chunks, and a token reads at most its SM-chunks. The budget is found as the runtime sizes it."""
+    from test_serving import Serving, default_pools_at, lowest_budget
+
+    path = zipmoe_gguf(arch)
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("available", 1 << 30)
+        made.append(Serving(path, n_expert_used=TOP_K[arch], work_slots=8, **kwargs))
+        return made[-1]
+    try:
+        inclusive = lowest_budget(make, lambda why: why.startswith("every compressed expert fits"))
+        n_expert = made[0].info().max_expert
+        assert default_pools_at(make, inclusive - 1)[0] == [0, n_expert - 1, 0, 1]
+    finally:
+        for s in made:
+            s.close()
+    logits, stats = pooled_run(path, inclusive - 1)
+    memory = stats["memory"]
+    assert [memory["pools"][p] for p in POOLS] == [0, n_expert - 1, 0, 1]
+    assert memory["pools_why"].startswith("every expert kept compressed")
+    assert stats["c_hits"] > 0
     np.testing.assert_array_equal(logits, references(arch))
 
 

@@ -275,3 +275,55 @@ def test_slots_on_an_integrated_gpu_count_only_the_memory_the_process_may_take(s
     assert integrated.lib.ggml_zipmoe_serving_fit_device(integrated.handle, b"CUDA0", device_free, reserve, 1) == 5
     assert any(level == 0 and "CUDA0 shares the host's memory" in text and "counted (given)" in text
                for level, text in integrated.logs), integrated.logs
+
+
+def default_pools_at(make, budget: int) -> tuple[list[int], str]:
+    """the default pools a context gets under zipmoe.budget = budget (and why)"""
+    s = make(budget=budget)
+    s.make_cache()
+    assert s.resize()[0] == 0, s.error
+    return list(s.plan().pools), s.plan().pools_why.decode()
+
+
+def lowest_budget(make, holds) -> int:
+    """the smallest budget short of every expert full whose default pools' reason satisfies holds (monotone in
+    the budget), by bisection"""
+    info = make().info()
+    lo, hi = 0, info.expert_bytes * info.max_expert * info.n_moe_layers - 1
+    assert holds(default_pools_at(make, hi)[1])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if holds(default_pools_at(make, mid)[1]) else (mid, hi)
+    return hi
+
+
+def test_short_of_every_compressed_expert_each_is_kept_compressed_in_c_or_as_its_e_chunks(serving):
+    k = 2
+    inclusive = lowest_budget(serving, lambda why: why.startswith("every compressed expert fits"))
+    assert default_pools_at(serving, inclusive)[0][1] == N_EXPERT
+    # a byte less: C keeps all but one expert per layer, E the E-chunks of that one: nothing is missed
+    pools, why = default_pools_at(serving, inclusive - 1)
+    assert pools == [0, N_EXPERT - 1, 0, 1]
+    assert why.startswith("every expert kept compressed: C holds 7 per layer, E the E-chunks of the other 1")
+    # down to k experts per layer left to E (a token reads at most k SM-chunks a layer); below, the planner
+    kept = lowest_budget(serving, lambda why: why.startswith(("every expert kept compressed", "every compressed")))
+    assert default_pools_at(serving, kept)[0] == [0, N_EXPERT - k, 0, k]
+    pools, why = default_pools_at(serving, kept - 1)
+    assert not why.startswith("every expert kept compressed") and pools != [0, N_EXPERT - k - 1, 0, k + 1]
+
+
+@pytest.mark.parametrize("routing,even", [("every expert in turn", True), ("experts 0 and 1 only", False)])
+def test_routing_as_even_as_a_uniform_routers_is_planned_for_the_built_in_profile(serving, routing, even):
+    s = serving(available=256 * MIB, replan_tokens=4)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    for step in range(4):
+        pair = [2 * step, 2 * step + 1] if even else [0, 1]
+        s.decode_step({layer: [pair] for layer in layers})
+        s.lib.ggml_zipmoe_serving_observe(s.handle)
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    z = float(replanned.split("routing z = ")[1].split()[0])
+    # every expert chosen exactly once: z is as low as it goes; one pair always: far beyond the 3 of noise
+    assert (z < 0) if even else (z > 3)
+    assert ("so planned for the built-in profile" in replanned) == even

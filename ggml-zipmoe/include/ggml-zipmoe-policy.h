@@ -144,6 +144,10 @@ GGML_ZIPMOE_API int ggml_zipmoe_plan_pools(const struct ggml_zipmoe_plan_params 
 // - every expert fits full: one F pool (capacity all 0);
 // - every compressed expert fits beside work_slots working slots: C holds every expert and F as
 //   many as the rest allows, inclusive (nothing is read after warm-up);
+// - short of that, with the built-in profile, when C holds all but at most k experts per layer
+//   beside the E-chunks of the rest in E: those pools (a token reads at most the SM-chunks of
+//   those in E; the planner, which does not model rank dispatch moving experts between partial
+//   pools on a flat profile's noise, would pick partial pools that read far more);
 // - otherwise the planner's choice for a uniform profile (every expert equally likely), with the
 //   cache's rates (measured by its fetches, or the defaults) and the store entries' real sizes,
 //   kept only if it expects a shorter makespan than one F pool.

@@ -12,6 +12,7 @@
 //   zipmoe-fetch-io.c   the I/O thread and the staging rings it reads into
 //   zipmoe-prefetch.c   reads ahead for predicted experts, and what a fetch takes from them
 //   zipmoe-substitution-hook.c  the public calls of the lossy policy (lossy/), forwarded to c->subst
+//   zipmoe-default-pools.c  the pools a budget gets with no pool options (the planner's, or compressed)
 //   zipmoe-sched.c, zipmoe-planner.c  Algorithm 1 (the fetch's order) and Algorithms 2-4 (the pools)
 //
 // A cache is one struct of sub-structs by concern; each file owns the sub-structs named above it.
@@ -330,7 +331,8 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 
 // The files call each other one way, from the top down; a lower file never calls a higher one
 // (the I/O thread reaches the prefetch's reads through pipe.idle_work, which prefetch registers):
-//   zipmoe-preload.c, zipmoe-substitution-hook.c     on the public cache API (and lossy/)
+//   zipmoe-preload.c, zipmoe-substitution-hook.c,    on the public cache API (and lossy/; the default
+//   zipmoe-default-pools.c                           pools on the planner)
 //   zipmoe-cache.c, zipmoe-stats.c                   lifecycle, queries, merge; statistics
 //   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
 //   zipmoe-fetch-device.c                            shards into slots in CUDA or a caller's device
@@ -398,3 +400,5 @@ int      zipmoe_cache_ensure_staging(struct ggml_zipmoe_cache * c);
 int      zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last,
                             uint8_t * mem, size_t region, uint64_t * base, int * bad, int * sys_errno);
 int      zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);
+// zipmoe-planner.c: the expected makespan of per-layer capacities (hierarchy order) under p's q and costs
+int      zipmoe_plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s);

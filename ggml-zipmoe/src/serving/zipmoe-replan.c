@@ -4,6 +4,7 @@
 
 #include "serving/zipmoe-serving-impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -121,6 +122,31 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
     return true;
 }
 
+#define ZIPMOE_EVEN_Z 3.0 // a z-score a uniform router's steps exceed about once in a thousand re-plans
+
+// how far the steps counted are from a uniform router's: the sum over the served layers and their
+// experts of (count - T p)^2 / (T p q), p = k / n, against its mean under a uniform router (n per
+// layer) in units of its spread (each term's variance 2 - 6 / T + 1 / (T p q), binomial counts)
+static double routing_even_z(const struct ggml_zipmoe_serving * s) {
+    const struct zipmoe_routing_profile * r = &s->routing;
+    const double T = (double) r->token_steps;
+    double sum = 0, mean = 0, var = 0;
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        const int32_t n = ggml_zipmoe_cache_has_layer(s->cache, il) ? ggml_zipmoe_cache_n_expert(s->cache, il) : 0;
+        const double  p = n > 0 ? (double) s->p.n_expert_used / n : 0, q = 1 - p;
+        if (n < 1 || p <= 0 || q <= 0 || T < 1) {
+            continue;
+        }
+        for (int32_t e = 0; e < n; ++e) {
+            const double d = r->token_counts[(size_t) il * r->n_expert + e] - T * p;
+            sum += d * d / (T * p * q);
+        }
+        mean += n;
+        var  += n * (2 - 6 / T + 1 / (T * p * q));
+    }
+    return var > 0 ? (sum - mean) / sqrt(var) : 0;
+}
+
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
 // (a change keeps the store entries that still fit; the rest fill again on demand). Returns 1 if the slots changed.
 static int replan(struct ggml_zipmoe_serving * s) {
@@ -131,8 +157,13 @@ static int replan(struct ggml_zipmoe_serving * s) {
     // this machine's (zipmoe-fetch.c: calibrate), and later plans for the memory left keep them
     s->plan_rates[0] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_READ);
     s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
+    // routing as even as a uniform router's: what it shows beyond the built-in profile is noise, and
+    // partial pools planned on noise move experts between them (reads) on every change of rank
+    r->even_z = routing_even_z(s);
+    r->even   = r->even_z < ZIPMOE_EVEN_Z;
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads, s->p.work_slots,
-                                        s->plan_rates[0], s->plan_rates[1], r->observed, &choice) != GGML_ZIPMOE_OK) {
+                                        s->plan_rates[0], s->plan_rates[1], r->even ? NULL : r->observed,
+                                        &choice) != GGML_ZIPMOE_OK) {
         return 0;
     }
     // the reads until now, so that a log reader can tell the steady state's bytes per token from the warm-up's
@@ -156,8 +187,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the observed profile: %.2f ms per layer expected, "
                  "against %.2f ms with these)", s->auto_choice.why, expected * 1e3, choice.current_makespan_s * 1e3);
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far): kept (%s)",
-                           (unsigned long long) r->token_steps, read_so_far / 1e6, choice.why);
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far; routing z = "
+                           "%.1f against a uniform router's%s): kept (%s)", (unsigned long long) r->token_steps,
+                           read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "", choice.why);
         return 0;
     }
     if (zipmoe_serving_use_slots(s, n, &choice) != GGML_ZIPMOE_OK) {
@@ -170,9 +202,10 @@ static int replan(struct ggml_zipmoe_serving * s) {
     memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
     s->plan.n_slots = s->n_slots;
     snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
-    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far): F %d, C %d, S %d, "
-                       "E %d per MoE layer, %d slots: %s", (unsigned long long) r->token_steps, read_so_far / 1e6,
-                       choice.capacity[0], choice.capacity[1],
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far; routing z = %.1f "
+                       "against a uniform router's%s): F %d, C %d, S %d, E %d per MoE layer, %d slots: %s",
+                       (unsigned long long) r->token_steps, read_so_far / 1e6, r->even_z,
+                       r->even ? ", so planned for the built-in profile" : "", choice.capacity[0], choice.capacity[1],
                        choice.capacity[2], choice.capacity[3], n, choice.why);
     return 1;
 }

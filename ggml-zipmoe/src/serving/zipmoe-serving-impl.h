@@ -24,6 +24,8 @@ struct zipmoe_routing_profile {
     double *   token_counts; // [n_layer][n_expert] selections in one-token ubatches
     uint64_t   token_steps;
     double *   observed;     // [n_expert] rank-based inclusion probabilities of those steps
+    double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
+    bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;
 };
 

@@ -539,7 +539,7 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
     }
     s->auto_budget  = s->p.budget != 0 ? MIN(s->p.budget, pl->fits) : pl->fits;
     s->auto_threads = s->p.threads > 0 ? s->p.threads : MAX(1, s->n_threads_max);
-    const double * profile = s->routing.replanned ? s->routing.observed : NULL;
+    const double * profile = s->routing.replanned && !s->routing.even ? s->routing.observed : NULL;
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads,
                                         s->p.work_slots, s->plan_rates[0], s->plan_rates[1], profile, choice) !=
             GGML_ZIPMOE_OK ||

@@ -1,0 +1,231 @@
+// The default pools (ggml_zipmoe_cache_default_pools, ggml-zipmoe-policy.h): the pools a model loaded
+// with no pool options gets for the memory left, from the planner (zipmoe-planner.c) and the cache's
+// store entries, rates and pools; its re-plan (serving/zipmoe-replan.c) calls it with a profile.
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// f scaled to sum k, capped at 1 (zipmoe_py/plan_math.py: round_to_subset_size with k given); f descending
+static void scale_to_k(const double * f, int32_t n, int32_t k, double * out) {
+    double tail = 0;
+    for (int32_t i = 0; i < n; i++) {
+        tail += f[i];
+    }
+    int32_t capped = 0;
+    double  scale  = tail > 0 ? k / tail : 0;
+    for (; capped < k && tail > 0; capped++) {
+        scale = (k - capped) / tail;
+        if (scale * f[capped] <= 1.0) {
+            break;
+        }
+        tail -= f[capped];
+    }
+    for (int32_t i = 0; i < n; i++) {
+        out[i] = i < capped ? 1.0 : (scale * f[i] < 1.0 ? scale * f[i] : 1.0);
+    }
+}
+
+// the selection probabilities fitted to an observed profile into *q (made here, [2 N]), or NULL with
+// *source saying the uniform profile stands in when it does not fit. OK or ERR_NOMEM.
+static int fit_profile(const double * profile, int32_t N, int32_t k, double ** q, const char ** source) {
+    *q = (double *) malloc(sizeof(double) * 2 * (size_t) N);
+    if (*q == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    scale_to_k(profile, N, k, *q + N);
+    *source = "observed profile";
+    if (ggml_zipmoe_plan_fit(*q + N, N, k, *q) != GGML_ZIPMOE_OK) {
+        free(*q);
+        *q      = NULL;
+        *source = "uniform profile (the observed one did not fit)";
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// a pool C store entry: an expert's SM-chunks and its largest E-chunks, as the cache makes them
+static uint64_t entry_c_bytes(const struct ggml_zipmoe_cache * c) {
+    return zipmoe_align_up(c->layout.sm_bytes + c->layout.max_e_bytes, 64);
+}
+
+// the planner's inputs for this cache: its store entries' real sizes, the delays of Algorithm 3 from
+// the rates (bytes per second), the selection probabilities q (NULL: uniform)
+static struct ggml_zipmoe_plan_params cost_model(const struct ggml_zipmoe_cache * c, int32_t k, const double * q,
+                                                 uint64_t budget, double read, double decode, int32_t n_threads) {
+    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
+    const double   n = 3, K = c->file->n_shards;
+    struct ggml_zipmoe_plan_params p = { 0 };
+    p.n_expert   = c->layout.max_expert;
+    p.k          = k;
+    p.q          = q;
+    p.budget     = budget;
+    p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
+    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c_bytes(c);
+    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(c->layout.sm_bytes, 64);
+    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    p.u          = c->layout.sm_bytes / n / read;
+    p.v          = c->layout.rho * c->layout.sm_bytes / (n * K) / read; // the mean E-chunk
+    p.c          = X / (n * K) / decode;
+    p.threads    = n_threads;
+    p.n_shards   = (int32_t) K;
+    p.n_tensors  = 3;
+    p.n_layer    = c->layout.n_served;
+    p.grid_steps = 20;
+    return p;
+}
+
+// the per-layer capacities of the pools the cache has now, packed in hierarchy order
+static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    memset(now, 0, 4 * sizeof(int32_t));
+    if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
+        now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
+        return;
+    }
+    int32_t left = N;
+    for (int i = 0; i < 4; i++) {
+        const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
+        now[i] = held < left ? held : left;
+        left -= now[i];
+    }
+}
+
+enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };
+
+// the pools that keep every expert compressed, where the budget (less the working slots) allows:
+// HELD_ALL_IN_C, every expert in C and as many as the rest allows full in F as well (inclusive);
+// short of that, with the built-in profile, HELD_C_AND_E: C as many as fit, the E-chunks of the
+// other (at most k) per layer in E. Rank dispatch on a flat profile moves experts between partial
+// pools on noise, which the planner does not model (BENCHMARKS, "Every expert kept compressed": the
+// full Qwen1.5-MoE geometry at 20 GiB decodes 1.66x faster than with the planner's partial pools)
+static int compressed_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, uint64_t work,
+                            int observed, int32_t capacity[4]) {
+    const int32_t  L = c->layout.n_served, N = c->layout.max_expert;
+    const uint64_t X = c->layout.expert_bytes, entry_c = entry_c_bytes(c);
+    const uint64_t entry_e = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    memset(capacity, 0, 4 * sizeof(int32_t));
+    if (budget >= entry_c * N * L + work) {
+        const uint64_t f = (budget - entry_c * N * L - work) / (X * L);
+        capacity[GGML_ZIPMOE_POOL_F] = f < (uint64_t) N ? (int32_t) f : N;
+        capacity[GGML_ZIPMOE_POOL_C] = N;
+        return HELD_ALL_IN_C;
+    }
+    const uint64_t all_e  = entry_e * N * L;
+    const uint64_t c_room = budget > work + all_e ? (budget - work - all_e) / ((entry_c - entry_e) * L) : 0;
+    if (observed || c_room == 0 || c_room < (uint64_t) (N - k)) {
+        return HELD_NONE;
+    }
+    capacity[GGML_ZIPMOE_POOL_C] = (int32_t) c_room;
+    capacity[GGML_ZIPMOE_POOL_E] = N - (int32_t) c_room;
+    return HELD_C_AND_E;
+}
+
+// out's pools and reason for compressed_pools' choice (held), whose expected makespan is makespan_s
+static void take_compressed(const struct ggml_zipmoe_cache * c, int held, const int32_t capacity[4], double makespan_s,
+                            uint64_t budget, int32_t work_slots, const char * source,
+                            struct ggml_zipmoe_default_pools * out) {
+    const int32_t  L = c->layout.n_served, N = c->layout.max_expert;
+    const double   all_c_gib = entry_c_bytes(c) * (double) N * L / (1 << 30), budget_gib = budget / (double) (1 << 30);
+    memcpy(out->capacity, capacity, sizeof(out->capacity));
+    out->inclusive           = held == HELD_ALL_IN_C;
+    out->n_slots             = capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+    out->expected_makespan_s = makespan_s;
+    if (held == HELD_ALL_IN_C) {
+        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%.2f GiB), F "
+                 "keeps %d per layer full as well (room left in %.2f GiB): nothing is read after warm-up (%s)",
+                 N, all_c_gib, capacity[GGML_ZIPMOE_POOL_F], budget_gib, source);
+    } else {
+        snprintf(out->why, sizeof(out->why), "every expert kept compressed: C holds %d per layer, E the E-chunks of "
+                 "the other %d (all in C would take %.2f GiB of %.2f GiB): a token reads at most their SM-chunks (%s)",
+                 capacity[GGML_ZIPMOE_POOL_C], capacity[GGML_ZIPMOE_POOL_E], all_c_gib, budget_gib, source);
+    }
+}
+
+int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, int32_t n_threads,
+                                    int32_t work_slots, double rate_read, double rate_decode, const double * profile,
+                                    struct ggml_zipmoe_default_pools * out) {
+    if (c == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    const int32_t  L = c->layout.n_served;
+    const int32_t  N = c->layout.max_expert;
+    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
+    out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
+    if (L < 1 || N < 1 || k > N) {
+        snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
+        return GGML_ZIPMOE_OK;
+    }
+    if (budget >= X * N * L) {
+        snprintf(out->why, sizeof(out->why), "one F pool: every expert fits full (%.2f GiB of %.2f GiB)",
+                 X * N * (double) L / (1 << 30), budget / (double) (1 << 30));
+        return GGML_ZIPMOE_OK;
+    }
+    const uint64_t work = (uint64_t) work_slots * X;
+    if (budget <= work + X * L) {
+        // said in slots: the budget may hold fewer slots than the working slots pools would need
+        snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB holds %llu full experts, too few for pools, "
+                 "which need more than %d working slots and one expert per MoE layer in F (%d)",
+                 budget / (double) (1 << 30), (unsigned long long) (budget / X), work_slots, work_slots + L);
+        return GGML_ZIPMOE_OK;
+    }
+
+    double *     q      = NULL;
+    const char * source = "uniform profile";
+    if (profile != NULL && fit_profile(profile, N, k, &q, &source) != GGML_ZIPMOE_OK) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    const double read   = rate_read > 0 ? rate_read : c->plan.rate_read;
+    const double decode = rate_decode > 0 ? rate_decode : c->plan.rate_decode;
+    struct ggml_zipmoe_plan_params p = cost_model(c, k, q, budget - work, read, decode, n_threads);
+    struct ggml_zipmoe_plan_result best, f_best;
+    int status = ggml_zipmoe_plan_pools(&p, &best);
+    struct ggml_zipmoe_plan_params f_only = p;
+    memset(f_only.entry_bytes + 1, 0, 3 * sizeof(uint64_t));
+    f_only.budget = budget; // one F pool needs no working slots of its own
+    if (status == GGML_ZIPMOE_OK) {
+        status = ggml_zipmoe_plan_pools(&f_only, &f_best);
+    }
+    // every expert kept compressed: with the built-in profile it is taken whenever it fits; with an
+    // observed one, when the planner expects it to be the fastest
+    int32_t held_capacity[4], evaluated[4];
+    const int held = compressed_pools(c, budget, k, work, profile != NULL, held_capacity);
+    double held_makespan_s = 0;
+    if (status == GGML_ZIPMOE_OK && held != HELD_NONE) {
+        memcpy(evaluated, held_capacity, sizeof(evaluated));
+        evaluated[GGML_ZIPMOE_POOL_C] -= evaluated[GGML_ZIPMOE_POOL_F]; // an inclusive C's hits, as exclusive pools
+        status = zipmoe_plan_evaluate(&p, evaluated, &held_makespan_s);
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        // the pools the cache has now, under the same profile: a caller changes them only for a real gain
+        int32_t now[4];
+        current_pools(c, now);
+        status = zipmoe_plan_evaluate(&p, now, &out->current_makespan_s);
+    }
+    free(q);
+    if (status != GGML_ZIPMOE_OK) {
+        return status;
+    }
+    out->expected_makespan_s = best.expected_makespan_s;
+    out->f_only_makespan_s   = f_best.expected_makespan_s;
+    if (held != HELD_NONE && (profile == NULL || (held_makespan_s <= best.expected_makespan_s &&
+                                                  held_makespan_s < f_best.expected_makespan_s))) {
+        take_compressed(c, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
+        return GGML_ZIPMOE_OK;
+    }
+    const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
+    if (!pools || best.expected_makespan_s >= f_best.expected_makespan_s) {
+        snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
+                 "threads) expects %.2f ms per layer, pools no better", source, read / 1e9, decode / 1e9, n_threads,
+                 f_best.expected_makespan_s * 1e3);
+        return GGML_ZIPMOE_OK;
+    }
+    memcpy(out->capacity, best.capacity, sizeof(best.capacity));
+    out->n_slots = best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
+             "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
+             n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
+    return GGML_ZIPMOE_OK;
+}
