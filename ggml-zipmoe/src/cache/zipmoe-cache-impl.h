@@ -97,6 +97,8 @@ struct zipmoe_store {
     int64_t *  entry_key;      // [n_entries] (layer * max_expert + expert), or -1
     uint64_t * entry_pinned;   // [n_entries] serial of the last call reading or writing it
     uint64_t * entry_last_use; // [n_entries] tick (LFU ties)
+    pthread_t  populator;      // faults new entries' pages in (zipmoe-residency.c: populate_async)
+    int        populating;
 };
 
 // the served experts' geometry, fixed when the cache is made. A key is layer * max_expert + expert.
