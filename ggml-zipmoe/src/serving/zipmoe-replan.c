@@ -184,8 +184,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
                              expected >= 0.9 * choice.current_makespan_s;
     if (same) {
         char why[sizeof(s->plan.pools_why) + 160];
-        snprintf(why, sizeof(why), "%s (kept after a re-plan from the observed profile: %.2f ms per layer expected, "
-                 "against %.2f ms with these)", s->auto_choice.why, expected * 1e3, choice.current_makespan_s * 1e3);
+        snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
+                 "ms with these)", s->auto_choice.why, r->even ? "built-in profile, the routing seen being even" :
+                 "observed profile", expected * 1e3, choice.current_makespan_s * 1e3);
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
         zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far; routing z = "
                            "%.1f against a uniform router's%s): kept (%s)", (unsigned long long) r->token_steps,
