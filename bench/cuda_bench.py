@@ -2,20 +2,25 @@
 """ZipMoE with expert slots in GPU memory against stock llama.cpp on CUDA, one model, one run:
 
     python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--ghuf M.ghuf.gguf] [--budgets 25,50,100]
-        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 2] [--out cuda_bench.json]
+        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--out cuda_bench.json]
 
 Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T
 -ngl 99 -v` (the fork's build with ZIPMOE_CUDA=ON):
   stock-gpu      the BF16 GGUF, every weight in VRAM (the ceiling: no expert is ever read)
   stock-cpu-moe  the BF16 GGUF with --cpu-moe: routed experts in host memory, computed by the CPU
+  stock-n-cpu-moe-P  the BF16 GGUF with --n-cpu-moe N, N the fewest leading layers whose experts stay on
+                 the CPU so that the rest hold at most P% of the routed experts: stock at zipmoe-P's VRAM
+                 (the fair baseline at a partial budget; each row records its CUDA0 weights' MiB)
   zipmoe-P       the ZipMoE GGUF with ZIPMOE_BUDGET = P% of the routed experts' BF16 bytes: slots in
                  VRAM, misses read from disk (O_DIRECT), exponents decoded on the CPU, BF16
                  recovered on the GPU
   zipmoe-ghuf-P  with --ghuf: the same with the model repacked --codec ghuf, exponents decoded on the
                  GPU (phase 2); its counters give the MB sent to the GPU against zipmoe-P's
 TTFT is llama-completion's "prompt eval time", TPOT its "eval time" per token. The ZipMoE runtime's
-counters (hits, misses, MB read, MB to the GPU) come from its log line when the context is freed.
-Prints a table and saves --out (JSON) and a Markdown table beside it.
+counters (hits, misses, MB read, MB to the GPU) come from its log line when the context is freed;
+"H2D MB/token" divides the MB to the GPU by the tokens the run processed (prompt and generated).
+Systems run interleaved, --repeats rounds; the table gives each cell's median with min-max. Prints
+the table and saves --out (JSON, every run with its full command) and a Markdown table beside it.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import argparse
 import json
 import os
 import re
+import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +39,9 @@ from pathlib import Path
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed. ")
 STATS = re.compile(r"ZipMoE expert cache so far: (.*)")
+H2D = re.compile(r"([0-9.]+) MB to the slots' device")
+CUDA_WEIGHTS = re.compile(r"CUDA\d+ model buffer size =\s*([0-9.]+) MiB")
+GPU_SLOTS = re.compile(r"ZipMoE expert cache: (\d+) slots of ([0-9.]+) MiB in CUDA\d+ memory")
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
@@ -46,10 +56,9 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
                               env={**os.environ, **env}, timeout=args.run_timeout)
     except subprocess.TimeoutExpired as e:
-        return {"command": cmd[:2] + ["..."] + extra, "env": env, "rc": "timeout",
+        return {"command": cmd, "env": env, "rc": "timeout",
                 "error": (e.stderr or b"")[-1500:].decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}
-    row = {"command": cmd[:2] + ["..."] + extra, "env": env, "wall_s": round(time.perf_counter() - t, 2),
-           "rc": proc.returncode}
+    row = {"command": cmd, "env": env, "wall_s": round(time.perf_counter() - t, 2), "rc": proc.returncode}
     perf = {kind: (float(ms), int(n)) for kind, ms, n in PERF.findall(proc.stderr)}
     if proc.returncode != 0 or "eval" not in perf:
         row["error"] = proc.stderr[-1500:]
@@ -58,10 +67,34 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
     row["prompt_tokens"] = perf["prompt eval"][1]
     row["tpot_ms"] = perf["eval"][0] / max(1, perf["eval"][1])
     row["tok_s"] = 1000.0 / row["tpot_ms"]
+    slots = GPU_SLOTS.findall(proc.stderr)
+    row["cuda_weights_mib"] = round(sum(float(m) for m in CUDA_WEIGHTS.findall(proc.stderr))
+                                    + sum(int(n) * float(mib) for n, mib in slots[-1:]), 1)
+    row["resident_views"] = "products use the slots in place" in proc.stderr
     stats = STATS.findall(proc.stderr)
     if stats:
         row["zipmoe_stats"] = stats[-1].strip()
+        h2d = H2D.findall(stats[-1])
+        if h2d:
+            row["h2d_mb"] = float(h2d[0])
+            row["h2d_mb_per_token"] = float(h2d[0]) / (row["prompt_tokens"] + args.gen_tokens)
     return row
+
+
+def n_cpu_moe_for(moe_layers: list[int], pct: int) -> tuple[int, float]:
+    """--n-cpu-moe N keeps the experts of layers below N on the CPU: the smallest N whose GPU layers
+    hold at most pct% of the routed experts, and the share they hold."""
+    on_gpu = len(moe_layers) * pct // 100
+    layers = sorted(moe_layers)
+    n = layers[len(layers) - on_gpu] if on_gpu else layers[-1] + 1
+    return n, on_gpu / len(layers)
+
+
+def median_cell(rows: list[dict], key: str, fmt: str) -> str:
+    vals = sorted(r[key] for r in rows if key in r)
+    if not vals:
+        return ""
+    return f"{format(statistics.median(vals), fmt)} ({format(vals[0], fmt)}-{format(vals[-1], fmt)})"
 
 
 def main(argv=None) -> int:
@@ -75,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--prompt-repeat", type=int, default=8, help="the prompt sentence repeated (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per system, interleaved (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per system, interleaved (default: %(default)s)")
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds before a run counts as hung (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("cuda_bench.json"), help="JSON results (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -84,8 +117,13 @@ def main(argv=None) -> int:
 
     with zformat.ZipMoEFile(args.zipmoe) as zf:
         all_experts = zf.expert_bytes().all_experts
+        moe_layers = list(zf.moe_layers())
     systems = {"stock-gpu": (args.bf16, [], {}), "stock-cpu-moe": (args.bf16, ["--cpu-moe"], {})}
+    shares = {}
     for pct in (int(p) for p in args.budgets.split(",")):
+        if pct < 100:
+            n, shares[pct] = n_cpu_moe_for(moe_layers, pct)
+            systems[f"stock-n-cpu-moe-{pct}"] = (args.bf16, ["--n-cpu-moe", str(n)], {})
         budget = {"ZIPMOE_BUDGET": str(all_experts * pct // 100)}
         systems[f"zipmoe-{pct}"] = (args.zipmoe, [], budget)
         if args.ghuf is not None:
@@ -96,24 +134,36 @@ def main(argv=None) -> int:
             row = {"system": name, "repeat": rep, **run_one(model, extra, env, args)}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+            # the runs so far, should the bench be stopped before its table
+            args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
 
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip()
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        gpu = "none (no nvidia-smi)"
     result = {"gpu": gpu, "cpus": os.cpu_count(), "bf16": str(args.bf16), "zipmoe": str(args.zipmoe),
               "bf16_bytes": args.bf16.stat().st_size, "zipmoe_bytes": args.zipmoe.stat().st_size,
-              "all_experts_bytes": all_experts, "gen_tokens": args.gen_tokens, "rows": rows}
+              "all_experts_bytes": all_experts, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+              "n_cpu_moe_expert_share": shares, "argv": sys.argv, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
-    lines = ["| system | TTFT ms | TPOT ms | tok/s | ZipMoE counters |", "|---|---|---|---|---|"]
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    lines = [f"| system | TTFT ms | TPOT ms | tok/s | CUDA0 weights MiB | H2D MB/token | runs | command |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in systems:
         got = [r for r in rows if r["system"] == name and "tpot_ms" in r]
         if not got:
-            lines.append(f"| {name} | failed | | | |")
+            lines.append(f"| {name} | failed | | | | | 0 | |")
             continue
-        best = min(got, key=lambda r: r["tpot_ms"])
-        lines.append(f"| {name} | {best['ttft_ms']:.0f} | {best['tpot_ms']:.2f} | {best['tok_s']:.1f} | "
-                     f"{best.get('zipmoe_stats', '')[:160]} |")
+        env = " ".join(f"{k}={v}" for k, v in got[0]["env"].items())
+        cmd = shlex.join(f"<PROMPT x{args.prompt_repeat}>" if a == PROMPT * args.prompt_repeat
+                         else Path(a).name if a.startswith("/") else a for a in got[0]["command"])
+        lines.append(f"| {name} | {median_cell(got, 'ttft_ms', '.0f')} | {median_cell(got, 'tpot_ms', '.2f')} | "
+                     f"{median_cell(got, 'tok_s', '.1f')} | {median_cell(got, 'cuda_weights_mib', '.0f')} | "
+                     f"{median_cell(got, 'h2d_mb_per_token', '.2f')} | {len(got)} | `{(env + ' ' + cmd).strip()}` |")
     table = "\n".join(lines)
-    args.out.with_suffix(".md").write_text(f"GPU: {gpu}\n\n{table}\n")
+    args.out.with_suffix(".md").write_text(f"GPU: {gpu}\n\nMedian (min-max) of {args.repeats} interleaved runs "
+                                           f"per system; PROMPT is bench/cuda_bench.py's.\n\n{table}\n")
     print(table)
     return 0
 

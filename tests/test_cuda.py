@@ -73,12 +73,27 @@ def test_cuda_with_pools_and_prefetch_is_bit_identical(arch, prefetch, zipmoe_gg
     assert got_tokens == want_tokens and np.array_equal(got, want)
 
 
-def test_cuda_preload_is_bit_identical(arch, zipmoe_gguf, cuda_reference):
+def test_cuda_preload_is_bit_identical_and_uses_resident_views(arch, zipmoe_gguf, cuda_reference):
+    """Every expert preloaded into GPU slots: resident views (on by default with GPU slots) run stock's
+    graph on views of the slots, with no fetch op at all."""
     path = zipmoe_gguf(arch)
     want, want_tokens = cuda_reference(arch, PROMPTS)
     llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "everything"), zipmoe_preload=True)
-    got, got_tokens, _ = trace_and_close(llm, PROMPTS)
+    got, got_tokens, stats = trace_and_close(llm, PROMPTS)
     assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert stats["fetch_calls"] == 0 and stats["bytes_read"] == 0 and stats["preload_experts"] > 0
+
+
+def test_cuda_preload_without_resident_views_is_bit_identical(arch, zipmoe_gguf, cuda_reference, monkeypatch):
+    """The same with resident views off: every product goes through the fetch op, which finds every
+    expert in its slot."""
+    monkeypatch.setenv("ZIPMOE_RESIDENT_VIEWS", "0")
+    path = zipmoe_gguf(arch)
+    want, want_tokens = cuda_reference(arch, PROMPTS)
+    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "everything"), zipmoe_preload=True)
+    got, got_tokens, stats = trace_and_close(llm, PROMPTS)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert stats["fetch_calls"] > 0 and stats["expert_misses"] == 0
 
 
 def test_cpu_layers_keep_host_slots_beside_a_gpu(arch, zipmoe_gguf, reference):

@@ -4,8 +4,13 @@
 #   devsrc.tar.xz   the prepared (patched) llama.cpp source without its docs and models, + zstd, lz4
 #   pylibs.tar.gz   llama-cpp-python's Python package and diskcache (pure Python)
 #   *.skel.gguf     model headers (tools/gguf_skeleton.py strip), filled with random weights there
+#   site.tar.xz     optional (prebuild): the CUDA build installed, made here, so that the GPU's time
+#                   goes to tests and benches rather than to 4 minutes of nvcc
 # Usage: bash tools/cuda_device.sh prepare        (here, after tools/setup.sh: writes .gpucarry/)
+#        bash tools/cuda_device.sh prebuild       (here, optional: needs nvcc, cuBLAS and libcuda's stub;
+#                                                   docs/CUDA.md "Building here for the GPU machine")
 #        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
+#                                                   build takes site.tar.xz when it runs there;
 #                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,6 +21,8 @@ MODELS=/tmp/zipmoe-models
 OUT=${OUT:-/tmp/zipmoe-out}
 PY=${PYTHON:-python3}
 export PYTHONPATH=$SITE:/tmp/zipmoe-pylibs PYTHONUNBUFFERED=1
+# a prebuilt site's libraries carry $ORIGIN alone: cudart and cuBLAS come from the machine's toolkit
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64
 
 fill() { # skeleton name -> filled BF16 GGUF and its ZipMoE GGUF in $MODELS
     mkdir -p $MODELS
@@ -45,15 +52,39 @@ prepare)
         (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $tiny/$a-bf16.gguf $CARRY/$a.skel.gguf)
     done
     rm -rf $tiny
-    if [ -f $REPO/bench/work/qwen6.gguf ]; then  # bench/make_bench_model.py qwen2moe --layers 6
-        (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $REPO/bench/work/qwen6.gguf $CARRY/qwen6.skel.gguf)
-    fi
+    for m in qwen6 ds27; do  # bench/make_bench_model.py qwen2moe --layers 6; deepseek2 --layers 27
+        if [ -f $REPO/bench/work/$m.gguf ]; then
+            (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $REPO/bench/work/$m.gguf $CARRY/$m.skel.gguf)
+        fi
+    done
     du -sh $CARRY/*
+    ;;
+prebuild)
+    PB=/tmp/zipmoe-cuda-prebuild
+    [ -f $PB/build.ninja ] || cmake -S $REPO -B $PB -G Ninja -DCMAKE_BUILD_TYPE=Release -DZIPMOE_CUDA=ON \
+        -DGGML_CUDA_FA=OFF -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES:-90} \
+        -DPython3_EXECUTABLE=$REPO/.venv/bin/python
+    cmake --build $PB -j $(nproc)
+    # linked against a stub, libggml-cuda must still name the driver: else dlopen fails there
+    readelf -d $PB/bin/libggml-cuda.so | grep -q 'libcuda.so.1' ||
+        { echo "libggml-cuda.so does not need libcuda.so.1: rebuild with a stub that defines the cu* symbols" >&2; exit 1; }
+    rm -rf /tmp/zipmoe-prebuilt && cmake --install $PB --component zipmoe --prefix /tmp/zipmoe-prebuilt >/dev/null
+    XZ_OPT=-T0 tar -C /tmp/zipmoe-prebuilt -cJf $CARRY/site.tar.xz .  # xz: the working tree that travels is 64 MiB at most
+    du -sh $CARRY/site.tar.xz
     ;;
 build)
     mkdir -p $B /tmp/zipmoe-pylibs
-    [ -d $B/llama.cpp-src ] || tar -xJf $CARRY/devsrc.tar.xz -C $B
     [ -d /tmp/zipmoe-pylibs/llama_cpp ] || tar -xzf $CARRY/pylibs.tar.gz -C /tmp/zipmoe-pylibs
+    if [ -f $CARRY/site.tar.xz ] && [ ! -f $B/build.ninja ]; then
+        rm -rf $SITE && mkdir -p $SITE && tar -xf $CARRY/site.tar.xz -C $SITE
+        cp $REPO/zipmoe_py/*.py $SITE/zipmoe_py/
+        if (cd /tmp && $PY -c "from zipmoe_py import _lib; n = _lib.lib().ggml_zipmoe_cuda_devices(); print('CUDA devices (prebuilt):', n); assert n > 0"); then
+            exit 0
+        fi
+        echo "the prebuilt site.tar.xz does not run here: building" >&2
+        ldd $SITE/zipmoe_py/lib/libggml-cuda.so | grep 'not found' >&2 || true
+    fi
+    [ -d $B/llama.cpp-src ] || tar -xJf $CARRY/devsrc.tar.xz -C $B
     [ -f $B/build.ninja ] || cmake -S $REPO -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DZIPMOE_CUDA=ON \
         -DGGML_CUDA_FA=OFF -DPython3_EXECUTABLE=$(command -v $PY)
     cmake --build $B -j $(nproc)
@@ -66,14 +97,24 @@ test)
     cd /tmp && ZIPMOE_TEST_MODELS=$MODELS $PY -m pytest -v -p no:cacheprovider --timeout 300 $REPO/tests/test_cuda.py \
         $REPO/tests/test_codec.py -k "cuda or bit_pattern or lengths" 2>&1 | tee $OUT/cuda_tests.log
     ;;
-bench)
+models)  # the bench model and its two repacks, ahead of bench (it can run beside test)
     fill qwen6 qwen6
     [ -f $MODELS/qwen6.ghuf.gguf ] || (cd /tmp && $PY -c "from zipmoe_py import format as z; z.repack('$MODELS/qwen6-bf16.gguf', '$MODELS/qwen6.ghuf.gguf', codec='ghuf')")
+    ;;
+bench)
+    bash $0 models
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/qwen6-bf16.gguf --zipmoe $MODELS/qwen6.zipmoe.gguf \
         --ghuf $MODELS/qwen6.ghuf.gguf --out $OUT/cuda_bench.json "${@:2}" 2>&1 | tee $OUT/cuda_bench.log
     ;;
+bench-ds27)  # the full DeepSeek-V2-Lite geometry (ds27.skel.gguf: bench/make_bench_model.py deepseek2 --layers 27);
+    # 31 + 22 GB: the qwen6 files go first on a 64 GB disk
+    rm -f $MODELS/qwen6*
+    fill ds27 ds27
+    cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/ds27-bf16.gguf --zipmoe $MODELS/ds27.zipmoe.gguf \
+        --out $OUT/cuda_bench_ds27.json "${@:2}" 2>&1 | tee $OUT/cuda_bench_ds27.log
+    ;;
 *)
-    echo "usage: bash tools/cuda_device.sh prepare|build|test|bench" >&2
+    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|bench-ds27" >&2
     exit 2
     ;;
 esac

@@ -369,6 +369,7 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 // DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
 // helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
 // for reads. The pages are the store's own, counted in the budget already.
+#if defined(MADV_POPULATE_WRITE)
 struct populate_range {
     void * start;
     size_t length;
@@ -376,7 +377,6 @@ struct populate_range {
 
 static void * populate_pages(void * arg) {
     struct populate_range * r = (struct populate_range *) arg;
-#if defined(MADV_POPULATE_WRITE)
     // in pieces: each call holds the process's memory map, which the threads that map memory wait for
     const size_t piece = 16u << 20;
     for (size_t done = 0; done < r->length; done += piece) {
@@ -385,10 +385,10 @@ static void * populate_pages(void * arg) {
             break; // a kernel before 5.14 refuses: the faults stay where the stores are first written
         }
     }
-#endif
     free(r);
     return NULL;
 }
+#endif
 
 static void populate_join(struct zipmoe_store * s) {
     if (s->populating) {
@@ -397,8 +397,10 @@ static void populate_join(struct zipmoe_store * s) {
     }
 }
 
-// bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made)
+// bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made, nor where
+// the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do)
 static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
+#if defined(MADV_POPULATE_WRITE)
     const uintptr_t page  = 4096;
     const uintptr_t start = ((uintptr_t) s->mem + from + page - 1) & ~(page - 1);
     const uintptr_t end   = ((uintptr_t) s->mem + to) & ~(page - 1);
@@ -413,6 +415,11 @@ static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
     } else {
         free(r);
     }
+#else
+    (void) s;
+    (void) from;
+    (void) to;
+#endif
 }
 
 // store p's arrays to n_new entries (new ones empty); 0 frees them
