@@ -197,6 +197,43 @@ bool llama_zipmoe::resident_bases(std::vector<int32_t> & base) {
     return any;
 }
 
+std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ctx0, int il, int32_t base) {
+    auto it = resident_weights.find({ il, base });
+    if (it != resident_weights.end()) {
+        return it->second;
+    }
+    const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
+    ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr,
+                                /*.no_alloc =*/ true };
+    ggml_context * rc = ggml_init(params);
+    std::array<ggml_tensor *, 3> w = {};
+    for (int k = 0; k < 3; ++k) {
+        ggml_tensor * s = slots_of(il, k);
+        ggml_tensor * t = rc != nullptr ? ggml_new_tensor_3d(rc, s->type, s->ne[0], s->ne[1], n_expert) : nullptr;
+        if (t != nullptr) {
+            t->nb[1] = s->nb[1];
+            t->nb[2] = s->nb[2];
+            t->nb[3] = s->nb[2] * (size_t) n_expert;
+            ggml_format_name(t, "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
+        }
+        if (t == nullptr || ggml_backend_tensor_alloc(s->buffer, t, (char *) s->data + (size_t) base * s->nb[2]) !=
+                                GGML_STATUS_SUCCESS) {
+            // a buffer that will not place it (none does today): a view, which costs only the fusion
+            w[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) base * s->nb[2]);
+            ggml_format_name(w[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
+            continue; // not kept: a view belongs to its graph's context
+        }
+        w[k] = t;
+    }
+    if (rc != nullptr) {
+        resident_ctxs.push_back(rc);
+        if (w[0] != nullptr && w[0]->view_src == nullptr && w[1]->view_src == nullptr && w[2]->view_src == nullptr) {
+            resident_weights[{ il, base }] = w;
+        }
+    }
+    return w;
+}
+
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
                                           ggml_tensor * selected_experts, ggml_tensor * probs,
                                           const experts_fn & build) {
@@ -218,16 +255,14 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         }
     }
     if (view_base >= 0) {
-        // every expert resident, in order: stock's products on views of the slots, no fetch op (nothing
+        // every expert resident, in order: stock's products on the slots in place, no fetch op (nothing
         // is read or evicted while every layer is in place; a resize changes the layout and rebuilds)
-        const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
-        ggml_tensor * v[3];
-        for (int k = 0; k < 3; ++k) {
-            ggml_tensor * s = slots_of(il, k);
-            v[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) view_base * s->nb[2]);
-            ggml_format_name(v[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
+        std::array<ggml_tensor *, 3> w;
+        {
+            std::lock_guard<std::mutex> lock(state_mutex);
+            w = resident_weights_of(ctx0, il, view_base);
         }
-        return build(selected_experts, v[0], v[1], v[2]);
+        return build(selected_experts, w[0], w[1], w[2]);
     }
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
     if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {

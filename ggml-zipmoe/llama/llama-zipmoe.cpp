@@ -185,6 +185,9 @@ llama_zipmoe::~llama_zipmoe() {
     if (ctx) {
         ggml_free(ctx);
     }
+    for (ggml_context * rc : resident_ctxs) {
+        ggml_free(rc);
+    }
 }
 
 ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializer_list<int64_t> & ne) const {

@@ -33,6 +33,7 @@
 #include "ggml-zipmoe-serving.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -281,6 +282,12 @@ private:
     bool                 views_wanted = false; // a preload left every expert resident (zipmoe.resident_views)
     uint64_t             views_layout = UINT64_MAX;
     std::vector<int32_t> views_base;
+    // their weights: leaf tensors over the slots, as stock's expert tensors are (a VIEW node between
+    // the products keeps a backend from fusing them as it fuses stock's: CUDA's gate+up+GLU), by
+    // (layer, first slot); kept until the model goes, as graphs built on them may outlive a layout
+    std::map<std::pair<int, int32_t>, std::array<ggml_tensor *, 3>> resident_weights;
+    std::vector<ggml_context *> resident_ctxs;
+    std::array<ggml_tensor *, 3> resident_weights_of(ggml_context * ctx0, int il, int32_t base);
 
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;
