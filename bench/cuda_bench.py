@@ -53,7 +53,7 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
            "-t", str(args.threads), "-ngl", "99", "-v", *extra]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
                               env={**os.environ, **env}, timeout=args.run_timeout)
     except subprocess.TimeoutExpired as e:
         return {"command": cmd, "env": env, "rc": "timeout",
