@@ -325,3 +325,67 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
     finally:
         handle.ggml_zipmoe_cache_free(cache)
         handle.ggml_zipmoe_file_close(file)
+
+
+def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):
+    """Slots in a device's memory (a GPU, an rpc-server): its slots are F and working slots, and host
+    memory keeps the other experts compressed, all in C where they fit, else C and the E-chunks of the
+    rest, else E-chunks alone; one F pool where every expert fits the device or nothing fits the host."""
+    from zipmoe_py import format as zformat
+
+    path = zipmoe_gguf("qwen2moe")  # 4 MoE layers
+    with zformat.ZipMoEFile(path) as zf:
+        moe_layers = zf.moe_layers()
+    handle = _lib.lib()
+    err = ctypes.create_string_buffer(1024)
+    file = handle.ggml_zipmoe_file_open(str(path).encode(), 0, err, 1024)
+    assert file, err.value
+    one, n_expert, _ = expert_geometry(path)
+    layers, work = len(moe_layers), 8
+    buffers = [ctypes.create_string_buffer(40 * one // 3 + 64) for _ in range(3)]
+    params = _lib.CacheParams()
+    params.file, params.n_slots, params.eviction = file, 40, 4
+    for k in range(3):
+        params.slot_data[k] = ctypes.cast(buffers[k], ctypes.c_void_p)
+        params.slot_stride[k] = one // 3
+    params.set_layers(moe_layers)
+    cache = handle.ggml_zipmoe_cache_new(ctypes.byref(params), err, 1024)
+    assert cache, err.value
+    try:
+        # the entries' sizes, as the cache makes them
+        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(1, 1, 0, 1), 12, 0) == 0
+        entry_c, entry_e = ctypes.c_size_t(), ctypes.c_size_t()
+        handle.ggml_zipmoe_cache_pool_entries(cache, 1, ctypes.byref(entry_c))
+        handle.ggml_zipmoe_cache_pool_entries(cache, 3, ctypes.byref(entry_e))
+        c, e = entry_c.value, entry_e.value
+        assert 0 < e < c < one
+
+        def pools(n_device_slots, host_bytes):
+            choice = _lib.DefaultPools()
+            assert handle.ggml_zipmoe_cache_device_pools(cache, n_device_slots, host_bytes, work, ctypes.byref(choice)) == 0
+            return list(choice.capacity), choice.n_slots, choice.why.decode()
+
+        f = 2
+        device = work + f * layers + 1  # one slot past F's: a ninth working slot
+        rest = n_expert - f
+        got, n, why = pools(device, rest * c * layers)
+        assert got == [f, rest, 0, 0] and n == device and "nothing after its first use" in why, why
+        # a byte short of all in C: C as many as leave room for the E-chunks of the others
+        got, _, why = pools(device, rest * c * layers - 1)
+        assert got == [f, rest - 1, 0, 1] and "at most its SM-chunks" in why, why
+        # room for E-chunks alone
+        got, _, why = pools(device, rest * e * layers)
+        assert got == [f, 0, 0, rest], why
+        got, _, why = pools(device, (rest - 1) * e * layers)
+        assert got == [f, 0, 0, rest - 1] and "the experts not kept in full" in why, why
+        # one F pool: nothing fits the host, every expert fits the device, too few device slots
+        assert pools(device, e * layers - 1)[0] == [0, 0, 0, 0]
+        assert "holds no compressed expert" in pools(device, e * layers - 1)[2]
+        got, n, why = pools(n_expert * layers, 1 << 40)
+        assert got == [0, 0, 0, 0] and n == n_expert * layers and "hold every expert" in why
+        got, _, why = pools(work + layers - 1, 1 << 40)
+        assert got == [0, 0, 0, 0] and "too few for pools" in why, why
+        assert handle.ggml_zipmoe_cache_device_pools(cache, 20, 0, 0, ctypes.byref(_lib.DefaultPools())) != 0
+    finally:
+        handle.ggml_zipmoe_cache_free(cache)
+        handle.ggml_zipmoe_file_close(file)

@@ -89,9 +89,15 @@ def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, 
         # the slots hold what the budget does, on the server: every miss's BF16 crossed the network once
         assert s["n_slots"] == budget_of(zipmoe_gguf(arch), arch, name) // one
         assert s["expert_misses"] > 0 and s["bytes_read"] > 0
-        assert s["h2d_bytes"] == s["expert_misses"] * one, (name, s)
+        # every expert made full (a miss, or a hit in a host store) crossed the network once
+        assert s["h2d_bytes"] == (s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]) * one, (name, s)
     # fewer slots, more misses: the bytes sent follow the budget
     assert stats["top-k"]["h2d_bytes"] > stats["everything"]["h2d_bytes"]
+    if "half" in stats:
+        # beside the server's slots, host memory keeps the other experts compressed: refills read nothing
+        half = stats["half"]
+        assert half["memory"]["pools"]["C"] > 0 and "host memory" in half["memory"]["pools_why"], half["memory"]
+        assert half["c_hits"] > 0
 
 
 def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):

@@ -299,6 +299,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_default_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
                                                        ctypes.c_int32, ctypes.c_double, ctypes.c_double,
                                                        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(DefaultPools)]),
+    "ggml_zipmoe_cache_device_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32,
+                                                      ctypes.POINTER(DefaultPools)]),
     "ggml_zipmoe_plan_rank_bias": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
                                                   ctypes.POINTER(ctypes.c_double)]),
     "ggml_zipmoe_plan_debias_profile": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,

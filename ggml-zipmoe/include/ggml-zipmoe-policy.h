@@ -171,6 +171,17 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cac
                                                     double rate_decode, const double * profile,
                                                     struct ggml_zipmoe_default_pools * out);
 
+// The default pools when the slots are in a device's memory (a GPU, an rpc-server) and the stores in
+// host memory: the device's n_device_slots less work_slots are F (as many per served layer as divide
+// evenly), and host_bytes of host memory keep the other experts compressed: all in C where they fit,
+// else C as many as leave room for the E-chunks of the rest, else E-chunks alone. A miss then reads
+// from disk only what host memory could not hold, where one F pool read every miss. Every expert in
+// F, too few slots for one per layer, or no compressed expert fitting: one F pool (capacity all 0)
+// with why saying so. OK or ERR_ARG.
+GGML_ZIPMOE_API int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * cache, int32_t n_device_slots,
+                                                   uint64_t host_bytes, int32_t work_slots,
+                                                   struct ggml_zipmoe_default_pools * out);
+
 // the modified IPF of ZipMoE's eq. (24) (tests/planner.py: ipf): selection probabilities q [n] whose
 // conditional Bernoulli distribution on k-sets has the inclusion probabilities f [n] (sum k, each in
 // [0, 1]; 1: always, 0: never selected). OK, or ERR_ARG (inconsistent f, or no convergence).

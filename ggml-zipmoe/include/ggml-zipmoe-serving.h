@@ -91,7 +91,7 @@ GGML_ZIPMOE_API void ggml_zipmoe_serving_get_info(const struct ggml_zipmoe_servi
 // slots in a device's memory: free_bytes free there, reserve_bytes of it wanted by everything else
 // (weights, KV cache, buffers, zero slots). shares_host_memory: an integrated GPU (Jetson), whose
 // memory is the host's: no more than the process may take (info's available) counts as free. Every
-// slot then stays in use (no host sizing). Returns the slots to reserve (at least one token's experts
+// slot then stays in use (F and working slots; host memory holds the stores: ggml_zipmoe_cache_device_pools). Returns the slots to reserve (at least one token's experts
 // of a layer); warns when a budget is cut.
 GGML_ZIPMOE_API int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const char * device,
                                                        uint64_t free_bytes, uint64_t reserve_bytes,

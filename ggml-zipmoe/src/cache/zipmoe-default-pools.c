@@ -229,3 +229,56 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
              n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
     return GGML_ZIPMOE_OK;
 }
+
+int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * c, int32_t n_device_slots, uint64_t host_bytes,
+                                   int32_t work_slots, struct ggml_zipmoe_default_pools * out) {
+    if (c == NULL || out == NULL || work_slots < 1 || n_device_slots < 0) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    out->n_slots = n_device_slots;
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    if (L < 1 || N < 1) {
+        snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
+        return GGML_ZIPMOE_OK;
+    }
+    const int32_t f = n_device_slots > work_slots ? (n_device_slots - work_slots) / L : 0;
+    if (n_device_slots >= N * L) {
+        snprintf(out->why, sizeof(out->why), "one F pool: the device's %d slots hold every expert", n_device_slots);
+        return GGML_ZIPMOE_OK;
+    }
+    if (f < 1) {
+        snprintf(out->why, sizeof(out->why), "one F pool: the device's %d slots are too few for pools, which need "
+                 "more than %d working slots and one expert per MoE layer in F (%d)", n_device_slots, work_slots,
+                 work_slots + L);
+        return GGML_ZIPMOE_OK;
+    }
+    const int32_t  rest    = N - (f < N ? f : N);
+    const uint64_t entry_c = entry_c_bytes(c), entry_e = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    const uint64_t per_layer = host_bytes / (uint64_t) L;
+    int32_t held_c = 0, held_e = 0;
+    if (per_layer >= entry_c * (uint64_t) rest) {
+        held_c = rest;
+    } else if (per_layer >= entry_e * (uint64_t) rest) {
+        held_c = (int32_t) ((per_layer - entry_e * (uint64_t) rest) / (entry_c - entry_e));
+        held_e = rest - held_c;
+    } else {
+        held_e = (int32_t) (per_layer / entry_e);
+    }
+    const double host_gib = host_bytes / (double) (1 << 30);
+    if (held_c + held_e == 0) {
+        snprintf(out->why, sizeof(out->why), "one F pool in the device's memory: %.2f GiB of host memory holds no "
+                 "compressed expert per layer", host_gib);
+        return GGML_ZIPMOE_OK;
+    }
+    out->capacity[GGML_ZIPMOE_POOL_F] = f;
+    out->capacity[GGML_ZIPMOE_POOL_C] = held_c;
+    out->capacity[GGML_ZIPMOE_POOL_E] = held_e;
+    out->n_slots = n_device_slots; // the slots past F's are working slots: the device's memory is taken anyway
+    snprintf(out->why, sizeof(out->why), "F in the device's memory (%d slots), C and E in %.2f GiB of host memory: "
+             "%d of the other %d experts per layer kept whole compressed, %d as E-chunks; a miss reads %s",
+             n_device_slots, host_gib, held_c, rest, held_e,
+             held_c == rest ? "nothing after its first use" : held_c + held_e == rest ? "at most its SM-chunks"
+                                                                                  : "the experts not kept in full");
+    return GGML_ZIPMOE_OK;
+}

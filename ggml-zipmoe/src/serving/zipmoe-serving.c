@@ -512,10 +512,6 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
         snprintf(choice->why, sizeof(choice->why), "the pools given (zipmoe.pool_* or a zipmoe-plan file)");
         return false;
     }
-    if (s->on_gpu) {
-        snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in a device's memory");
-        return false;
-    }
     if (s->info.raw) {
         snprintf(choice->why, sizeof(choice->why), "one F pool: the experts are stored raw (not BF16: nothing to "
                  "decompress, so no compressed pool)");
@@ -529,6 +525,17 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
         snprintf(choice->why, sizeof(choice->why), "one F pool: pools dispatch by rank, and zipmoe.eviction is %s",
                  ggml_zipmoe_eviction_name(s->p.eviction));
         return false;
+    }
+    if (s->on_gpu) {
+        // the device's slots are F and working slots; host memory keeps compressed experts beside them.
+        // Not re-planned: these pools follow the memory, not the routing
+        if (ggml_zipmoe_cache_device_pools(s->cache, pl->slot_capacity, pl->fits, s->p.work_slots, choice) !=
+                GGML_ZIPMOE_OK ||
+            choice->capacity[1] + choice->capacity[2] + choice->capacity[3] == 0) {
+            return false;
+        }
+        *n = choice->n_slots;
+        return true;
     }
     s->auto_eligible = true;
     // the rates of the first plan (the defaults, or those given): the pools change with the memory
