@@ -112,7 +112,12 @@ class Server:
         return result
 
 
-def run_one(cap: int, model: Path, budget: int | None, args) -> dict:
+# system -> (which file, ZipMoE's environment beyond the budget); zipmoe-one-f: one F pool on the first
+# server, no compressed expert kept in the client's memory (the default before device pools)
+SYSTEMS = {"stock": ("stock", {}), "zipmoe": ("zipmoe", {}), "zipmoe-one-f": ("zipmoe", {"ZIPMOE_AUTO_POOLS": "0"})}
+
+
+def run_one(cap: int, model: Path, budget: int | None, args, extra_env: dict | None = None) -> dict:
     servers = [Server(cap), Server(cap)]
     endpoints = ",".join(f"127.0.0.1:{s.port}" for s in servers)
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", "64G", "--evict", str(model), "--", str(llama_completion()),
@@ -122,6 +127,7 @@ def run_one(cap: int, model: Path, budget: int | None, args) -> dict:
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     if budget is not None:
         env["ZIPMOE_BUDGET"] = str(budget)
+    env.update(extra_env or {})
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace", env=env,
                             cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL)
@@ -149,7 +155,7 @@ def run_one(cap: int, model: Path, budget: int | None, args) -> dict:
     reader.join()
     stops = [s.stop() for s in servers]
     stderr = "".join(err_chunks)
-    row = {"command": cmd[cmd.index("--") + 1:], "budget": budget, "wall_s": time.perf_counter() - t,
+    row = {"command": cmd[cmd.index("--") + 1:], "budget": budget, "env": extra_env or {}, "wall_s": time.perf_counter() - t,
            "rc": proc.returncode, "server_peak_bytes": [s.get("peak_bytes") for s in stops],
            "server_rc": [s.get("rc") for s in stops], "servers_alive": [s["alive_at_end"] for s in stops]}
     stats = STATS.findall(stderr)
@@ -189,11 +195,11 @@ def markdown(result: dict) -> str:
              "| server cap | system | TPOT ms | TTFT s (load + prompt) | MB sent per token | server peaks GB | failed |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for cap in result["caps"]:
-        for system in ("stock", "zipmoe"):
+        for system in result.get("systems", ["stock", "zipmoe"]):
             mine = [r for r in result["rows"] if r["cap_bytes"] == cap and r["system"] == system]
             ok = [r for r in mine if "tpot_s" in r]
             bad = [r for r in mine if "tpot_s" not in r]
-            name = system if system == "stock" or not mine else f"zipmoe (budget {mine[0]['budget'] / (1 << 30):.2f} GiB)"
+            name = system if system == "stock" or not mine else f"{system} (budget {mine[0]['budget'] / (1 << 30):.2f} GiB)"
             peaks = [max(p or 0 for p in r["server_peak_bytes"]) / 1e9 for r in ok]
             failed = f"{len(bad)} of {len(mine)}" + (f": {how_failed(bad[0])}" if bad else "")
             if bad and len(mine) < result["rounds"]:
@@ -218,8 +224,15 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context size (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="client threads (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--systems", default="stock,zipmoe",
+                    help=f"systems to run, of {', '.join(SYSTEMS)} (default: %(default)s; zipmoe-one-f: ZipMoE with "
+                         "ZIPMOE_AUTO_POOLS=0, one F pool on the server and nothing kept in the client's memory)")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/rpc_bench.json"))
     args = ap.parse_args()
+    systems = args.systems.split(",")
+    unknown = [x for x in systems if x not in SYSTEMS]
+    if unknown:
+        ap.error(f"--systems: unknown system '{unknown[0]}' (known: {', '.join(SYSTEMS)})")
     if args.rounds < 1 or args.gen_tokens < 2:
         ap.error("--rounds must be at least 1 and --gen-tokens at least 2")
     caps = [parse_size(c) for c in args.server_caps.split(",")]
@@ -239,13 +252,15 @@ def main() -> int:
     rows, failed = [], set()
     for rnd in range(args.rounds):
         for cap in caps:
-            for system in ("stock", "zipmoe"):
+            for system in systems:
                 if (cap, system) in failed:
                     continue
-                budget = budgets[cap] if system == "zipmoe" else None
-                row = {"round": rnd, "system": system, "cap_bytes": cap, **run_one(cap, files[system], budget, args)}
+                kind, extra_env = SYSTEMS[system]
+                budget = budgets[cap] if kind == "zipmoe" else None
+                row = {"round": rnd, "system": system, "cap_bytes": cap,
+                       **run_one(cap, files[kind], budget, args, extra_env)}
                 rows.append(row)
-                tag = f"round {rnd} {cap / (1 << 30):.0f} GiB {system:6s}"
+                tag = f"round {rnd} {cap / (1 << 30):.0f} GiB {system:12s}"
                 if "error" in row:
                     failed.add((cap, system))
                     print(f"{tag} FAILED ({how_failed(row)}): {row['error'][-300:]}", flush=True)
@@ -257,7 +272,7 @@ def main() -> int:
     result = {"stock": str(stock), "zipmoe": str(zipmoe), "stock_bytes": stock.stat().st_size,
               "zipmoe_bytes": zipmoe.stat().st_size, "odirect_gbps_before": bw_before, "odirect_gbps_after": bw_after,
               "threads": args.threads, "ctx": args.ctx, "gen_tokens": args.gen_tokens, "rounds": args.rounds,
-              "seed": args.seed, "prompt": PROMPT,
+              "seed": args.seed, "prompt": PROMPT, "systems": systems,
               "prompt_tokens": next((r["prompt_tokens"] for r in rows if "prompt_tokens" in r), 0), "caps": caps,
               **run_facts(args.out), "rows": rows}
     save(result, args.out, markdown)

@@ -1,10 +1,13 @@
 """Run by tests/test_rpc.py in a child process: rpc-server hosts are registered as ggml devices once per
-process, and a test's servers are gone after it. Two jobs:
+process, and a test's servers are gone after it. Three jobs:
 
     rpc_worker.py exact ARCH BF16 ZIPMOE SERVERS N_SEQ BUDGET_NAME...
         every layer offloaded (n_gpu_layers 99) to the servers; test_serve's logit trace of the BF16 GGUF
         (stock llama.cpp with the same RPC setup) against the ZipMoE GGUF at each budget, every logit as
         raw bits; prints one JSON line of the ZipMoE runs' statistics
+    rpc_worker.py device_pools ARCH BF16 ZIPMOE SERVERS
+        one sequence, 48 decode steps at half the experts, the re-plan after 4: the same comparison; prints
+        the ZipMoE run's statistics
     rpc_worker.py die ZIPMOE SERVERS
         greedy decoding, printing "step N" after each token, until a decode fails (the test kills a
         server); prints "error: MESSAGE" and exits 0, or exits 1 after 2000 steps
@@ -19,10 +22,10 @@ from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace
 N_DECODE = 16
 
 
-def trace(path, servers: str, n_seq: int, **options):
+def trace(path, servers: str, n_seq: int, n_decode: int = N_DECODE, **options):
     llm = load(path, rpc_servers=servers, n_gpu_layers=99, **options)
     try:
-        got, tokens = logits_trace(llm, PROMPTS[:n_seq], N_DECODE)
+        got, tokens = logits_trace(llm, PROMPTS[:n_seq], n_decode)
         return got, tokens, llm.zipmoe_stats()
     finally:
         llm.close()
@@ -34,6 +37,16 @@ def exact(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str, *budget_n
     for name in budget_names:
         got, got_tokens, stats[name] = trace(zipmoe, servers, int(n_seq), zipmoe_budget=budget_of(zipmoe, arch, name))
         assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), budget {name}")
+    print(json.dumps(stats))
+    return 0
+
+
+def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
+    """one sequence decoded long at half the experts, the re-plan after 4 decode steps"""
+    want, want_tokens, _ = trace(bf16, servers, 1, 48)
+    got, got_tokens, stats = trace(zipmoe, servers, 1, 48, zipmoe_budget=budget_of(zipmoe, arch, "half"),
+                                   zipmoe_replan_tokens=4)
+    assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), host stores")
     print(json.dumps(stats))
     return 0
 
@@ -58,4 +71,4 @@ def die(zipmoe: str, servers: str) -> int:
 
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
-    sys.exit({"exact": exact, "die": die}[job](*args))
+    sys.exit({"exact": exact, "device_pools": device_pools, "die": die}[job](*args))

@@ -93,11 +93,19 @@ def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, 
         assert s["h2d_bytes"] == (s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]) * one, (name, s)
     # fewer slots, more misses: the bytes sent follow the budget
     assert stats["top-k"]["h2d_bytes"] > stats["everything"]["h2d_bytes"]
-    if "half" in stats:
-        # beside the server's slots, host memory keeps the other experts compressed: refills read nothing
-        half = stats["half"]
-        assert half["memory"]["pools"]["C"] > 0 and "host memory" in half["memory"]["pools_why"], half["memory"]
-        assert half["c_hits"] > 0
+
+
+def test_host_memory_keeps_compressed_experts_beside_a_servers_slots_once_decode_steps_miss(arch, tiny_gguf,
+                                                                                          zipmoe_gguf, rpc_servers):
+    """Slots on the server, half the experts: one F pool there until zipmoe.replan_tokens decode steps
+    have missed, then host memory keeps the other experts compressed (ggml_zipmoe_cache_device_pools)
+    and refills read nothing from disk; the logits stay stock's over RPC, bit for bit."""
+    servers, _ = rpc_servers(1)
+    proc = worker("device_pools", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert s["memory"]["pools"]["C"] > 0 and "host memory" in s["memory"]["pools_why"], s["memory"]
+    assert s["c_hits"] + s["e_hits"] > 0, s
 
 
 def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):

@@ -48,7 +48,7 @@ static bool start_profile(struct ggml_zipmoe_serving * s) {
 
 // this graph's selections: counted if every served layer ran one ubatch of one token (a decode
 // step selects n_expert_used experts in each)
-static void count_step(struct ggml_zipmoe_serving * s) {
+static bool count_step(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
     bool one_token = true, any = false;
@@ -74,12 +74,14 @@ static void count_step(struct ggml_zipmoe_serving * s) {
         }
         r->token_steps++;
     }
+    const bool counted = one_token && any;
     uint64_t * t = r->seen_counts;
     r->seen_counts = r->counts;
     r->counts = t;
     t = r->seen_ubatches;
     r->seen_ubatches = r->ubatches;
     r->ubatches = t;
+    return counted;
 }
 
 static int descending(const void * a, const void * b) {
@@ -211,6 +213,44 @@ static int replan(struct ggml_zipmoe_serving * s) {
     return 1;
 }
 
+// slots in a device's memory: host memory keeps compressed experts beside them once the counted decode
+// steps missed at least once per step on average; where they rarely miss (routing that the device's
+// slots hold), the stores would cost their writes and page faults for no hit (BENCHMARKS, "Device
+// pools"). Returns 1 if the slots changed.
+static int replan_device(struct ggml_zipmoe_serving * s) {
+    const struct zipmoe_routing_profile * r = &s->routing;
+    const double per_step = r->token_steps ? (double) r->step_misses / (double) r->token_steps : 0;
+    if (per_step < 1.0) {
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: one F pool in the device's memory "
+                           "kept (%.2f misses per step)", (unsigned long long) r->token_steps, per_step);
+        return 0;
+    }
+    s->device_stores = true;
+    struct ggml_zipmoe_default_pools choice;
+    memset(&choice, 0, sizeof(choice));
+    if (ggml_zipmoe_cache_device_pools(s->cache, ggml_zipmoe_cache_slot_capacity(s->cache), s->plan.fits,
+                                       s->p.work_slots, &choice) != GGML_ZIPMOE_OK ||
+        choice.capacity[1] + choice.capacity[2] + choice.capacity[3] == 0) {
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.2f misses per step): %s",
+                           (unsigned long long) r->token_steps, per_step, choice.why);
+        return 0;
+    }
+    if (zipmoe_serving_use_slots(s, choice.n_slots, &choice) != GGML_ZIPMOE_OK) {
+        zipmoe_serving_log(s, 1, "ZipMoE host stores beside the device's slots not made (%s): %s", choice.why,
+                           ggml_zipmoe_cache_error(s->cache));
+        return 0;
+    }
+    s->auto_active = true;
+    s->auto_choice = choice;
+    memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
+    s->plan.n_slots = s->n_slots;
+    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.2f misses per step): F %d, C %d, "
+                       "E %d per MoE layer: %s", (unsigned long long) r->token_steps, per_step, choice.capacity[0],
+                       choice.capacity[1], choice.capacity[3], choice.why);
+    return 1;
+}
+
 int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s) {
     if (s == NULL) {
         return 0;
@@ -222,10 +262,18 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s) {
     if (r->n_expert == 0 && !start_profile(s)) {
         return 0;
     }
-    count_step(s);
+    struct ggml_zipmoe_cache_stats st;
+    ggml_zipmoe_cache_get_stats(s->cache, &st);
+    if (count_step(s)) {
+        r->step_misses += st.expert_misses - r->misses_seen;
+    }
+    r->misses_seen = st.expert_misses;
     if (r->token_steps < (uint64_t) s->p.replan_tokens) {
         return 0;
     }
     r->replanned = true;
+    if (s->on_gpu) {
+        return replan_device(s);
+    }
     return rank_profile(s) ? replan(s) : 0;
 }

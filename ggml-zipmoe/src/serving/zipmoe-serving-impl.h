@@ -27,6 +27,8 @@ struct zipmoe_routing_profile {
     double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
     bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;
+    uint64_t   misses_seen;  // the cache's misses after the last graph
+    uint64_t   step_misses;  // misses in the counted one-token steps
 };
 
 struct ggml_zipmoe_serving {
@@ -53,6 +55,8 @@ struct ggml_zipmoe_serving {
     // the default pools
     bool                             auto_eligible;   // no pools given, host slots, rank eviction
     bool                             auto_active;     // auto_choice's pools are the cache's
+    bool                             device_stores;   // slots in a device's memory, host stores beside them
+                                                      // (decode steps missed: ggml_zipmoe_cache_device_pools)
     struct ggml_zipmoe_default_pools auto_choice;     // capacity all 0: one F pool
     double                           plan_rates[2];   // read and decode rates the pools are planned with
     uint64_t                         auto_budget;     // the bytes and decoding threads last planned for

@@ -527,8 +527,14 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
         return false;
     }
     if (s->on_gpu) {
-        // the device's slots are F and working slots; host memory keeps compressed experts beside them.
-        // Not re-planned: these pools follow the memory, not the routing
+        // the device's slots are F and working slots; host memory keeps compressed experts beside them
+        // once decode steps miss (zipmoe-replan.c: replan_device), then for the memory left
+        s->auto_eligible = true;
+        if (!s->device_stores) {
+            snprintf(choice->why, sizeof(choice->why), "one F pool in the device's memory: host memory keeps "
+                     "compressed experts beside it once decode steps miss (after zipmoe.replan_tokens of them)");
+            return false;
+        }
         if (ggml_zipmoe_cache_device_pools(s->cache, pl->slot_capacity, pl->fits, s->p.work_slots, choice) !=
                 GGML_ZIPMOE_OK ||
             choice->capacity[1] + choice->capacity[2] + choice->capacity[3] == 0) {
