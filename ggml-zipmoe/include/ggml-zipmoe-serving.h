@@ -131,8 +131,9 @@ GGML_ZIPMOE_API int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, c
                                                int * changed, char * err, size_t err_size);
 
 // after a graph computed: counts the routing of one-token decode steps; after zipmoe.replan_tokens
-// of them, plans the default pools once more from their rank profile. Returns 1 if the slot layout
-// changed (graphs must be rebuilt), else 0.
+// of them, plans the default pools once more from their rank profile (slots in a device's memory:
+// adds host stores beside them if those steps missed once per step or more). Returns 1 if the slot
+// layout changed (graphs must be rebuilt), else 0.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s);
 
 // the last sizing (before the first: what load decided)
