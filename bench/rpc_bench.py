@@ -112,9 +112,10 @@ class Server:
         return result
 
 
-# system -> (which file, ZipMoE's environment beyond the budget); zipmoe-one-f: one F pool on the first
-# server, no compressed expert kept in the client's memory (the default before device pools)
-SYSTEMS = {"stock": ("stock", {}), "zipmoe": ("zipmoe", {}), "zipmoe-one-f": ("zipmoe", {"ZIPMOE_AUTO_POOLS": "0"})}
+# system -> (which file, ZipMoE's environment beyond the budget); zipmoe-device-stores: zipmoe.device_stores
+# on, host memory keeping compressed experts beside the first server's slots once decode steps miss
+SYSTEMS = {"stock": ("stock", {}), "zipmoe": ("zipmoe", {}),
+           "zipmoe-device-stores": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1"})}
 
 
 def run_one(cap: int, model: Path, budget: int | None, args, extra_env: dict | None = None) -> dict:
@@ -225,8 +226,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="client threads (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--systems", default="stock,zipmoe",
-                    help=f"systems to run, of {', '.join(SYSTEMS)} (default: %(default)s; zipmoe-one-f: ZipMoE with "
-                         "ZIPMOE_AUTO_POOLS=0, one F pool on the server and nothing kept in the client's memory)")
+                    help=f"systems to run, of {', '.join(SYSTEMS)} (default: %(default)s; zipmoe-device-stores: "
+                         "ZIPMOE_DEVICE_STORES=1, compressed experts kept in the client's memory beside the "
+                         "server's slots once decode steps miss)")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/rpc_bench.json"))
     args = ap.parse_args()
     systems = args.systems.split(",")
@@ -260,7 +262,7 @@ def main() -> int:
                 row = {"round": rnd, "system": system, "cap_bytes": cap,
                        **run_one(cap, files[kind], budget, args, extra_env)}
                 rows.append(row)
-                tag = f"round {rnd} {cap / (1 << 30):.0f} GiB {system:12s}"
+                tag = f"round {rnd} {cap / (1 << 30):.0f} GiB {system:20s}"
                 if "error" in row:
                     failed.add((cap, system))
                     print(f"{tag} FAILED ({how_failed(row)}): {row['error'][-300:]}", flush=True)

@@ -6,7 +6,8 @@ process, and a test's servers are gone after it. Three jobs:
         (stock llama.cpp with the same RPC setup) against the ZipMoE GGUF at each budget, every logit as
         raw bits; prints one JSON line of the ZipMoE runs' statistics
     rpc_worker.py device_pools ARCH BF16 ZIPMOE SERVERS
-        one sequence, 48 decode steps at half the experts, the re-plan after 4: the same comparison; prints
+        one sequence, 48 decode steps at half the experts, zipmoe.device_stores on, the re-plan after 4: the
+        same comparison; prints
         the ZipMoE run's statistics
     rpc_worker.py die ZIPMOE SERVERS
         greedy decoding, printing "step N" after each token, until a decode fails (the test kills a
@@ -45,7 +46,7 @@ def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
     """one sequence decoded long at half the experts, the re-plan after 4 decode steps"""
     want, want_tokens, _ = trace(bf16, servers, 1, 48)
     got, got_tokens, stats = trace(zipmoe, servers, 1, 48, zipmoe_budget=budget_of(zipmoe, arch, "half"),
-                                   zipmoe_replan_tokens=4)
+                                   zipmoe_replan_tokens=4, zipmoe_device_stores=True)
     assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), host stores")
     print(json.dumps(stats))
     return 0

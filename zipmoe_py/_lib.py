@@ -116,7 +116,8 @@ class ServingParams(ctypes.Structure):
                 ("mem_limit", ctypes.c_uint64), ("budget", ctypes.c_uint64), ("budget_name", ctypes.c_char_p),
                 ("pools", ctypes.c_int32 * 4),
                 ("work_slots", ctypes.c_int32), ("eviction", ctypes.c_int32), ("threads", ctypes.c_int32),
-                ("auto_pools", ctypes.c_int32), ("replan_tokens", ctypes.c_int32), ("log", LOG_FN),
+                ("auto_pools", ctypes.c_int32), ("device_stores", ctypes.c_int32), ("replan_tokens", ctypes.c_int32),
+                ("log", LOG_FN),
                 ("log_data", ctypes.c_void_p)]
 
 

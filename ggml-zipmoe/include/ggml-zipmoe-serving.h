@@ -37,6 +37,7 @@ struct ggml_zipmoe_serving_params {
     int32_t                         eviction;      // zipmoe.eviction
     int32_t                         threads;       // zipmoe.threads (0: the graph's)
     int32_t                         auto_pools;    // zipmoe.auto_pools
+    int32_t                         device_stores; // zipmoe.device_stores
     int32_t                         replan_tokens; // zipmoe.replan_tokens (0: never)
     ggml_zipmoe_log_fn              log;           // may be NULL
     void *                          log_data;

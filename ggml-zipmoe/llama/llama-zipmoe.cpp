@@ -151,6 +151,7 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     sp.eviction      = opt.eviction;
     sp.threads       = opt.threads;
     sp.auto_pools    = opt.auto_pools;
+    sp.device_stores = opt.device_stores;
     sp.replan_tokens = opt.replan_tokens;
     sp.log           = log_serving;
     serving = ggml_zipmoe_serving_new(&sp, err, sizeof(err));

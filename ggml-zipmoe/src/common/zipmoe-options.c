@@ -67,6 +67,10 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
     [GGML_ZIPMOE_OPTION_AUTO_POOLS] = { "auto_pools", "zipmoe.auto_pools", "ZIPMOE_AUTO_POOLS",
         GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 1, NULL, NULL, "on",
         "with no pools given (host slots, rank eviction): the pools for the memory left; off: one F pool", NONE },
+    [GGML_ZIPMOE_OPTION_DEVICE_STORES] = { "device_stores", "zipmoe.device_stores", "ZIPMOE_DEVICE_STORES",
+        GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 0, NULL, NULL, "off",
+        "with the slots in a device's memory (a GPU, an rpc-server) and no pools given: once decode steps miss "
+        "once per MoE layer per step, host memory keeps the other experts compressed beside them (lossless)", NONE },
     [GGML_ZIPMOE_OPTION_REPLAN_TOKENS] = { "replan_tokens", "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS",
         GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 16, "decode steps", "0: never", "16",
         "after this many one-token decode steps, the default pools are planned again from the routing seen", NONE },

@@ -529,6 +529,11 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
     if (s->on_gpu) {
         // the device's slots are F and working slots; host memory keeps compressed experts beside them
         // once decode steps miss (zipmoe-replan.c: replan_device), then for the memory left
+        if (!s->p.device_stores) {
+            snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in a device's memory "
+                     "(zipmoe.device_stores keeps compressed experts in host memory beside them)");
+            return false;
+        }
         s->auto_eligible = true;
         if (!s->device_stores) {
             snprintf(choice->why, sizeof(choice->why), "one F pool in the device's memory: host memory keeps "
