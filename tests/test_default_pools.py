@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -277,20 +278,18 @@ def test_chat_stats_say_which_pools_and_why(zipmoe_gguf):
     assert out.returncode != 0 and "--auto-pools is for the default pools" in out.stderr.decode(errors="replace")
 
 
-def test_set_pools_names_what_is_wrong(zipmoe_gguf):
-    """The cache's reconfiguration refuses bad capacities with a message, and leaves the cache usable."""
+@contextlib.contextmanager
+def rank_cache(path, n_slots: int = 40):
+    """A bare cache on path's MoE layers (rank eviction, host slots): (cache, handle, moe_layers)."""
     from zipmoe_py import format as zformat
 
-    path = zipmoe_gguf("qwen2moe")  # 4 MoE layers
     with zformat.ZipMoEFile(path) as zf:
         moe_layers = zf.moe_layers()
-    assert len(moe_layers) == 4
     handle = _lib.lib()
     err = ctypes.create_string_buffer(1024)
     file = handle.ggml_zipmoe_file_open(str(path).encode(), 0, err, 1024)
     assert file, err.value
-    one, n_expert, _ = expert_geometry(path)
-    n_slots = 40
+    one, _, _ = expert_geometry(path)
     buffers = [ctypes.create_string_buffer(n_slots * one // 3 + 64) for _ in range(3)]
     params = _lib.CacheParams()
     params.file, params.n_slots, params.eviction = file, n_slots, 4
@@ -299,8 +298,21 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         params.slot_stride[k] = one // 3
     params.set_layers(moe_layers)
     cache = handle.ggml_zipmoe_cache_new(ctypes.byref(params), err, 1024)
-    assert cache, err.value
     try:
+        assert cache, err.value
+        yield cache, handle, moe_layers
+    finally:
+        if cache:
+            handle.ggml_zipmoe_cache_free(cache)
+        handle.ggml_zipmoe_file_close(file)
+
+
+def test_set_pools_names_what_is_wrong(zipmoe_gguf):
+    """The cache's reconfiguration refuses bad capacities with a message, and leaves the cache usable."""
+    path = zipmoe_gguf("qwen2moe")  # 4 MoE layers
+    one, n_expert, _ = expert_geometry(path)
+    with rank_cache(path) as (cache, handle, moe_layers):
+        assert len(moe_layers) == 4
         negative = (ctypes.c_int32 * 4)(0, -1, 0, 0)
         assert handle.ggml_zipmoe_cache_set_pools(cache, negative, 10, 0) != 0
         assert b"pool C's capacity is negative" in handle.ggml_zipmoe_cache_error(cache)
@@ -322,36 +334,17 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         assert list(choice.capacity) == [0, 0, 0, 0]
         assert b"holds 3 full experts, too few for pools, which need more than 8 working slots and one expert per " \
                b"MoE layer in F (12)" in choice.why, choice.why
-    finally:
-        handle.ggml_zipmoe_cache_free(cache)
-        handle.ggml_zipmoe_file_close(file)
 
 
 def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):
     """Slots in a device's memory (a GPU, an rpc-server): its slots are F and working slots, and host
     memory keeps the other experts compressed, all in C where they fit, else C and the E-chunks of the
     rest, else E-chunks alone; one F pool where every expert fits the device or nothing fits the host."""
-    from zipmoe_py import format as zformat
-
     path = zipmoe_gguf("qwen2moe")  # 4 MoE layers
-    with zformat.ZipMoEFile(path) as zf:
-        moe_layers = zf.moe_layers()
-    handle = _lib.lib()
-    err = ctypes.create_string_buffer(1024)
-    file = handle.ggml_zipmoe_file_open(str(path).encode(), 0, err, 1024)
-    assert file, err.value
     one, n_expert, _ = expert_geometry(path)
-    layers, work = len(moe_layers), 8
-    buffers = [ctypes.create_string_buffer(40 * one // 3 + 64) for _ in range(3)]
-    params = _lib.CacheParams()
-    params.file, params.n_slots, params.eviction = file, 40, 4
-    for k in range(3):
-        params.slot_data[k] = ctypes.cast(buffers[k], ctypes.c_void_p)
-        params.slot_stride[k] = one // 3
-    params.set_layers(moe_layers)
-    cache = handle.ggml_zipmoe_cache_new(ctypes.byref(params), err, 1024)
-    assert cache, err.value
-    try:
+    work = 8
+    with rank_cache(path) as (cache, handle, moe_layers):
+        layers = len(moe_layers)
         # the entries' sizes, as the cache makes them
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(1, 1, 0, 1), 12, 0) == 0
         entry_c, entry_e = ctypes.c_size_t(), ctypes.c_size_t()
@@ -386,6 +379,3 @@ def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots
         got, _, why = pools(work + layers - 1, 1 << 40)
         assert got == [0, 0, 0, 0] and "too few for pools" in why, why
         assert handle.ggml_zipmoe_cache_device_pools(cache, 20, 0, 0, ctypes.byref(_lib.DefaultPools())) != 0
-    finally:
-        handle.ggml_zipmoe_cache_free(cache)
-        handle.ggml_zipmoe_file_close(file)
