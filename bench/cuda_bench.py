@@ -2,7 +2,7 @@
 """ZipMoE with expert slots in GPU memory against stock llama.cpp on CUDA, one model, one run:
 
     python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--ghuf M.ghuf.gguf] [--budgets 25,50,100]
-        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--out cuda_bench.json]
+        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--device-stores] [--out cuda_bench.json]
 
 Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T
 -ngl 99 -v` (the fork's build with ZIPMOE_CUDA=ON):
@@ -105,6 +105,9 @@ def main(argv=None) -> int:
                     help="the same model repacked with --codec ghuf (phase 2: exponents decoded on the GPU); "
                          "adds systems zipmoe-ghuf-P beside zipmoe-P")
     ap.add_argument("--budgets", default="25,50,100", help="VRAM budgets, %% of the routed experts (default: %(default)s)")
+    ap.add_argument("--device-stores", action="store_true",
+                    help="add systems zipmoe-stores-P: zipmoe-P with ZIPMOE_DEVICE_STORES=1 (host memory keeps compressed "
+                         "experts beside the GPU slots once decode steps miss)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--prompt-repeat", type=int, default=8, help="the prompt sentence repeated (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
@@ -126,6 +129,8 @@ def main(argv=None) -> int:
             systems[f"stock-n-cpu-moe-{pct}"] = (args.bf16, ["--n-cpu-moe", str(n)], {})
         budget = {"ZIPMOE_BUDGET": str(all_experts * pct // 100)}
         systems[f"zipmoe-{pct}"] = (args.zipmoe, [], budget)
+        if args.device_stores and pct < 100:
+            systems[f"zipmoe-stores-{pct}"] = (args.zipmoe, [], {**budget, "ZIPMOE_DEVICE_STORES": "1"})
         if args.ghuf is not None:
             systems[f"zipmoe-ghuf-{pct}"] = (args.ghuf, [], budget)
     rows = []
