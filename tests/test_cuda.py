@@ -75,7 +75,7 @@ def test_cuda_with_pools_and_prefetch_is_bit_identical(arch, prefetch, zipmoe_gg
 
 def test_cuda_preload_is_bit_identical_and_uses_resident_views(arch, zipmoe_gguf, cuda_reference):
     """Every expert preloaded into GPU slots: resident views (on by default with GPU slots) run stock's
-    graph on views of the slots, with no fetch op at all."""
+    graph on the slots in place, with no fetch op at all."""
     path = zipmoe_gguf(arch)
     want, want_tokens = cuda_reference(arch, PROMPTS)
     llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "everything"), zipmoe_preload=True)

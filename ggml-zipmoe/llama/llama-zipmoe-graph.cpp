@@ -207,29 +207,29 @@ std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ct
                                 /*.no_alloc =*/ true };
     ggml_context * rc = ggml_init(params);
     std::array<ggml_tensor *, 3> w = {};
+    bool placed = rc != nullptr;
+    for (int k = 0; k < 3 && placed; ++k) {
+        ggml_tensor * s = slots_of(il, k);
+        w[k] = ggml_new_tensor_3d(rc, s->type, s->ne[0], s->ne[1], n_expert);
+        w[k]->nb[1] = s->nb[1];
+        w[k]->nb[2] = s->nb[2];
+        w[k]->nb[3] = s->nb[2] * (size_t) n_expert;
+        ggml_format_name(w[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
+        placed = ggml_backend_tensor_alloc(s->buffer, w[k], (char *) s->data + (size_t) base * s->nb[2]) ==
+                 GGML_STATUS_SUCCESS;
+    }
+    if (placed) {
+        resident_ctxs.push_back(rc);
+        resident_weights[{ il, base }] = w;
+        return w;
+    }
+    // no memory for the tensors' metadata, or a buffer that will not place them: views in the graph's
+    // context, which cost only the backend's fusion
+    ggml_free(rc);
     for (int k = 0; k < 3; ++k) {
         ggml_tensor * s = slots_of(il, k);
-        ggml_tensor * t = rc != nullptr ? ggml_new_tensor_3d(rc, s->type, s->ne[0], s->ne[1], n_expert) : nullptr;
-        if (t != nullptr) {
-            t->nb[1] = s->nb[1];
-            t->nb[2] = s->nb[2];
-            t->nb[3] = s->nb[2] * (size_t) n_expert;
-            ggml_format_name(t, "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
-        }
-        if (t == nullptr || ggml_backend_tensor_alloc(s->buffer, t, (char *) s->data + (size_t) base * s->nb[2]) !=
-                                GGML_STATUS_SUCCESS) {
-            // a buffer that will not place it (none does today): a view, which costs only the fusion
-            w[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) base * s->nb[2]);
-            ggml_format_name(w[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
-            continue; // not kept: a view belongs to its graph's context
-        }
-        w[k] = t;
-    }
-    if (rc != nullptr) {
-        resident_ctxs.push_back(rc);
-        if (w[0] != nullptr && w[0]->view_src == nullptr && w[1]->view_src == nullptr && w[2]->view_src == nullptr) {
-            resident_weights[{ il, base }] = w;
-        }
+        w[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) base * s->nb[2]);
+        ggml_format_name(w[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
     }
     return w;
 }

@@ -149,6 +149,22 @@ static double routing_even_z(const struct ggml_zipmoe_serving * s) {
     return var > 0 ? (sum - mean) / sqrt(var) : 0;
 }
 
+// n slots with the pools of choice, and the plan that reports them; false (nothing changed, logged as
+// what) where the cache refuses
+static bool adopt_pools(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * choice,
+                        const char * what) {
+    if (zipmoe_serving_use_slots(s, n, choice) != GGML_ZIPMOE_OK) {
+        zipmoe_serving_log(s, 1, "%s not made (%s): %s", what, choice->why, ggml_zipmoe_cache_error(s->cache));
+        return false;
+    }
+    s->auto_active = choice->capacity[1] + choice->capacity[2] + choice->capacity[3] > 0;
+    s->auto_choice = *choice;
+    memcpy(s->plan.pools, choice->capacity, sizeof(s->plan.pools));
+    s->plan.n_slots = s->n_slots;
+    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice->why);
+    return true;
+}
+
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
 // (a change keeps the store entries that still fit; the rest fill again on demand). Returns 1 if the slots changed.
 static int replan(struct ggml_zipmoe_serving * s) {
@@ -195,16 +211,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
                            read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "", choice.why);
         return 0;
     }
-    if (zipmoe_serving_use_slots(s, n, &choice) != GGML_ZIPMOE_OK) {
-        zipmoe_serving_log(s, 1, "ZipMoE pools from the observed routing not made (%s): %s", choice.why,
-                           ggml_zipmoe_cache_error(s->cache));
+    if (!adopt_pools(s, n, &choice, "ZipMoE pools from the observed routing")) {
         return 0; // nothing changed
     }
-    s->auto_active = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
-    s->auto_choice = choice;
-    memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
-    s->plan.n_slots = s->n_slots;
-    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.1f MB read so far; routing z = %.1f "
                        "against a uniform router's%s): F %d, C %d, S %d, E %d per MoE layer, %d slots: %s",
                        (unsigned long long) r->token_steps, read_so_far / 1e6, r->even_z,
@@ -237,16 +246,9 @@ static int replan_device(struct ggml_zipmoe_serving * s) {
                            "step): %s", (unsigned long long) r->token_steps, per_layer, choice.why);
         return 0;
     }
-    if (zipmoe_serving_use_slots(s, choice.n_slots, &choice) != GGML_ZIPMOE_OK) {
-        zipmoe_serving_log(s, 1, "ZipMoE host stores beside the device's slots not made (%s): %s", choice.why,
-                           ggml_zipmoe_cache_error(s->cache));
+    if (!adopt_pools(s, choice.n_slots, &choice, "ZipMoE host stores beside the device's slots")) {
         return 0;
     }
-    s->auto_active = true;
-    s->auto_choice = choice;
-    memcpy(s->plan.pools, choice.capacity, sizeof(s->plan.pools));
-    s->plan.n_slots = s->n_slots;
-    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%s", choice.why);
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.2f misses per MoE layer per step): "
                        "F %d, C %d, E %d per MoE layer: %s", (unsigned long long) r->token_steps, per_layer, choice.capacity[0],
                        choice.capacity[1], choice.capacity[3], choice.why);
@@ -264,12 +266,13 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s) {
     if (r->n_expert == 0 && !start_profile(s)) {
         return 0;
     }
-    struct ggml_zipmoe_cache_stats st;
-    ggml_zipmoe_cache_get_stats(s->cache, &st);
-    if (count_step(s)) {
-        r->step_misses += st.expert_misses - r->misses_seen;
+    const bool counted = count_step(s);
+    if (s->on_gpu) { // replan_device weighs the misses of the counted steps
+        struct ggml_zipmoe_cache_stats st;
+        ggml_zipmoe_cache_get_stats(s->cache, &st);
+        r->step_misses += counted ? st.expert_misses - r->misses_seen : 0;
+        r->misses_seen = st.expert_misses;
     }
-    r->misses_seen = st.expert_misses;
     if (r->token_steps < (uint64_t) s->p.replan_tokens) {
         return 0;
     }
