@@ -343,6 +343,8 @@ def main() -> int:
     rows = []
     files = {"stock": stock, "zipmoe": zipmoe}
     failed: set[tuple[int, str]] = set()
+    partial = args.out.with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
     for rnd in range(args.rounds):
         bound = round_bounds(limits, zipmoe, caps) if limits else None
         if bound:
@@ -357,11 +359,12 @@ def main() -> int:
                     continue
                 row = {"round": rnd, "system": system, "cap_bytes": cap,
                        **({"round_bound": {"reads_gbps": bound["reads_gbps"], **bound["rows"][str(cap)]}} if bound else {}),
-                       **run_one(cap, files[which], extra, args,
-                                                                                       args.before if system == "zipmoe-before" else None)}
+                       **run_one(cap, files[which], extra, args, args.before if system == "zipmoe-before" else None)}
                 if limits and "steady_pools" in row:
                     row["implied_read_per_token"] = implied_reads(limits, row["steady_pools"])
                 rows.append(row)
+                # every run as it ends: a bench cut short keeps what it measured
+                partial.write_text(json.dumps({**run_facts(args.out), "rows": rows}, indent=2) + "\n")
                 if "error" in row:
                     failed.add((cap, system))
                     print(f"round {rnd} {cap / (1 << 30):.0f} GiB {system:11s} FAILED (rc {row['rc']}): "
@@ -380,6 +383,7 @@ def main() -> int:
               **({"limits": limits} if limits else {}), **run_facts(args.out), "rows": rows}
     add_run_bounds(result)
     save(result, args.out, markdown)
+    partial.unlink(missing_ok=True)
     return 0
 
 

@@ -19,6 +19,7 @@ CACHE_ORDER = [
     ("zipmoe-fetch.c",),
     ("zipmoe-fetch-device.c",),
     ("zipmoe-residency.c",),
+    ("zipmoe-stores.c",),
     ("zipmoe-prefetch.c",),
     ("zipmoe-fetch-io.c",),
     ("zipmoe-sched.c", "zipmoe-planner.c"),

@@ -105,7 +105,9 @@ def test_an_expert_moves_between_pools_as_its_rank_changes(make, model):
     read, d = read_by(cache, 0, [[1]])
     assert d["c_hits"] == 1 and read == 0
     read_by(cache, 1, [[0, 1, 2, 3]])
-    read, d = read_by(cache, 0, [[0]])  # 0 was pushed from C (rank 1 now): kept in E
+    # 1's promotion pushed 0 out of C: 0 kept its E-chunks in 1's old E entry, so only its SM-chunks are read
+    read, d = read_by(cache, 0, [[0]], experts)
+    assert d["e_hits"] == 1 and read == sizes[0, 0][0]
     read_by(cache, 1, [[0, 1, 2, 3]])
     read, d = read_by(cache, 0, [[0]])
     assert d["e_hits"] == 1 and read == sizes[0, 0][0]

@@ -3,8 +3,9 @@
 //   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge
 //   zipmoe-stats.c      statistics: the counters, their reset, the account of a fetch's time
 //   zipmoe-preload.c    the slots filled before serving
-//   zipmoe-residency.c  what is where: slots, eviction policies, rank dispatch, the C/S/E stores,
-//                       and the plan of a pass (hits, victims, one task per expert tensor to fill)
+//   zipmoe-residency.c  what is where: slots, eviction policies, and the plan of a pass (hits,
+//                       victims, one task per expert tensor to fill)
+//   zipmoe-stores.c     the C/S/E stores: rank dispatch, their entries, their sizes at a re-plan
 //   zipmoe-fetch.c      how it gets there: the scheduler's order, the decoding threads (the one
 //                       decode + recover routine of zipmoe-codec.c)
 //   zipmoe-fetch-device.c  shards into slots outside host memory: CUDA's kernels, or a caller's
@@ -97,7 +98,7 @@ struct zipmoe_store {
     int64_t *  entry_key;      // [n_entries] (layer * max_expert + expert), or -1
     uint64_t * entry_pinned;   // [n_entries] serial of the last call reading or writing it
     uint64_t * entry_last_use; // [n_entries] tick (LFU ties)
-    pthread_t  populator;      // faults new entries' pages in (zipmoe-residency.c: populate_async)
+    pthread_t  populator;      // faults new entries' pages in (zipmoe-stores.c: populate_async)
     int        populating;
 };
 
@@ -363,15 +364,27 @@ int      zipmoe_device_write(struct ggml_zipmoe_cache * c, const struct zipmoe_t
 
 // zipmoe-residency.c
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
+int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
+                                int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
+void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
+
+// zipmoe-stores.c
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
 // the C, S and E stores to capacity[p] entries per served layer (the new pools' thresholds set): a
 // store that shrinks keeps the entries the new pools send to it, then the most chosen; one that
 // grows keeps them all. Shrinking stores go first, so memory is given back before more is taken.
 int      zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
                                     size_t msg_size);
-int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
-                                int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
-void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
+// the pool an expert goes to after its use (rank dispatch), NO_POOL beyond every threshold
+int      zipmoe_dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t e);
+int32_t  zipmoe_store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial); // -1: every entry in use
+uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int kind); // NULL in E
+uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert,
+                         int kind);                                                            // NULL in S
+void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
+// expert key, kept in E's e_entry, takes C's c_entry: C's victim keeps its E-chunks in e_entry
+void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry,
+                                    int64_t victim);
 
 // zipmoe-prefetch.c
 int      zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity);

@@ -2,25 +2,18 @@
 //
 // Victims by the eviction policy (LRU, FIFO, randomized marking, LFU, RANK, SCORE); RANK dispatches an
 // expert after its use by its runtime activation rank in its layer to the first pool whose
-// threshold exceeds it (paper 3.4); the C, S and E stores keep stored chunks in fixed-size entries.
+// threshold exceeds it (paper 3.4), whose store (zipmoe-stores.c) keeps its stored chunks.
 // plan_pass runs on thread 0 under the cache's lock: hits first, then one fill per missing
 // expert (a working slot, the tasks that make it full from what is cached, where it goes after).
 
 #include "cache/zipmoe-cache-impl.h"
 
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 const char * ggml_zipmoe_eviction_name(int eviction) {
     static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank", "score" };
     return eviction >= 0 && eviction < GGML_ZIPMOE_EVICT_COUNT ? names[eviction] : NULL;
-}
-
-const char * ggml_zipmoe_pool_name(int pool) {
-    static const char * names[GGML_ZIPMOE_POOL_COUNT] = { "F", "C", "S", "E" };
-    return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
 }
 
 // one F pool of every slot in use: F holds them all, and RANK's share per layer follows the slot count
@@ -29,27 +22,6 @@ void zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c) {
     c->pools.threshold[GGML_ZIPMOE_POOL_F] =
         c->policy.eviction == GGML_ZIPMOE_EVICT_RANK ? c->slots.n_used / n_served + c->policy.rank_delta : INT32_MAX;
     c->pools.f_capacity = c->slots.n_used;
-}
-
-// the largest stored E bytes of one expert (gate + up + down), and rho over the file
-uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
-    uint64_t max_e = 0, e_total = 0, n_total = 0;
-    for (int l = 0; l < c->layout.n_layer; l++) {
-        if (!zipmoe_layer_served(c, l)) {
-            continue;
-        }
-        for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
-            uint64_t bytes = 0;
-            for (int k = 0; k < 3; k++) {
-                bytes += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[l * 3 + k], e);
-                n_total += c->layout.kind_n[k];
-            }
-            max_e = bytes > max_e ? bytes : max_e;
-            e_total += bytes;
-        }
-    }
-    c->layout.rho = n_total > 0 ? (double) e_total / (double) n_total : 1.0;
-    return max_e;
 }
 
 // marks the distinct valid experts of ids in c->plan.seen and lists them ascending in c->plan.unique;
@@ -74,28 +46,6 @@ static int collect_unique(const struct ggml_zipmoe_cache * c, int layer, const i
         }
     }
     return n;
-}
-
-// rank of expert e in its layer by runtime activation counts (0: the most chosen; ties by id)
-static int32_t expert_rank(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
-    const uint64_t * f = c->policy.freq + (int64_t) layer * c->layout.max_expert;
-    int32_t rank = 0;
-    for (int32_t o = 0; o < c->layout.layer_n_expert[layer]; o++) {
-        rank += f[o] > f[e] || (f[o] == f[e] && o < e);
-    }
-    return rank;
-}
-
-// the pool an expert goes to after its use: the first active pool whose threshold exceeds its
-// rank (paper §3.4, "Pool Dispatching"), NO_POOL beyond every threshold
-static int dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
-    const int32_t rank = expert_rank(c, layer, e);
-    for (int i = 0; i < c->pools.n_active; i++) {
-        if (rank < c->pools.threshold[c->pools.active[i]]) {
-            return c->pools.active[i];
-        }
-    }
-    return NO_POOL;
 }
 
 static uint64_t slot_freq(const struct ggml_zipmoe_cache * c, int32_t s) {
@@ -241,256 +191,6 @@ static void enforce_f_capacity(struct ggml_zipmoe_cache * c) {
     }
 }
 
-// an entry of the store of pool p for a new expert: an empty one, else LFU (ties LRU); never one
-// the current call reads or writes
-static int32_t store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial) {
-    struct zipmoe_store * s = &c->pools.store[p];
-    int32_t victim = -1;
-    for (int32_t i = 0; i < s->n_entries; i++) {
-        if (s->entry_pinned[i] == serial) {
-            continue;
-        }
-        if (s->entry_key[i] < 0) {
-            return i;
-        }
-        if (victim < 0) {
-            victim = i;
-            continue;
-        }
-        const uint64_t fi = c->policy.freq[s->entry_key[i]], fv = c->policy.freq[s->entry_key[victim]];
-        if (fi < fv || (fi == fv && s->entry_last_use[i] < s->entry_last_use[victim])) {
-            victim = i;
-        }
-    }
-    return victim;
-}
-
-// where an entry keeps a tensor's SM-chunk and E-chunks: [SM gate][SM up][SM down][E gate][E up][E down]
-// (C), [SM gate][SM up][SM down] (S), [E gate][E up][E down] (E)
-static uint8_t * entry_sm(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int kind) {
-    if (p == GGML_ZIPMOE_POOL_E) {
-        return NULL;
-    }
-    uint64_t off = 0;
-    for (int k = 0; k < kind; k++) {
-        off += c->layout.kind_n[k];
-    }
-    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
-}
-
-static uint8_t * entry_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert, int kind) {
-    if (p == GGML_ZIPMOE_POOL_S) {
-        return NULL;
-    }
-    uint64_t off = p == GGML_ZIPMOE_POOL_C ? c->layout.sm_bytes : 0;
-    for (int k = 0; k < kind; k++) {
-        off += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], expert);
-    }
-    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
-}
-
-static void store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
-    const int64_t key = c->pools.store[p].entry_key[entry];
-    if (key >= 0) {
-        c->pools.key_pool[key]  = NO_POOL;
-        c->pools.key_entry[key] = -1;
-    }
-    c->pools.store[p].entry_key[entry] = -1;
-}
-
-// a kept entry's claim to stay when its store shrinks: first the entries the new pools send
-// there, then the most chosen, then the most recently used
-struct entry_claim {
-    int32_t  entry;
-    int      belongs;
-    uint64_t freq, last_use;
-};
-
-static int by_claim(const void * a, const void * b) {
-    const struct entry_claim * x = (const struct entry_claim *) a;
-    const struct entry_claim * y = (const struct entry_claim *) b;
-    if (x->belongs != y->belongs) {
-        return x->belongs > y->belongs ? -1 : 1;
-    }
-    if (x->freq != y->freq) {
-        return x->freq > y->freq ? -1 : 1;
-    }
-    return x->last_use > y->last_use ? -1 : x->last_use < y->last_use ? 1 : 0;
-}
-
-// store p shrinks to n_new entries: the entries with the weakest claims are forgotten, and those
-// kept beyond n_new move into the holes below it (a move is a memcpy; a re-read is a disk read)
-static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
-    struct zipmoe_store * s = &c->pools.store[p];
-    if (n_new == 0) {
-        for (int32_t i = 0; i < s->n_entries; i++) {
-            store_forget(c, p, i);
-        }
-        return GGML_ZIPMOE_OK;
-    }
-    struct entry_claim * claims = (struct entry_claim *) malloc(sizeof(*claims) * (size_t) (s->n_entries + 1));
-    if (claims == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
-    }
-    int32_t n_held = 0;
-    for (int32_t i = 0; i < s->n_entries; i++) {
-        const int64_t key = s->entry_key[i];
-        if (key >= 0) {
-            const int     layer = (int) (key / c->layout.max_expert);
-            const int32_t e     = (int32_t) (key % c->layout.max_expert);
-            claims[n_held++] = (struct entry_claim) { i, dispatch_pool(c, layer, e) == p, c->policy.freq[key],
-                                                      s->entry_last_use[i] };
-        }
-    }
-    qsort(claims, (size_t) n_held, sizeof(*claims), by_claim);
-    for (int32_t i = n_new; i < n_held; i++) {
-        store_forget(c, p, claims[i].entry);
-    }
-    free(claims);
-    int32_t hole = 0;
-    for (int32_t i = n_new; i < s->n_entries; i++) {
-        const int64_t key = s->entry_key[i];
-        if (key < 0) {
-            continue;
-        }
-        while (s->entry_key[hole] >= 0) {
-            hole++; // fewer than n_new entries are held, so a hole below n_new is found
-        }
-        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
-        s->entry_key[hole]      = key;
-        s->entry_last_use[hole] = s->entry_last_use[i];
-        s->entry_key[i]         = -1;
-        c->pools.key_entry[key] = hole;
-    }
-    return GGML_ZIPMOE_OK;
-}
-
-// A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
-// DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
-// helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
-// for reads. The pages are the store's own, counted in the budget already.
-#if defined(MADV_POPULATE_WRITE)
-struct populate_range {
-    void * start;
-    size_t length;
-};
-
-static void * populate_pages(void * arg) {
-    struct populate_range * r = (struct populate_range *) arg;
-    // in pieces: each call holds the process's memory map, which the threads that map memory wait for
-    const size_t piece = 16u << 20;
-    for (size_t done = 0; done < r->length; done += piece) {
-        const size_t n = r->length - done < piece ? r->length - done : piece;
-        if (madvise((uint8_t *) r->start + done, n, MADV_POPULATE_WRITE) != 0) {
-            break; // a kernel before 5.14 refuses: the faults stay where the stores are first written
-        }
-    }
-    free(r);
-    return NULL;
-}
-#endif
-
-static void populate_join(struct zipmoe_store * s) {
-    if (s->populating) {
-        pthread_join(s->populator, NULL);
-        s->populating = 0;
-    }
-}
-
-// bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made, nor where
-// the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do)
-static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
-#if defined(MADV_POPULATE_WRITE)
-    const uintptr_t page  = 4096;
-    const uintptr_t start = ((uintptr_t) s->mem + from + page - 1) & ~(page - 1);
-    const uintptr_t end   = ((uintptr_t) s->mem + to) & ~(page - 1);
-    struct populate_range * r = end > start ? (struct populate_range *) malloc(sizeof(*r)) : NULL;
-    if (r == NULL) {
-        return;
-    }
-    r->start  = (void *) start;
-    r->length = end - start;
-    if (pthread_create(&s->populator, NULL, populate_pages, r) == 0) {
-        s->populating = 1;
-    } else {
-        free(r);
-    }
-#else
-    (void) s;
-    (void) from;
-    (void) to;
-#endif
-}
-
-// store p's arrays to n_new entries (new ones empty); 0 frees them
-static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t entry_size) {
-    struct zipmoe_store * s = &c->pools.store[p];
-    if (n_new == 0) {
-        free(s->mem);
-        free(s->entry_key);
-        free(s->entry_pinned);
-        free(s->entry_last_use);
-        memset(s, 0, sizeof(*s));
-        return GGML_ZIPMOE_OK;
-    }
-    // each array is replaced only once reallocated, so that a failure leaves the store as it was
-    uint8_t * mem = (uint8_t *) realloc(s->mem, entry_size * (size_t) n_new);
-    if (mem == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
-    }
-    s->mem = mem;
-    int64_t * key = (int64_t *) realloc(s->entry_key, sizeof(int64_t) * (size_t) n_new);
-    s->entry_key  = key != NULL ? key : s->entry_key;
-    uint64_t * pinned = key != NULL ? (uint64_t *) realloc(s->entry_pinned, sizeof(uint64_t) * (size_t) n_new) : NULL;
-    s->entry_pinned   = pinned != NULL ? pinned : s->entry_pinned;
-    uint64_t * last = pinned != NULL ? (uint64_t *) realloc(s->entry_last_use, sizeof(uint64_t) * (size_t) n_new) : NULL;
-    s->entry_last_use = last != NULL ? last : s->entry_last_use;
-    if (last == NULL) {
-        return GGML_ZIPMOE_ERR_NOMEM;
-    }
-    for (int32_t i = s->n_entries; i < n_new; i++) {
-        s->entry_key[i]      = -1;
-        s->entry_last_use[i] = 0;
-    }
-    for (int32_t i = 0; i < n_new; i++) {
-        s->entry_pinned[i] = 0;
-    }
-    if (n_new > s->n_entries) {
-        populate_async(s, entry_size * (size_t) s->n_entries, entry_size * (size_t) n_new);
-    }
-    s->entry_size = entry_size;
-    s->n_entries  = n_new;
-    return GGML_ZIPMOE_OK;
-}
-
-int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
-                               size_t msg_size) {
-    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        populate_join(&c->pools.store[p]); // its pages may move or go
-    }
-    // the stores that shrink first, then those that grow: memory is given back before more is taken
-    for (int grow = 0; grow <= 1; grow++) {
-        for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-            struct zipmoe_store * s = &c->pools.store[p];
-            const int32_t n_new = capacity[p] * c->layout.n_served;
-            if ((n_new > s->n_entries) != grow) {
-                continue;
-            }
-            const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
-            int status = grow ? GGML_ZIPMOE_OK : shrink_store(c, p, n_new);
-            if (status == GGML_ZIPMOE_OK) {
-                status = size_store(c, p, n_new, (size_t) zipmoe_align_up(size, 64));
-            }
-            if (status != GGML_ZIPMOE_OK) {
-                snprintf(msg, msg_size, "expert cache: out of memory for pool %s's %d entries of %zu bytes",
-                         ggml_zipmoe_pool_name(p), n_new, (size_t) zipmoe_align_up(size, 64));
-                return GGML_ZIPMOE_ERR_NOMEM;
-            }
-        }
-    }
-    return GGML_ZIPMOE_OK;
-}
-
 static const int32_t pool_state[4] = { GGML_ZIPMOE_STATE_F, GGML_ZIPMOE_STATE_C, GGML_ZIPMOE_STATE_S,
                                        GGML_ZIPMOE_STATE_E };
 
@@ -526,17 +226,24 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     const int keep = target > GGML_ZIPMOE_POOL_F                     ? target
                    : c->pools.inclusive && target == GGML_ZIPMOE_POOL_F ? GGML_ZIPMOE_POOL_C
                                                                        : NO_POOL;
+    int traded = 0; // the E part is in the new C entry already, and the old E entry holds C's victim
     if (keep != NO_POOL && keep != cur) {
         dst_pool  = keep;
-        dst_entry = store_victim(c, keep, serial);
+        dst_entry = zipmoe_store_victim(c, keep, serial);
         if (dst_entry >= 0) {
-            store_forget(c, keep, dst_entry);
+            const int64_t victim_key = c->pools.store[keep].entry_key[dst_entry];
+            zipmoe_store_forget(c, keep, dst_entry);
+            if (keep == GGML_ZIPMOE_POOL_C && cur == GGML_ZIPMOE_POOL_E && victim_key >= 0) {
+                zipmoe_store_forget(c, cur, cur_entry);
+                zipmoe_store_trade_e_parts(c, key, dst_entry, cur_entry, victim_key);
+                traded = 1;
+            }
         } else {
             dst_pool = NO_POOL; // every entry is read or written by this call
         }
     }
-    if (cur != NO_POOL && keep != cur) {
-        store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
+    if (cur != NO_POOL && keep != cur && !traded) {
+        zipmoe_store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
     }
     if (dst_pool != NO_POOL) {
         c->pools.store[dst_pool].entry_key[dst_entry]      = key;
@@ -553,8 +260,10 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         t->tensor    = c->layout.layer_tensor[layer * 3 + k];
         t->expert    = e;
         t->state     = cur == NO_POOL ? GGML_ZIPMOE_STATE_M : pool_state[cur];
-        t->sm_src    = cur != NO_POOL ? entry_sm(c, cur, cur_entry, k) : NULL;
-        t->e_src     = cur != NO_POOL ? entry_e(c, cur, cur_entry, layer, e, k) : NULL;
+        t->sm_src    = cur != NO_POOL ? zipmoe_store_sm(c, cur, cur_entry, k) : NULL;
+        t->e_src     = traded           ? zipmoe_store_e(c, dst_pool, dst_entry, layer, e, k)
+                     : cur != NO_POOL ? zipmoe_store_e(c, cur, cur_entry, layer, e, k)
+                                      : NULL;
         if (c->file->tensors[t->tensor].raw) {
             // a raw expert's E-chunks are empty: held already, only its bytes (the SM-chunk's place) are read
             static const uint8_t no_e_chunks[1];
@@ -563,8 +272,8 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         }
         t->dst_pool  = dst_pool;
         t->dst_entry = dst_entry;
-        t->sm_dst    = dst_pool != NO_POOL ? entry_sm(c, dst_pool, dst_entry, k) : NULL;
-        t->e_dst     = dst_pool != NO_POOL ? entry_e(c, dst_pool, dst_entry, layer, e, k) : NULL;
+        t->sm_dst    = dst_pool != NO_POOL ? zipmoe_store_sm(c, dst_pool, dst_entry, k) : NULL;
+        t->e_dst     = dst_pool != NO_POOL && !traded ? zipmoe_store_e(c, dst_pool, dst_entry, layer, e, k) : NULL;
         atomic_store(&t->sm_buf, -1);
         atomic_store(&t->e_buf, -1);
         atomic_store(&t->n_decoded, 0);
@@ -615,14 +324,14 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
             c->slots.last_use[s]  = ++c->policy.tick;
             c->slots.marked[s]    = 1;
             // no compressed form of it is in memory: it stays in its slot, first to go if not in F
-            c->slots.transient[s] = dispatch_pool(c, layer, c->plan.unique[i]) != GGML_ZIPMOE_POOL_F;
+            c->slots.transient[s] = zipmoe_dispatch_pool(c, layer, c->plan.unique[i]) != GGML_ZIPMOE_POOL_F;
             c->plan.pass_slot[c->plan.unique[i]] = s;
             atomic_fetch_add(&c->stats.hits, 1);
         }
     }
     for (int i = first; i < last; i++) {
         if (c->plan.pass_slot[c->plan.unique[i]] < 0) {
-            plan_fill(c, layer, c->plan.unique[i], dispatch_pool(c, layer, c->plan.unique[i]), serial);
+            plan_fill(c, layer, c->plan.unique[i], zipmoe_dispatch_pool(c, layer, c->plan.unique[i]), serial);
         }
     }
     enforce_f_capacity(c);
@@ -646,7 +355,7 @@ void zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c) {
             c->slots.key[t->slot] = -1;
         }
         if (t->dst_pool != NO_POOL) {
-            store_forget(c, t->dst_pool, t->dst_entry);
+            zipmoe_store_forget(c, t->dst_pool, t->dst_entry);
         }
     }
 }

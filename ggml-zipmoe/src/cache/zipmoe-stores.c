@@ -1,0 +1,348 @@
+// Expert cache, the C, S and E stores: where an expert's stored chunks are kept between uses.
+//
+// Fixed-size entries in one block per store, shared by every served layer; rank dispatch (the
+// pool an expert goes to after its use, paper 3.4), the entry a new expert takes, what a store
+// keeps when a re-plan resizes it, and the pages of a grown store faulted in on a helper thread.
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+const char * ggml_zipmoe_pool_name(int pool) {
+    static const char * names[GGML_ZIPMOE_POOL_COUNT] = { "F", "C", "S", "E" };
+    return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
+}
+
+// the stored E bytes of one expert (gate + up + down): what its E part holds
+static uint64_t expert_e_bytes(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    uint64_t bytes = 0;
+    for (int k = 0; k < 3; k++) {
+        bytes += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], e);
+    }
+    return bytes;
+}
+
+// the largest stored E bytes of one expert (gate + up + down), and rho over the file
+uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
+    uint64_t max_e = 0, e_total = 0, n_total = 0;
+    for (int l = 0; l < c->layout.n_layer; l++) {
+        if (!zipmoe_layer_served(c, l)) {
+            continue;
+        }
+        for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
+            const uint64_t bytes = expert_e_bytes(c, l, e);
+            n_total += c->layout.sm_bytes; // one value per SM byte
+            max_e = bytes > max_e ? bytes : max_e;
+            e_total += bytes;
+        }
+    }
+    c->layout.rho = n_total > 0 ? (double) e_total / (double) n_total : 1.0;
+    return max_e;
+}
+
+// rank of expert e in its layer by runtime activation counts (0: the most chosen; ties by id)
+static int32_t expert_rank(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    const uint64_t * f = c->policy.freq + (int64_t) layer * c->layout.max_expert;
+    int32_t rank = 0;
+    for (int32_t o = 0; o < c->layout.layer_n_expert[layer]; o++) {
+        rank += f[o] > f[e] || (f[o] == f[e] && o < e);
+    }
+    return rank;
+}
+
+// the pool an expert goes to after its use: the first active pool whose threshold exceeds its
+// rank (paper §3.4, "Pool Dispatching"), NO_POOL beyond every threshold
+int zipmoe_dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+    const int32_t rank = expert_rank(c, layer, e);
+    for (int i = 0; i < c->pools.n_active; i++) {
+        if (rank < c->pools.threshold[c->pools.active[i]]) {
+            return c->pools.active[i];
+        }
+    }
+    return NO_POOL;
+}
+
+// an entry of the store of pool p for a new expert: an empty one, else LFU (ties LRU); never one
+// the current call reads or writes
+int32_t zipmoe_store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    int32_t victim = -1;
+    for (int32_t i = 0; i < s->n_entries; i++) {
+        if (s->entry_pinned[i] == serial) {
+            continue;
+        }
+        if (s->entry_key[i] < 0) {
+            return i;
+        }
+        if (victim < 0) {
+            victim = i;
+            continue;
+        }
+        const uint64_t fi = c->policy.freq[s->entry_key[i]], fv = c->policy.freq[s->entry_key[victim]];
+        if (fi < fv || (fi == fv && s->entry_last_use[i] < s->entry_last_use[victim])) {
+            victim = i;
+        }
+    }
+    return victim;
+}
+
+// where an entry keeps a tensor's SM-chunk and E-chunks: [SM gate][SM up][SM down][E gate][E up][E down]
+// (C), [SM gate][SM up][SM down] (S), [E gate][E up][E down] (E)
+uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int kind) {
+    if (p == GGML_ZIPMOE_POOL_E) {
+        return NULL;
+    }
+    uint64_t off = 0;
+    for (int k = 0; k < kind; k++) {
+        off += c->layout.kind_n[k];
+    }
+    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
+}
+
+uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert, int kind) {
+    if (p == GGML_ZIPMOE_POOL_S) {
+        return NULL;
+    }
+    uint64_t off = p == GGML_ZIPMOE_POOL_C ? c->layout.sm_bytes : 0;
+    for (int k = 0; k < kind; k++) {
+        off += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], expert);
+    }
+    return c->pools.store[p].mem + (size_t) entry * c->pools.store[p].entry_size + off;
+}
+
+void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
+    const int64_t key = c->pools.store[p].entry_key[entry];
+    if (key >= 0) {
+        c->pools.key_pool[key]  = NO_POOL;
+        c->pools.key_entry[key] = -1;
+    }
+    c->pools.store[p].entry_key[entry] = -1;
+}
+
+// a kept entry's claim to stay when its store shrinks: first the entries the new pools send
+// there, then the most chosen, then the most recently used
+struct entry_claim {
+    int32_t  entry;
+    int      belongs;
+    uint64_t freq, last_use;
+};
+
+static int by_claim(const void * a, const void * b) {
+    const struct entry_claim * x = (const struct entry_claim *) a;
+    const struct entry_claim * y = (const struct entry_claim *) b;
+    if (x->belongs != y->belongs) {
+        return x->belongs > y->belongs ? -1 : 1;
+    }
+    if (x->freq != y->freq) {
+        return x->freq > y->freq ? -1 : 1;
+    }
+    return x->last_use > y->last_use ? -1 : x->last_use < y->last_use ? 1 : 0;
+}
+
+// store p shrinks to n_new entries: the entries with the weakest claims are forgotten, and those
+// kept beyond n_new move into the holes below it (a move is a memcpy; a re-read is a disk read)
+static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    if (n_new == 0) {
+        for (int32_t i = 0; i < s->n_entries; i++) {
+            zipmoe_store_forget(c, p, i);
+        }
+        return GGML_ZIPMOE_OK;
+    }
+    struct entry_claim * claims = (struct entry_claim *) malloc(sizeof(*claims) * (size_t) (s->n_entries + 1));
+    if (claims == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    int32_t n_held = 0;
+    for (int32_t i = 0; i < s->n_entries; i++) {
+        const int64_t key = s->entry_key[i];
+        if (key >= 0) {
+            const int     layer = (int) (key / c->layout.max_expert);
+            const int32_t e     = (int32_t) (key % c->layout.max_expert);
+            claims[n_held++] = (struct entry_claim) { i, zipmoe_dispatch_pool(c, layer, e) == p, c->policy.freq[key],
+                                                      s->entry_last_use[i] };
+        }
+    }
+    qsort(claims, (size_t) n_held, sizeof(*claims), by_claim);
+    for (int32_t i = n_new; i < n_held; i++) {
+        zipmoe_store_forget(c, p, claims[i].entry);
+    }
+    free(claims);
+    int32_t hole = 0;
+    for (int32_t i = n_new; i < s->n_entries; i++) {
+        const int64_t key = s->entry_key[i];
+        if (key < 0) {
+            continue;
+        }
+        while (s->entry_key[hole] >= 0) {
+            hole++; // fewer than n_new entries are held, so a hole below n_new is found
+        }
+        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+        s->entry_key[hole]      = key;
+        s->entry_last_use[hole] = s->entry_last_use[i];
+        s->entry_key[i]         = -1;
+        c->pools.key_entry[key] = hole;
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
+// DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
+// helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
+// for reads. The pages are the store's own, counted in the budget already.
+#if defined(MADV_POPULATE_WRITE)
+struct populate_range {
+    void * start;
+    size_t length;
+};
+
+static void * populate_pages(void * arg) {
+    struct populate_range * r = (struct populate_range *) arg;
+    // in pieces: each call holds the process's memory map, which the threads that map memory wait for
+    const size_t piece = 16u << 20;
+    for (size_t done = 0; done < r->length; done += piece) {
+        const size_t n = r->length - done < piece ? r->length - done : piece;
+        if (madvise((uint8_t *) r->start + done, n, MADV_POPULATE_WRITE) != 0) {
+            break; // a kernel before 5.14 refuses: the faults stay where the stores are first written
+        }
+    }
+    free(r);
+    return NULL;
+}
+#endif
+
+static void populate_join(struct zipmoe_store * s) {
+    if (s->populating) {
+        pthread_join(s->populator, NULL);
+        s->populating = 0;
+    }
+}
+
+// bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made, nor where
+// the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do)
+static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
+#if defined(MADV_POPULATE_WRITE)
+    const uintptr_t page  = 4096;
+    const uintptr_t start = ((uintptr_t) s->mem + from + page - 1) & ~(page - 1);
+    const uintptr_t end   = ((uintptr_t) s->mem + to) & ~(page - 1);
+    struct populate_range * r = end > start ? (struct populate_range *) malloc(sizeof(*r)) : NULL;
+    if (r == NULL) {
+        return;
+    }
+    r->start  = (void *) start;
+    r->length = end - start;
+    if (pthread_create(&s->populator, NULL, populate_pages, r) == 0) {
+        s->populating = 1;
+    } else {
+        free(r);
+    }
+#else
+    (void) s;
+    (void) from;
+    (void) to;
+#endif
+}
+
+// store p's arrays to n_new entries (new ones empty); 0 frees them
+static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t entry_size) {
+    struct zipmoe_store * s = &c->pools.store[p];
+    if (n_new == 0) {
+        free(s->mem);
+        free(s->entry_key);
+        free(s->entry_pinned);
+        free(s->entry_last_use);
+        memset(s, 0, sizeof(*s));
+        return GGML_ZIPMOE_OK;
+    }
+    // each array is replaced only once reallocated, so that a failure leaves the store as it was
+    uint8_t * mem = (uint8_t *) realloc(s->mem, entry_size * (size_t) n_new);
+    if (mem == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    s->mem = mem;
+    int64_t * key = (int64_t *) realloc(s->entry_key, sizeof(int64_t) * (size_t) n_new);
+    s->entry_key  = key != NULL ? key : s->entry_key;
+    uint64_t * pinned = key != NULL ? (uint64_t *) realloc(s->entry_pinned, sizeof(uint64_t) * (size_t) n_new) : NULL;
+    s->entry_pinned   = pinned != NULL ? pinned : s->entry_pinned;
+    uint64_t * last = pinned != NULL ? (uint64_t *) realloc(s->entry_last_use, sizeof(uint64_t) * (size_t) n_new) : NULL;
+    s->entry_last_use = last != NULL ? last : s->entry_last_use;
+    if (last == NULL) {
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    for (int32_t i = s->n_entries; i < n_new; i++) {
+        s->entry_key[i]      = -1;
+        s->entry_last_use[i] = 0;
+    }
+    for (int32_t i = 0; i < n_new; i++) {
+        s->entry_pinned[i] = 0;
+    }
+    if (n_new > s->n_entries) {
+        populate_async(s, entry_size * (size_t) s->n_entries, entry_size * (size_t) n_new);
+    }
+    s->entry_size = entry_size;
+    s->n_entries  = n_new;
+    return GGML_ZIPMOE_OK;
+}
+
+int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
+                               size_t msg_size) {
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        populate_join(&c->pools.store[p]); // its pages may move or go
+    }
+    // the stores that shrink first, then those that grow: memory is given back before more is taken
+    for (int grow = 0; grow <= 1; grow++) {
+        for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+            struct zipmoe_store * s = &c->pools.store[p];
+            const int32_t n_new = capacity[p] * c->layout.n_served;
+            if ((n_new > s->n_entries) != grow) {
+                continue;
+            }
+            const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
+            int status = grow ? GGML_ZIPMOE_OK : shrink_store(c, p, n_new);
+            if (status == GGML_ZIPMOE_OK) {
+                status = size_store(c, p, n_new, (size_t) zipmoe_align_up(size, 64));
+            }
+            if (status != GGML_ZIPMOE_OK) {
+                snprintf(msg, msg_size, "expert cache: out of memory for pool %s's %d entries of %zu bytes",
+                         ggml_zipmoe_pool_name(p), n_new, (size_t) zipmoe_align_up(size, 64));
+                return GGML_ZIPMOE_ERR_NOMEM;
+            }
+        }
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+static void swap_bytes(uint8_t * a, uint8_t * b, size_t n) {
+    uint8_t tmp[4096];
+    for (size_t done = 0; done < n; done += sizeof(tmp)) {
+        const size_t m = n - done < sizeof(tmp) ? n - done : sizeof(tmp);
+        memcpy(tmp, a + done, m);
+        memcpy(a + done, b + done, m);
+        memcpy(b + done, tmp, m);
+    }
+}
+
+// Expert `key`, kept in E entry e_entry, is promoted into C entry c_entry, which holds `victim`.
+// They trade E parts: the victim keeps its E-chunks in the promoted expert's E entry rather than
+// being dropped, so its next use reads its SM-chunks only. Rank dispatch on an even profile
+// promotes and demotes experts by noise, and each dropped victim cost a whole read (BENCHMARKS,
+// "steady reads"). The promoted expert's E-chunks are in its C entry after this.
+void zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry, int64_t victim) {
+    const int     layer   = (int) (key / c->layout.max_expert);
+    const int     v_layer = (int) (victim / c->layout.max_expert);
+    const int32_t e       = (int32_t) (key % c->layout.max_expert);
+    const int32_t v       = (int32_t) (victim % c->layout.max_expert);
+    const uint64_t a = expert_e_bytes(c, layer, e), b = expert_e_bytes(c, v_layer, v);
+    struct zipmoe_store * cs = &c->pools.store[GGML_ZIPMOE_POOL_C];
+    struct zipmoe_store * es = &c->pools.store[GGML_ZIPMOE_POOL_E];
+    // both parts are at least max_e_bytes long
+    swap_bytes(cs->mem + (size_t) c_entry * cs->entry_size + c->layout.sm_bytes, es->mem + (size_t) e_entry * es->entry_size,
+               (size_t) (a > b ? a : b));
+    es->entry_key[e_entry]       = victim;
+    es->entry_last_use[e_entry]  = cs->entry_last_use[c_entry];
+    c->pools.key_pool[victim]    = GGML_ZIPMOE_POOL_E;
+    c->pools.key_entry[victim]   = e_entry;
+}
