@@ -113,6 +113,27 @@ def test_an_expert_moves_between_pools_as_its_rank_changes(make, model):
     assert d["e_hits"] == 1 and read == sizes[0, 0][0]
 
 
+def test_stores_that_hold_every_expert_stop_reading_under_even_routing(make, model):
+    """Even routing moves ranks by noise, so experts cross the C / E line all the time. With room for
+    every expert in C or E, none is ever pushed out of both: a promotion from E trades E parts with
+    C's victim, and an expert whose rank falls stays in its store until a fill needs the entry. Once
+    every expert has been read, nothing is read whole again, and every fill is exact."""
+    _, experts, _ = model
+    rng = np.random.default_rng(11)
+    cache = make(4, (0, 5, 0, 3))  # 5 + 3 = the 8 experts of each layer; every slot a working slot
+    for step in range(240):
+        if step == 80:
+            warm = cache.stats()
+        layer = step % 2
+        ids = rng.choice(8, size=(1, 3), replace=False)
+        status, slots = cache.fetch(layer, ids)
+        assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        assert_resident(cache, experts, layer, ids, slots)
+    after = cache.stats()
+    assert after["expert_misses"] == warm["expert_misses"], (warm, after)
+    assert after["e_hits"] > warm["e_hits"] and after["c_hits"] > warm["c_hits"]
+
+
 def set_pools(cache, pools, n_slots):
     status = cache.lib.ggml_zipmoe_cache_set_pools(cache.handle, (ctypes.c_int32 * 4)(*pools), n_slots, 0)
     assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)

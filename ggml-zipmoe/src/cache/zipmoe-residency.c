@@ -194,6 +194,52 @@ static void enforce_f_capacity(struct ggml_zipmoe_cache * c) {
 static const int32_t pool_state[4] = { GGML_ZIPMOE_STATE_F, GGML_ZIPMOE_STATE_C, GGML_ZIPMOE_STATE_S,
                                        GGML_ZIPMOE_STATE_E };
 
+// the store that keeps expert key's chunks after this use, made ready: *dst_pool and *dst_entry (NO_POOL:
+// none is written); returns 1 where its E part went to the new C entry (a trade with C's victim)
+static int place_after_use(struct ggml_zipmoe_cache * c, int64_t key, int cur, int32_t cur_entry, int target,
+                           uint64_t serial, int * dst_pool, int32_t * dst_entry) {
+    // its pool's; with an inclusive C, an F expert's C entry too
+    int keep = target > GGML_ZIPMOE_POOL_F                     ? target
+             : c->pools.inclusive && target == GGML_ZIPMOE_POOL_F ? GGML_ZIPMOE_POOL_C
+                                                                 : NO_POOL;
+    // one whose rank falls to a lower store stays in its own until a fill needs the entry: moving now
+    // would push another expert out of the lower store and leave this entry empty (on an even router
+    // ranks move by noise, and every push was a whole read later). Beyond every threshold it goes, as
+    // the paper's dispatch says.
+    if (cur != NO_POOL && target != NO_POOL && target > cur) {
+        keep = cur;
+    }
+    *dst_pool  = NO_POOL;
+    *dst_entry = -1;
+    int traded = 0;
+    if (keep != NO_POOL && keep != cur) {
+        *dst_pool  = keep;
+        *dst_entry = zipmoe_store_victim(c, keep, serial);
+        if (*dst_entry >= 0) {
+            const int64_t victim_key = c->pools.store[keep].entry_key[*dst_entry];
+            zipmoe_store_forget(c, keep, *dst_entry);
+            if (keep == GGML_ZIPMOE_POOL_C && cur == GGML_ZIPMOE_POOL_E && victim_key >= 0) {
+                zipmoe_store_forget(c, cur, cur_entry);
+                zipmoe_store_trade_e_parts(c, key, *dst_entry, cur_entry, victim_key);
+                traded = 1;
+            }
+        } else {
+            *dst_pool = NO_POOL; // every entry is read or written by this call
+        }
+    }
+    if (cur != NO_POOL && keep != cur && !traded) {
+        zipmoe_store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
+    }
+    if (*dst_pool != NO_POOL) {
+        c->pools.store[*dst_pool].entry_key[*dst_entry]      = key;
+        c->pools.store[*dst_pool].entry_pinned[*dst_entry]   = serial;
+        c->pools.store[*dst_pool].entry_last_use[*dst_entry] = c->policy.tick;
+        c->pools.key_pool[key]  = (int8_t) *dst_pool;
+        c->pools.key_entry[key] = *dst_entry;
+    }
+    return traded;
+}
+
 // plans one expert that is not in a slot: its working slot, the tasks that make it full from what
 // is cached, and where it is kept after use
 static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int target, uint64_t serial) {
@@ -213,8 +259,6 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     c->slots.transient[victim] = target != GGML_ZIPMOE_POOL_F;
     c->plan.pass_slot[e]           = victim;
 
-    int     dst_pool  = NO_POOL;
-    int32_t dst_entry = -1;
     if (cur != NO_POOL) {
         c->pools.store[cur].entry_pinned[cur_entry]   = serial; // read by this call's tasks
         c->pools.store[cur].entry_last_use[cur_entry] = c->policy.tick;
@@ -222,36 +266,9 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     } else {
         atomic_fetch_add(&c->stats.misses, 1);
     }
-    // the store that keeps its chunks after use: its pool's; with an inclusive C, an F expert's C entry too
-    const int keep = target > GGML_ZIPMOE_POOL_F                     ? target
-                   : c->pools.inclusive && target == GGML_ZIPMOE_POOL_F ? GGML_ZIPMOE_POOL_C
-                                                                       : NO_POOL;
-    int traded = 0; // the E part is in the new C entry already, and the old E entry holds C's victim
-    if (keep != NO_POOL && keep != cur) {
-        dst_pool  = keep;
-        dst_entry = zipmoe_store_victim(c, keep, serial);
-        if (dst_entry >= 0) {
-            const int64_t victim_key = c->pools.store[keep].entry_key[dst_entry];
-            zipmoe_store_forget(c, keep, dst_entry);
-            if (keep == GGML_ZIPMOE_POOL_C && cur == GGML_ZIPMOE_POOL_E && victim_key >= 0) {
-                zipmoe_store_forget(c, cur, cur_entry);
-                zipmoe_store_trade_e_parts(c, key, dst_entry, cur_entry, victim_key);
-                traded = 1;
-            }
-        } else {
-            dst_pool = NO_POOL; // every entry is read or written by this call
-        }
-    }
-    if (cur != NO_POOL && keep != cur && !traded) {
-        zipmoe_store_forget(c, cur, cur_entry); // moves (or is dropped); its bytes stay until this call ends
-    }
-    if (dst_pool != NO_POOL) {
-        c->pools.store[dst_pool].entry_key[dst_entry]      = key;
-        c->pools.store[dst_pool].entry_pinned[dst_entry]   = serial;
-        c->pools.store[dst_pool].entry_last_use[dst_entry] = c->policy.tick;
-        c->pools.key_pool[key]  = (int8_t) dst_pool;
-        c->pools.key_entry[key] = dst_entry;
-    }
+    int       dst_pool;
+    int32_t   dst_entry;
+    const int traded = place_after_use(c, key, cur, cur_entry, target, serial, &dst_pool, &dst_entry);
     int prefetched = 0;
     for (int k = 0; k < 3; k++) {
         struct zipmoe_task * t = &c->plan.tasks[c->plan.n_tasks++];
