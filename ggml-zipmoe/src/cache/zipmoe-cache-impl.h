@@ -100,6 +100,9 @@ struct zipmoe_store {
     uint64_t * entry_last_use; // [n_entries] tick (LFU ties)
     pthread_t  populator;      // faults new entries' pages in (zipmoe-stores.c: populate_async)
     int        populating;
+    atomic_int populate_halt;  // set: the populator stops after its current piece
+    size_t     populated_to;   // bytes of mem below this the populator is done with, from populate_from
+    size_t     populate_end;   // ... up to here
 };
 
 // the served experts' geometry, fixed when the cache is made. A key is layer * max_expert + expert.

@@ -192,32 +192,36 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 // A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
 // DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
 // helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
-// for reads. The pages are the store's own, counted in the budget already.
+// for reads. The pages are the store's own, counted in the budget already. A resize stops it after
+// its current piece and has it go on from there: waiting for the whole store held the model's load
+// up by seconds, and starting over raced the decoding threads to the pages they had written.
 #if defined(MADV_POPULATE_WRITE)
-struct populate_range {
-    void * start;
-    size_t length;
-};
-
 static void * populate_pages(void * arg) {
-    struct populate_range * r = (struct populate_range *) arg;
+    struct zipmoe_store * s = (struct zipmoe_store *) arg;
     // in pieces: each call holds the process's memory map, which the threads that map memory wait for
     const size_t piece = 16u << 20;
-    for (size_t done = 0; done < r->length; done += piece) {
-        const size_t n = r->length - done < piece ? r->length - done : piece;
-        if (madvise((uint8_t *) r->start + done, n, MADV_POPULATE_WRITE) != 0) {
-            break; // a kernel before 5.14 refuses: the faults stay where the stores are first written
+    while (s->populated_to < s->populate_end && !atomic_load(&s->populate_halt)) {
+        const size_t n = s->populate_end - s->populated_to < piece ? s->populate_end - s->populated_to : piece;
+        if (madvise(s->mem + s->populated_to, n, MADV_POPULATE_WRITE) != 0) {
+            s->populated_to = s->populate_end; // a kernel before 5.14 refuses: the faults stay where written
+            break;
         }
+        s->populated_to += n;
     }
-    free(r);
     return NULL;
 }
 #endif
 
-static void populate_join(struct zipmoe_store * s) {
+// stops the populator after its current piece; [*from, *to) of mem is what it had left (empty: none)
+static void populate_stop(struct zipmoe_store * s, size_t * from, size_t * to) {
+    *from = *to = 0;
     if (s->populating) {
+        atomic_store(&s->populate_halt, 1);
         pthread_join(s->populator, NULL);
+        atomic_store(&s->populate_halt, 0);
         s->populating = 0;
+        *from = s->populated_to;
+        *to   = s->populate_end;
     }
 }
 
@@ -226,19 +230,15 @@ static void populate_join(struct zipmoe_store * s) {
 static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
 #if defined(MADV_POPULATE_WRITE)
     const uintptr_t page  = 4096;
-    const uintptr_t start = ((uintptr_t) s->mem + from + page - 1) & ~(page - 1);
-    const uintptr_t end   = ((uintptr_t) s->mem + to) & ~(page - 1);
-    struct populate_range * r = end > start ? (struct populate_range *) malloc(sizeof(*r)) : NULL;
-    if (r == NULL) {
+    const uintptr_t base  = (uintptr_t) s->mem;
+    const uintptr_t start = (base + from + page - 1) & ~(page - 1);
+    const uintptr_t end   = (base + to) & ~(page - 1);
+    if (end <= start) {
         return;
     }
-    r->start  = (void *) start;
-    r->length = end - start;
-    if (pthread_create(&s->populator, NULL, populate_pages, r) == 0) {
-        s->populating = 1;
-    } else {
-        free(r);
-    }
+    s->populated_to = start - base;
+    s->populate_end = end - base;
+    s->populating   = pthread_create(&s->populator, NULL, populate_pages, s) == 0;
 #else
     (void) s;
     (void) from;
@@ -246,8 +246,10 @@ static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
 #endif
 }
 
-// store p's arrays to n_new entries (new ones empty); 0 frees them
-static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t entry_size) {
+// store p's arrays to n_new entries (new ones empty); 0 frees them. [pending_from, pending_to): what a
+// stopped populator had left; it goes on with that, and with the pages a growing store adds.
+static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t entry_size, size_t pending_from,
+                      size_t pending_to) {
     struct zipmoe_store * s = &c->pools.store[p];
     if (n_new == 0) {
         free(s->mem);
@@ -279,8 +281,11 @@ static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t
     for (int32_t i = 0; i < n_new; i++) {
         s->entry_pinned[i] = 0;
     }
-    if (n_new > s->n_entries) {
-        populate_async(s, entry_size * (size_t) s->n_entries, entry_size * (size_t) n_new);
+    const size_t old_bytes = s->entry_size * (size_t) s->n_entries, new_bytes = entry_size * (size_t) n_new;
+    const size_t from = pending_to > pending_from ? pending_from : old_bytes;
+    const size_t to   = new_bytes > old_bytes ? new_bytes : pending_to < new_bytes ? pending_to : new_bytes;
+    if (to > from) {
+        populate_async(s, from, to);
     }
     s->entry_size = entry_size;
     s->n_entries  = n_new;
@@ -289,8 +294,9 @@ static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t
 
 int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * capacity, uint64_t max_e, char * msg,
                                size_t msg_size) {
+    size_t pending[4][2];
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        populate_join(&c->pools.store[p]); // its pages may move or go
+        populate_stop(&c->pools.store[p], &pending[p][0], &pending[p][1]); // its pages may move or go
     }
     // the stores that shrink first, then those that grow: memory is given back before more is taken
     for (int grow = 0; grow <= 1; grow++) {
@@ -303,7 +309,7 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
             const uint64_t size = (p != GGML_ZIPMOE_POOL_E ? c->layout.sm_bytes : 0) + (p != GGML_ZIPMOE_POOL_S ? max_e : 0);
             int status = grow ? GGML_ZIPMOE_OK : shrink_store(c, p, n_new);
             if (status == GGML_ZIPMOE_OK) {
-                status = size_store(c, p, n_new, (size_t) zipmoe_align_up(size, 64));
+                status = size_store(c, p, n_new, (size_t) zipmoe_align_up(size, 64), pending[p][0], pending[p][1]);
             }
             if (status != GGML_ZIPMOE_OK) {
                 snprintf(msg, msg_size, "expert cache: out of memory for pool %s's %d entries of %zu bytes",
