@@ -101,8 +101,8 @@ struct zipmoe_store {
     pthread_t  populator;      // faults new entries' pages in (zipmoe-stores.c: populate_async)
     int        populating;
     atomic_int populate_halt;  // set: the populator stops after its current piece
-    size_t     populated_to;   // bytes of mem below this the populator is done with, from populate_from
-    size_t     populate_end;   // ... up to here
+    size_t     populated_to;   // bytes [populated_to, populate_end) of mem are left to fault in
+    size_t     populate_end;
 };
 
 // the served experts' geometry, fixed when the cache is made. A key is layer * max_expert + expert.

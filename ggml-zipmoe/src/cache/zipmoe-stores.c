@@ -193,8 +193,8 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 // DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
 // helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
 // for reads. The pages are the store's own, counted in the budget already. A resize stops it after
-// its current piece and has it go on from there: waiting for the whole store held the model's load
-// up by seconds, and starting over raced the decoding threads to the pages they had written.
+// its current piece and has it go on from there: waiting for the whole store held each resize up (up
+// to ~12 s), and starting over raced the decoding threads to the pages they had written.
 #if defined(MADV_POPULATE_WRITE)
 static void * populate_pages(void * arg) {
     struct zipmoe_store * s = (struct zipmoe_store *) arg;
