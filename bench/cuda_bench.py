@@ -2,7 +2,8 @@
 """ZipMoE with expert slots in GPU memory against stock llama.cpp on CUDA, one model, one run:
 
     python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--ghuf M.ghuf.gguf] [--budgets 25,50,100]
-        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--device-stores] [--out cuda_bench.json]
+        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--device-stores] [--systems A,B]
+        [--host-cap 24G] [--out cuda_bench.json]
 
 Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T
 -ngl 99 -v` (the fork's build with ZIPMOE_CUDA=ON):
@@ -19,6 +20,10 @@ Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignor
 TTFT is llama-completion's "prompt eval time", TPOT its "eval time" per token. The ZipMoE runtime's
 counters (hits, misses, MB read, MB to the GPU) come from its log line when the context is freed;
 "H2D MB/token" divides the MB to the GPU by the tokens the run processed (prompt and generated).
+With --host-cap, every run is `capped-run --mem CAP --evict MODEL -- llama-completion ...` (a memory
+cgroup, page cache included, the model evicted first: both sides page, as on a machine with that much
+memory; ../shared/tools/capped-run, or $ZIPMOE_CAPPED_RUN), and the O_DIRECT read rate of the disk is
+measured before the runs. Without it the host keeps whatever the page cache holds.
 Systems run interleaved, --repeats rounds; the table gives each cell's median with min-max. Prints
 the table and saves --out (JSON, every run with its full command) and a Markdown table beside it.
 """
@@ -51,6 +56,8 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
     cmd = [str(_paths.program("llama-completion")), "-m", str(model), "-p", PROMPT * args.prompt_repeat,
            "-n", str(args.gen_tokens), "--temp", "1", "--seed", "1", "--ignore-eos", "-no-cnv",
            "-t", str(args.threads), "-ngl", "99", "-v", *extra]
+    if args.host_cap:
+        cmd = [sys.executable, str(capped_run()), "--mem", args.host_cap, "--evict", str(model), "--", *cmd]
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
@@ -59,6 +66,9 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
         return {"command": cmd, "env": env, "rc": "timeout",
                 "error": (e.stderr or b"")[-1500:].decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}
     row = {"command": cmd, "env": env, "wall_s": round(time.perf_counter() - t, 2), "rc": proc.returncode}
+    if args.host_cap:
+        capped = [line for line in proc.stdout.splitlines() if line.startswith('{"rc"')]
+        row["peak_bytes"] = json.loads(capped[-1]).get("peak_bytes") if capped else None
     perf = {kind: (float(ms), int(n)) for kind, ms, n in PERF.findall(proc.stderr)}
     if proc.returncode != 0 or "eval" not in perf:
         row["error"] = proc.stderr[-1500:]
@@ -79,6 +89,10 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
             row["h2d_mb"] = float(h2d[0])
             row["h2d_mb_per_token"] = float(h2d[0]) / (row["prompt_tokens"] + args.gen_tokens)
     return row
+
+
+def capped_run() -> Path:
+    return Path(os.environ.get("ZIPMOE_CAPPED_RUN") or Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run")
 
 
 def n_cpu_moe_for(moe_layers: list[int], pct: int) -> tuple[int, float]:
@@ -108,6 +122,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device-stores", action="store_true",
                     help="add systems zipmoe-stores-P: zipmoe-P with ZIPMOE_DEVICE_STORES=1 (host memory keeps compressed "
                          "experts beside the GPU slots once decode steps miss)")
+    ap.add_argument("--systems", default=None,
+                    help="run only these systems (comma-separated names, as in the table; default: all)")
+    ap.add_argument("--host-cap", default=None, metavar="SIZE",
+                    help="run every system under a host memory cap (e.g. 24G), page cache included, the model "
+                         "evicted first (capped-run)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens generated per run (default: %(default)s)")
     ap.add_argument("--prompt-repeat", type=int, default=8, help="the prompt sentence repeated (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
@@ -133,6 +152,25 @@ def main(argv=None) -> int:
             systems[f"zipmoe-stores-{pct}"] = (args.zipmoe, [], {**budget, "ZIPMOE_DEVICE_STORES": "1"})
         if args.ghuf is not None:
             systems[f"zipmoe-ghuf-{pct}"] = (args.ghuf, [], budget)
+    if args.systems:
+        wanted = args.systems.split(",")
+        unknown = [w for w in wanted if w not in systems]
+        if unknown:
+            ap.error(f"--systems: no system named {', '.join(unknown)} (there are: {', '.join(systems)})")
+        systems = {name: systems[name] for name in wanted}
+    disk = None
+    if args.host_cap:
+        if not capped_run().is_file():
+            ap.error(f"--host-cap needs capped-run: not found at {capped_run()} (set ZIPMOE_CAPPED_RUN)")
+        probe = subprocess.run([sys.executable, str(capped_run()), "--mem", args.host_cap, "--", "true"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            ap.error(f"--host-cap {args.host_cap}: capped-run cannot make a memory cgroup here: "
+                     f"{(probe.stderr or probe.stdout).strip()[-300:]}")
+        out = subprocess.run([sys.executable, str(capped_run()), "--disk-bw", str(args.zipmoe)], capture_output=True,
+                             text=True)
+        disk = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
+        print(json.dumps({"disk": disk}), flush=True)
     rows = []
     for rep in range(args.repeats):
         for name, (model, extra, env) in systems.items():
@@ -150,6 +188,7 @@ def main(argv=None) -> int:
     result = {"gpu": gpu, "cpus": os.cpu_count(), "bf16": str(args.bf16), "zipmoe": str(args.zipmoe),
               "bf16_bytes": args.bf16.stat().st_size, "zipmoe_bytes": args.zipmoe.stat().st_size,
               "all_experts_bytes": all_experts, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+              "host_cap": args.host_cap, "disk": disk,
               "n_cpu_moe_expert_share": shares, "argv": sys.argv, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
@@ -167,8 +206,11 @@ def main(argv=None) -> int:
                      f"{median_cell(got, 'tok_s', '.1f')} | {median_cell(got, 'cuda_weights_mib', '.0f')} | "
                      f"{median_cell(got, 'h2d_mb_per_token', '.2f')} | {len(got)} | `{(env + ' ' + cmd).strip()}` |")
     table = "\n".join(lines)
+    cap = (f"Host memory capped at {args.host_cap} (page cache included, the model evicted before each run); disk "
+           f"{disk['odirect_gbps'] if disk else '?'} GB/s (O_DIRECT).\n\n" if args.host_cap else
+           "Host memory not capped: the page cache keeps what it reads.\n\n")
     args.out.with_suffix(".md").write_text(f"GPU: {gpu}\n\nMedian (min-max) of {args.repeats} interleaved runs "
-                                           f"per system; PROMPT is bench/cuda_bench.py's.\n\n{table}\n")
+                                           f"per system; PROMPT is bench/cuda_bench.py's.\n\n{cap}{table}\n")
     print(table)
     return 0
 

@@ -6,6 +6,7 @@
 #   *.skel.gguf     model headers (tools/gguf_skeleton.py strip), filled with random weights there
 #   site.tar.xz     optional (prebuild): the CUDA build installed, made here, so that the GPU's time
 #                   goes to tests and benches rather than to 4 minutes of nvcc
+#   capped-run      ../shared/tools/capped-run, for cuda_bench.py --host-cap
 # Usage: bash tools/cuda_device.sh prepare        (here, after tools/setup.sh: writes .gpucarry/)
 #        bash tools/cuda_device.sh prebuild       (here, optional: needs nvcc, cuBLAS and libcuda's stub;
 #                                                   docs/CUDA.md "Building here for the GPU machine")
@@ -23,6 +24,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH=$SITE:/tmp/zipmoe-pylibs PYTHONUNBUFFERED=1
 # a prebuilt site's libraries carry $ORIGIN alone: cudart and cuBLAS come from the machine's toolkit
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64
+export ZIPMOE_CAPPED_RUN=${ZIPMOE_CAPPED_RUN:-$CARRY/capped-run}
 
 fill() { # skeleton name -> filled BF16 GGUF and its ZipMoE GGUF in $MODELS
     mkdir -p $MODELS
@@ -44,6 +46,7 @@ prepare)
      find models -mindepth 1 -not -name 'ggml-vocab-qwen2.gguf*' -not -name 'ggml-vocab-deepseek-llm.gguf*' -delete)
     tar -C /tmp/zipmoe-devsrc -cJf $CARRY/devsrc.tar.xz llama.cpp-src zstd-src lz4-src
     tar -C $VENV -czf $CARRY/pylibs.tar.gz llama_cpp diskcache
+    cp $REPO/../shared/tools/capped-run $CARRY/capped-run
     # the tests' tiny models (as tests/conftest.py makes them) and the bench model, as headers
     tiny=$(mktemp -d)
     for a in deepseek2 qwen2moe; do
@@ -106,15 +109,18 @@ bench)
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/qwen6-bf16.gguf --zipmoe $MODELS/qwen6.zipmoe.gguf \
         --ghuf $MODELS/qwen6.ghuf.gguf --out $OUT/cuda_bench.json "${@:2}" 2>&1 | tee $OUT/cuda_bench.log
     ;;
-bench-ds27)  # the full DeepSeek-V2-Lite geometry (ds27.skel.gguf: bench/make_bench_model.py deepseek2 --layers 27);
+models-ds27)  # the full DeepSeek-V2-Lite geometry (ds27.skel.gguf: bench/make_bench_model.py deepseek2 --layers 27);
     # 31 + 22 GB: the qwen6 files go first on a 64 GB disk
     rm -f $MODELS/qwen6*
     fill ds27 ds27
+    ;;
+bench-ds27)
+    bash $0 models-ds27
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/ds27-bf16.gguf --zipmoe $MODELS/ds27.zipmoe.gguf \
         --out $OUT/cuda_bench_ds27.json "${@:2}" 2>&1 | tee $OUT/cuda_bench_ds27.log
     ;;
 *)
-    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|bench-ds27" >&2
+    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27" >&2
     exit 2
     ;;
 esac

@@ -236,7 +236,7 @@ std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ct
 
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
                                           ggml_tensor * selected_experts, ggml_tensor * probs,
-                                          const experts_fn & build) {
+                                          const experts_fn & build, bool * deferred) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
     int32_t view_base = -1;
@@ -262,8 +262,10 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
             std::lock_guard<std::mutex> lock(state_mutex);
             w = resident_weights_of(ctx0, il, view_base);
         }
+        *deferred = false;
         return build(selected_experts, w[0], w[1], w[2]);
     }
+    *deferred = true;
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
     if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {
         probs = ggml_reshape_2d(ctx0, probs, probs->ne[1], probs->ne[2]); // build_moe_ffn's [1, n_expert, n_tokens]

@@ -174,12 +174,15 @@ struct llama_zipmoe {
     // calls; here on the slot tensors with slot ids, one pass per group of slots (see ggml-zipmoe.h),
     // or, with resident views (zipmoe.resident_views), on views of the slots with the router's ids.
     // The first fetch's begin is expanded into gf at once, so that the caller's later work (the
-    // shared expert) is computed while the experts are read; the products are left unexpanded.
+    // shared expert) is computed while the experts are read; the products are left unexpanded, and
+    // *deferred says so (false on resident views: no fetch to overlap, so the caller keeps stock's
+    // node order, and with it the backend's fusions).
     // With zipmoe.prefetch, the next MoE layer's experts are predicted from ffn_inp (this layer's
     // normalized FFN input, [n_embd, 1, n_tokens]) and read ahead after this layer's own reads.
     // probs: the router's scores of every expert [n_expert, n_tokens] (zipmoe.eviction=score reads them)
     ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
-                                ggml_tensor * selected_experts, ggml_tensor * probs, const experts_fn & build);
+                                ggml_tensor * selected_experts, ggml_tensor * probs, const experts_fn & build,
+                                bool * deferred);
 
     // the substitution hook, after the router's top-k (selected, [n_used, n_tokens]) of layer il and
     // before the weights are taken from probs ([n_expert, n_tokens], the router's scores): the ids
