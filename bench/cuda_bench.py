@@ -23,7 +23,10 @@ counters (hits, misses, MB read, MB to the GPU) come from its log line when the 
 With --host-cap, every run is `capped-run --mem CAP --evict MODEL -- llama-completion ...` (a memory
 cgroup, page cache included, the model evicted first: both sides page, as on a machine with that much
 memory; ../shared/tools/capped-run, or $ZIPMOE_CAPPED_RUN), and the O_DIRECT read rate of the disk is
-measured before the runs. Without it the host keeps whatever the page cache holds.
+measured before the runs. Where no memory cgroup can be made (the GPU machines' containers), a balloon
+stands in: a process holds all but CAP of the memory available (anonymous pages, locked where it may, so
+neither the page cache nor the programs can use them), and each run evicts its model first.
+Without it the host keeps whatever the page cache holds.
 Systems run interleaved, --repeats rounds; the table gives each cell's median with min-max. Prints
 the table and saves --out (JSON, every run with its full command) and a Markdown table beside it.
 """
@@ -56,8 +59,10 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
     cmd = [str(_paths.program("llama-completion")), "-m", str(model), "-p", PROMPT * args.prompt_repeat,
            "-n", str(args.gen_tokens), "--temp", "1", "--seed", "1", "--ignore-eos", "-no-cnv",
            "-t", str(args.threads), "-ngl", "99", "-v", *extra]
-    if args.host_cap:
+    if args.host_cap and args.balloon is None:
         cmd = [sys.executable, str(capped_run()), "--mem", args.host_cap, "--evict", str(model), "--", *cmd]
+    elif args.host_cap:
+        evict(model)
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(), stdin=subprocess.DEVNULL,
@@ -66,7 +71,7 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
         return {"command": cmd, "env": env, "rc": "timeout",
                 "error": (e.stderr or b"")[-1500:].decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]}
     row = {"command": cmd, "env": env, "wall_s": round(time.perf_counter() - t, 2), "rc": proc.returncode}
-    if args.host_cap:
+    if args.host_cap and args.balloon is None:
         capped = [line for line in proc.stdout.splitlines() if line.startswith('{"rc"')]
         row["peak_bytes"] = json.loads(capped[-1]).get("peak_bytes") if capped else None
     perf = {kind: (float(ms), int(n)) for kind, ms, n in PERF.findall(proc.stderr)}
@@ -93,6 +98,48 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
 
 def capped_run() -> Path:
     return Path(os.environ.get("ZIPMOE_CAPPED_RUN") or Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run")
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def parse_size(text: str) -> int:
+    """'12G', '512M', '12GiB' or bytes"""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    return int(float(t.rstrip("KMGT")) * scale)
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+BALLOON = '''import ctypes, mmap, sys, time
+n = int(sys.argv[1])
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)  # every page now
+ctypes.CDLL(None).mlockall(1)  # MCL_CURRENT; where refused, no swap keeps them anyway
+print("ready", flush=True)
+time.sleep(1e9)
+'''
+
+
+def start_balloon(cap: int, files: list[Path]) -> subprocess.Popen:
+    """A process holding all the memory available but cap bytes, once files are evicted."""
+    for f in files:
+        evict(f)
+    hold = mem_available() - cap
+    if hold <= 0:
+        raise SystemExit(f"--host-cap: only {mem_available() / 2**30:.1f} GiB is available, no more than the cap")
+    proc = subprocess.Popen([sys.executable, "-c", BALLOON, str(hold)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        raise SystemExit("--host-cap: the balloon process could not hold its memory")
+    return proc
 
 
 def n_cpu_moe_for(moe_layers: list[int], pct: int) -> tuple[int, float]:
@@ -134,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-timeout", type=float, default=240, help="seconds before a run counts as hung (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=Path("cuda_bench.json"), help="JSON results (default: %(default)s)")
     args = ap.parse_args(argv)
+    args.balloon = None
 
     from zipmoe_py import format as zformat
 
@@ -165,20 +213,26 @@ def main(argv=None) -> int:
         probe = subprocess.run([sys.executable, str(capped_run()), "--mem", args.host_cap, "--", "true"],
                                capture_output=True, text=True)
         if probe.returncode != 0:
-            ap.error(f"--host-cap {args.host_cap}: capped-run cannot make a memory cgroup here: "
-                     f"{(probe.stderr or probe.stdout).strip()[-300:]}")
+            print(f"--host-cap {args.host_cap}: no memory cgroup here, so a balloon holds the rest of the memory: "
+                  f"{(probe.stderr or probe.stdout).strip().splitlines()[-1][-200:]}", flush=True)
+            args.balloon = start_balloon(parse_size(args.host_cap), [args.bf16, args.zipmoe])
+            print(json.dumps({"mem_available_beside_balloon": mem_available()}), flush=True)
         out = subprocess.run([sys.executable, str(capped_run()), "--disk-bw", str(args.zipmoe)], capture_output=True,
                              text=True)
         disk = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else None
         print(json.dumps({"disk": disk}), flush=True)
     rows = []
-    for rep in range(args.repeats):
-        for name, (model, extra, env) in systems.items():
-            row = {"system": name, "repeat": rep, **run_one(model, extra, env, args)}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
-            # the runs so far, should the bench be stopped before its table
-            args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+    try:
+        for rep in range(args.repeats):
+            for name, (model, extra, env) in systems.items():
+                row = {"system": name, "repeat": rep, **run_one(model, extra, env, args)}
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
+                # the runs so far, should the bench be stopped before its table
+                args.out.with_suffix(".partial.json").write_text(json.dumps(rows, indent=1))
+    finally:
+        if args.balloon is not None:
+            args.balloon.kill()
 
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -188,7 +242,8 @@ def main(argv=None) -> int:
     result = {"gpu": gpu, "cpus": os.cpu_count(), "bf16": str(args.bf16), "zipmoe": str(args.zipmoe),
               "bf16_bytes": args.bf16.stat().st_size, "zipmoe_bytes": args.zipmoe.stat().st_size,
               "all_experts_bytes": all_experts, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
-              "host_cap": args.host_cap, "disk": disk,
+              "host_cap": args.host_cap, "host_cap_by": None if not args.host_cap else
+              "balloon" if args.balloon is not None else "cgroup", "disk": disk,
               "n_cpu_moe_expert_share": shares, "argv": sys.argv, "rows": rows}
     args.out.write_text(json.dumps(result, indent=1))
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)

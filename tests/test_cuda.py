@@ -74,9 +74,10 @@ def test_cuda_with_pools_and_prefetch_is_bit_identical(arch, prefetch, zipmoe_gg
 
 
 def test_cuda_host_stores_beside_gpu_slots_are_bit_identical(arch, tiny_gguf, zipmoe_gguf):
-    """Half the experts in GPU slots, zipmoe.device_stores on, the re-plan after 4 decode steps: host
-    memory keeps the other experts compressed (C/E stores) once decode steps miss, and refills from them
-    cross to the GPU; one sequence decoded 48 steps, logits stock's on CUDA bit for bit."""
+    """A quarter of the experts in GPU slots, zipmoe.device_stores on, the re-plan after 4 decode steps:
+    host memory keeps the other experts compressed (C/E stores) once decode steps miss, and refills from
+    them cross to the GPU; one sequence decoded 48 steps, logits stock's on CUDA bit for bit. (At half,
+    the re-plan kept one F pool for the tiny Qwen on CUDA: H200, 2026-11-27.)"""
     n_decode = 48
     llm = load(tiny_gguf(arch), n_gpu_layers=GPU_LAYERS)
     try:
@@ -84,7 +85,7 @@ def test_cuda_host_stores_beside_gpu_slots_are_bit_identical(arch, tiny_gguf, zi
     finally:
         llm.close()
     path = zipmoe_gguf(arch)
-    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "half"), zipmoe_replan_tokens=4,
+    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "half") // 2, zipmoe_replan_tokens=4,
                zipmoe_device_stores=True)
     try:
         got, got_tokens = logits_trace(llm, _prompts()[:1], n_decode=n_decode)
@@ -92,7 +93,8 @@ def test_cuda_host_stores_beside_gpu_slots_are_bit_identical(arch, tiny_gguf, zi
     finally:
         llm.close()
     assert got_tokens == want_tokens and np.array_equal(got, want)
-    assert stats["memory"]["pools"]["C"] > 0 and "host memory" in stats["memory"]["pools_why"], stats["memory"]
+    pools = stats["memory"]["pools"], stats["memory"]["pools_why"]
+    assert pools[0]["C"] > 0 and "host memory" in pools[1], pools
     assert stats["c_hits"] + stats["e_hits"] > 0 and stats["h2d_bytes"] > 0, stats
 
 
