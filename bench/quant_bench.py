@@ -7,7 +7,8 @@ experts (Q4_K) out of the mapping into memory and clears the KV cache of the tra
 the experts left in the mapping and the context at upstream fit's floor, it pages them, as stock
 llama.cpp runs a model larger than memory. A fourth, zipmoe-before, runs the ZipMoE GGUF through another
 build's llama-completion (--before), for a change's A/B; zipmoe-no-preload runs it with the preload off
-(`--override-kv zipmoe.preload=bool:false`), the A/B of that default.
+(`--override-kv zipmoe.preload=bool:false`), the A/B of that default; zipmoe-one-f with one F pool
+(`--override-kv zipmoe.auto_pools=bool:false`), the A/B of the default pools.
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
         [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
@@ -66,10 +67,11 @@ def disk_bw(path: Path) -> float:
 
 
 # system -> (which file, llama-completion's extra arguments)
-# zipmoe-before: the ZipMoE GGUF through --before's llama-completion; zipmoe-no-preload: the preload off (an A/B
-# of that default)
+# zipmoe-before: the ZipMoE GGUF through --before's llama-completion; zipmoe-no-preload, zipmoe-one-f: the preload
+# off, one F pool instead of the default pools (A/Bs of those defaults)
 SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", []),
-           "zipmoe-before": ("zipmoe", []), "zipmoe-no-preload": ("zipmoe", ["--override-kv", "zipmoe.preload=bool:false"])}
+           "zipmoe-before": ("zipmoe", []), "zipmoe-no-preload": ("zipmoe", ["--override-kv", "zipmoe.preload=bool:false"]),
+           "zipmoe-one-f": ("zipmoe", ["--override-kv", "zipmoe.auto_pools=bool:false"])}
 
 
 def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
@@ -223,8 +225,8 @@ def stock_size(result: dict) -> str:
 
 def peer_of(systems) -> str:
     """the system ZipMoE's speed-up is against: stock as it pages a model larger than memory; without stock, the
-    build before (--before), or ZipMoE with the preload off"""
-    for peer in ("stock-paged", "stock", "zipmoe-before", "zipmoe-no-preload"):
+    build before (--before), ZipMoE with the preload off, or with one F pool"""
+    for peer in ("stock-paged", "stock", "zipmoe-before", "zipmoe-no-preload", "zipmoe-one-f"):
         if peer in systems:
             return peer
     return "stock"
