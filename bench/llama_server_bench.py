@@ -2,7 +2,8 @@
 """Servers under a memory cap with 1, 4 and 8 concurrent clients: zipmoe-server (llama-cpp-python's,
 one request at a time), the fork's llama-server with -np 8 on the ZipMoE GGUF, and the same
 llama-server on the BF16 GGUF (stock llama.cpp's path: the patches change nothing for a GGUF that is
-not a ZipMoE GGUF).
+not a ZipMoE GGUF). With --before, "llama-server zipmoe-before" is the ZipMoE GGUF through another
+build's llama-server (its bin/ beside its lib/), for a change's A/B.
 
     .venv/bin/python bench/llama_server_bench.py --zipmoe M.zipmoe.gguf --bf16 M-bf16.gguf --cap 4G \\
         [--clients 1 4 8] [--max-tokens 16] [--rounds 1] [--out docs/benchmarks/llama_server_qwen6.json]
@@ -50,8 +51,9 @@ def server_command(kind: str, args, port: int) -> tuple[list[str], Path]:
     if kind == "zipmoe-server":
         return [str(BIN / "zipmoe-server"), "--model", str(args.zipmoe), "--model_alias", "m",
                 "--n_ctx", str(args.n_ctx), "--verbose", "false", *host], args.zipmoe
-    model = args.zipmoe if kind == "llama-server zipmoe" else args.bf16
-    return [str(BIN / "llama-server"), "-m", str(model), "-np", str(max(args.clients)),
+    model = args.bf16 if kind == "llama-server bf16" else args.zipmoe
+    program = args.before if kind == "llama-server zipmoe-before" else BIN / "llama-server"
+    return [str(program), "-m", str(model), "-np", str(max(args.clients)),
             "-c", str(args.n_ctx * max(args.clients)), "--no-warmup", *host], model
 
 
@@ -144,9 +146,18 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--n-ctx", type=int, default=512, help="context per client (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--servers", nargs="+", default=["zipmoe-server", "llama-server zipmoe", "llama-server bf16"])
+    ap.add_argument("--servers", nargs="+", default=["zipmoe-server", "llama-server zipmoe", "llama-server bf16"],
+                    help="of zipmoe-server, 'llama-server zipmoe', 'llama-server zipmoe-before' (needs --before), "
+                         "'llama-server bf16'; each round runs them in this order")
+    ap.add_argument("--before", type=Path, default=None,
+                    help="llama-server of another build (its bin/ beside its lib/): the server 'llama-server zipmoe-before'")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    known = {"zipmoe-server", "llama-server zipmoe", "llama-server zipmoe-before", "llama-server bf16"}
+    if set(args.servers) - known:
+        ap.error(f"--servers: unknown {', '.join(sorted(set(args.servers) - known))} (known: {', '.join(sorted(known))})")
+    if "llama-server zipmoe-before" in args.servers and (args.before is None or not args.before.is_file()):
+        ap.error("--servers 'llama-server zipmoe-before' needs --before PATH, another build's llama-server")
     bw = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(args.bf16)], capture_output=True, text=True)
     runs = []
     for r in range(args.rounds):
@@ -158,6 +169,8 @@ def main() -> int:
             for lv in res["levels"]:
                 print(f"  {lv['clients']} clients: {lv['tok_per_s']:.2f} tok/s, p50 {lv['p50_s']:.1f} s, "
                       f"p95 {lv['p95_s']:.1f} s, failures {lv['failures']}", flush=True)
+            # the runs so far, should the bench be stopped before its table
+            args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1) + "\n")
     out = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
            "build": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                    text=True).stdout.strip(),
@@ -165,6 +178,7 @@ def main() -> int:
            "runs": runs}
     out["summary"] = summarize(runs)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     table = ["| server | clients | tok/s median (min-max) | p50 latency s median (min-max) | p95 latency s median (min-max) "
              "| failures |",
              "| --- | --- | --- | --- | --- | --- |"]
