@@ -108,13 +108,6 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def parse_size(text: str) -> int:
-    """'12G', '512M', '12GiB' or bytes"""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    return int(float(t.rstrip("KMGT")) * scale)
-
-
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -183,7 +176,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.balloon = None
 
-    from zipmoe_py import format as zformat
+    from zipmoe_py import format as zformat, options
 
     with zformat.ZipMoEFile(args.zipmoe) as zf:
         all_experts = zf.expert_bytes().all_experts
@@ -215,7 +208,7 @@ def main(argv=None) -> int:
         if probe.returncode != 0:
             print(f"--host-cap {args.host_cap}: no memory cgroup here, so a balloon holds the rest of the memory: "
                   f"{(probe.stderr or probe.stdout).strip().splitlines()[-1][-200:]}", flush=True)
-            args.balloon = start_balloon(parse_size(args.host_cap), [args.bf16, args.zipmoe])
+            args.balloon = start_balloon(options.parse_size(args.host_cap, "--host-cap"), [args.bf16, args.zipmoe])
             print(json.dumps({"mem_available_beside_balloon": mem_available()}), flush=True)
         out = subprocess.run([sys.executable, str(capped_run()), "--disk-bw", str(args.zipmoe)], capture_output=True,
                              text=True)
