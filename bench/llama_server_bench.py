@@ -12,8 +12,12 @@ Each server runs under `capped-run --mem CAP --evict MODEL` (../shared/tools/cap
 cgroup, page cache included; the model evicted first). Once it answers, one warm-up request, then for
 each client count N: N OpenAI clients released together by a barrier, each sending one chat completion
 (max_tokens, temperature 0, prompts differing). Per level: the wall time, throughput (completion tokens
-over the wall time), p50 and p95 latency, failures. Rounds repeat the three servers in turn
-(interleaved). The disk's O_DIRECT read bandwidth is measured in the same invocation.
+over the wall time), p50 and p95 latency, failures, and the server's own timings of each request
+(llama-server's `timings`: its decode time per token, which for parallel sequences is the time of a
+step they share, prompts excluded). For ZipMoE, the expert cache's counters from /metrics over the
+level (where its wall time went: graphs, fetch waits by part, reads) and the server log's pool and
+re-plan lines (the servers run with -lv 4 for them). Rounds repeat the servers in turn (interleaved). The disk's O_DIRECT read bandwidth is
+measured in the same invocation.
 """
 from __future__ import annotations
 
@@ -21,8 +25,10 @@ import argparse
 import datetime
 import json
 import statistics
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -54,7 +60,28 @@ def server_command(kind: str, args, port: int) -> tuple[list[str], Path]:
     model = args.bf16 if kind == "llama-server bf16" else args.zipmoe
     program = args.before if kind == "llama-server zipmoe-before" else BIN / "llama-server"
     return [str(program), "-m", str(model), "-np", str(max(args.clients)),
-            "-c", str(args.n_ctx * max(args.clients)), "--no-warmup", *host], model
+            "-c", str(args.n_ctx * max(args.clients)), "--no-warmup", "--metrics", "-lv", "4", *host], model
+
+
+ZIPMOE_METRIC = re.compile(r'^zipmoe:(\w+)(?:\{\w+="(\w+)"\})? ([0-9.e+-]+)$', re.M)
+
+
+def zipmoe_metrics(url: str) -> dict[str, float]:
+    """the expert cache's counters and gauges from /metrics ({} for a model that is not a ZipMoE GGUF)"""
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    except Exception:
+        return {}
+    return {f"{name}.{label}" if label else name: float(value) for name, label, value in ZIPMOE_METRIC.findall(text)}
+
+
+def counters_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """what the counters (names ending in _total) added between two scrapes"""
+    return {k: after[k] - before.get(k, 0.0) for k in after if "_total" in k}
+
+
+# the pools planned and re-planned (-lv 4 shows libllama's information lines)
+LOG_LINES = re.compile(r"ZipMoE (?:expert cache pools|pools re-planned)[^\n]*")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -73,7 +100,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
 
 
 def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
-    latencies, tokens, errors = [], [], []
+    latencies, tokens, errors, timings = [], [], [], []
     barrier = threading.Barrier(n)
 
     def run(i: int):
@@ -84,6 +111,9 @@ def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
                                                max_tokens=max_tokens, temperature=0)
             latencies.append(time.perf_counter() - t)
             tokens.append(r.usage.completion_tokens)
+            timing = (r.model_extra or {}).get("timings") or {}
+            if timing.get("predicted_n"):
+                timings.append({k: timing.get(k) for k in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms")})
         except Exception as e:  # counted as a failure
             errors.append(repr(e))
 
@@ -98,14 +128,17 @@ def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
     return {"clients": n, "wall_s": wall, "tokens": sum(tokens), "tok_per_s": sum(tokens) / wall,
             "p50_s": statistics.median(latencies) if latencies else None,
             "p95_s": latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] if latencies else None,
-            "failures": len(errors), "errors": errors[:3]}
+            "failures": len(errors), "errors": errors[:3], "timings": timings,
+            # the server's decode time per token of a request: a step of the sequences decoding together
+            "step_ms": statistics.median(x["predicted_ms"] / x["predicted_n"] for x in timings) if timings else None}
 
 
 def bench_server(kind: str, args) -> dict:
     port = free_port()
     cmd, model = server_command(kind, args, port)
     capped = [sys.executable, str(CAPPED_RUN), "--mem", args.cap, "--evict", str(model), "--"]
-    proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         t = time.perf_counter()
@@ -113,11 +146,21 @@ def bench_server(kind: str, args) -> dict:
         load_s = time.perf_counter() - t
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
         one_level(client, 1, 4)  # warm-up
-        levels = [one_level(client, n, args.max_tokens) for n in args.clients]
+        levels = []
+        for n in args.clients:
+            before = zipmoe_metrics(url)
+            levels.append(one_level(client, n, args.max_tokens))
+            if before:
+                after = zipmoe_metrics(url)
+                levels[-1]["zipmoe"] = counters_between(before, after)
+                levels[-1]["pools"] = {k.split(".")[1]: int(v) for k, v in after.items() if k.startswith("pool_experts.")}
     finally:
         subprocess.run(["pkill", "-TERM", "-f", f"[-]-port {port}"], check=False)  # the server, not capped-run
         proc.wait(timeout=120)
-    return {"server": kind, "load_s": load_s, "levels": levels}
+        log.seek(0)
+        lines = LOG_LINES.findall(log.read())
+        log.close()
+    return {"server": kind, "load_s": load_s, "levels": levels, "zipmoe_log": lines}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -128,13 +171,33 @@ def summarize(runs: list[dict]) -> list[dict]:
         for n in dict.fromkeys(lv["clients"] for lv in levels):
             at = [lv for lv in levels if lv["clients"] == n]
             tps = [lv["tok_per_s"] for lv in at]
+            steps = [lv["step_ms"] for lv in at if lv.get("step_ms")]
             rows.append({"server": kind, "clients": n, "rounds": len(at), "tok_per_s": statistics.median(tps),
                          "tok_per_s_min": min(tps), "tok_per_s_max": max(tps),
+                         "step_ms": statistics.median(steps) if steps else None,
+                         "step_ms_min": min(steps) if steps else None, "step_ms_max": max(steps) if steps else None,
+                         "account": account(at),
                          **{f"{q}_s{suffix}": f([lv[f"{q}_s"] for lv in at if lv[f"{q}_s"] is not None])
                             for q in ("p50", "p95") for suffix, f in (("", statistics.median), ("_min", min),
                                                                      ("_max", max))},
                          "failures": sum(lv["failures"] for lv in at)})
     return rows
+
+
+ACCOUNT = [("graph_seconds_total", "graphs s"), ("fetch_wait_seconds_total", "fetch wait s"),
+           ("fetch_wait_part_seconds_total.reads", "waiting for reads s"),
+           ("fetch_wait_part_seconds_total.decode", "decode+recover on the path s"),
+           ("fetch_wait_part_seconds_total.plan", "plan s"), ("fetch_wait_part_seconds_total.lock", "lock s"),
+           ("fetch_wait_part_seconds_total.threads", "threads s"), ("read_seconds_total", "I/O thread reading s"),
+           ("bytes_read_total", "bytes read"), ("expert_misses_total", "misses"), ("graphs_total", "graphs")]
+
+
+def account(levels: list[dict]) -> dict[str, float] | None:
+    """the ZipMoE counters over a level, medians over its rounds (None for a server without them)"""
+    have = [lv["zipmoe"] for lv in levels if lv.get("zipmoe")]
+    if not have:
+        return None
+    return {label: statistics.median(z.get(name, 0.0) for z in have) for name, label in ACCOUNT}
 
 
 def main() -> int:
@@ -179,13 +242,24 @@ def main() -> int:
     out["summary"] = summarize(runs)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
-    table = ["| server | clients | tok/s median (min-max) | p50 latency s median (min-max) | p95 latency s median (min-max) "
-             "| failures |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    table = ["| server | clients | tok/s median (min-max) | decode ms per step median (min-max) | p50 latency s median "
+             "(min-max) | p95 latency s median (min-max) | failures |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in out["summary"]:
+        step = (f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}-{row['step_ms_max']:.0f})" if row["step_ms"]
+                else "-")
         table.append(f"| {row['server']} | {row['clients']} | {row['tok_per_s']:.2f} ({row['tok_per_s_min']:.2f}-"
-                     f"{row['tok_per_s_max']:.2f}) | {row['p50_s']:.1f} ({row['p50_s_min']:.1f}-{row['p50_s_max']:.1f}) | "
-                     f"{row['p95_s']:.1f} ({row['p95_s_min']:.1f}-{row['p95_s_max']:.1f}) | {row['failures']} |")
+                     f"{row['tok_per_s_max']:.2f}) | {step} | {row['p50_s']:.1f} ({row['p50_s_min']:.1f}-"
+                     f"{row['p50_s_max']:.1f}) | {row['p95_s']:.1f} ({row['p95_s_min']:.1f}-{row['p95_s_max']:.1f}) | "
+                     f"{row['failures']} |")
+    accounts = [row for row in out["summary"] if row["account"]]
+    if accounts:
+        labels = [label for _, label in ACCOUNT]
+        table += ["", "Where a level's time went (ZipMoE's counters over the level, medians over rounds):", "",
+                  "| server | clients | " + " | ".join(labels) + " |", "| --- | --- | " + "--- | " * len(labels)]
+        for row in accounts:
+            table.append(f"| {row['server']} | {row['clients']} | " +
+                         " | ".join(f"{row['account'][label]:.4g}" for label in labels) + " |")
     md = args.out.with_suffix(".md")
     md.write_text(f"# {args.out.stem}\n\n{out['date']}, build {out['build']}, cap {args.cap} bytes, "
                   f"{args.rounds} interleaved round(s), {args.max_tokens} tokens per request; disk: {out['disk_bw']}\n\n"

@@ -172,7 +172,7 @@ def references(tiny_gguf):
     return get
 
 
-def test_every_compressed_expert_fits_nothing_is_read_after_the_preload(arch, zipmoe_gguf, references):
+def test_every_compressed_expert_fits_nothing_is_read_after_the_preload(arch, zipmoe_gguf, references, first_plan):
     path = zipmoe_gguf(arch)
     one, n_expert, everything = expert_geometry(path)
     logits, stats = pooled_run(path, int(everything * 0.9))
@@ -184,7 +184,7 @@ def test_every_compressed_expert_fits_nothing_is_read_after_the_preload(arch, zi
     np.testing.assert_array_equal(logits, references(arch))
 
 
-def test_between_the_planner_picks_the_pools_and_stays_exact(arch, zipmoe_gguf, references):
+def test_between_the_planner_picks_the_pools_and_stays_exact(arch, zipmoe_gguf, references, first_plan):
     path = zipmoe_gguf(arch)
     one, n_expert, everything = expert_geometry(path)
     logits, stats = pooled_run(path, everything // 2)
@@ -200,7 +200,7 @@ def test_between_the_planner_picks_the_pools_and_stays_exact(arch, zipmoe_gguf, 
     np.testing.assert_array_equal(logits, references(arch))
 
 
-def test_short_of_every_compressed_expert_c_and_e_keep_each_compressed_and_stay_exact(arch, zipmoe_gguf, references):
+def test_short_of_every_compressed_expert_c_and_e_keep_each_compressed_and_stay_exact(arch, zipmoe_gguf, references, first_plan):
     """A byte short of every compressed expert in C (and the working slots): C keeps all but one per layer, E
     that one's E-chunks, and a token reads at most its SM-chunks. The budget is found as the runtime sizes it."""
     from test_serving import Serving, default_pools_at, lowest_budget
@@ -240,19 +240,27 @@ def test_one_f_pool_when_every_expert_fits_or_when_turned_off(arch, zipmoe_gguf,
     np.testing.assert_array_equal(logits, references(arch))
 
 
-def test_pools_are_planned_again_from_the_routing_seen_and_stay_exact(arch, zipmoe_gguf, references, monkeypatch):
-    """After zipmoe.replan_tokens decode steps of one token the default pools are planned from those
-    steps' routing (the tiny models' random routing concentrates: one F pool wins); 0 keeps the first plan."""
+@pytest.fixture
+def first_plan(monkeypatch):
+    """the pools planned at load kept (zipmoe.replan_tokens 0): what a test of the first plan looks at"""
+    monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "0")
+
+
+@pytest.mark.parametrize("n_seq", [1, 2])
+def test_pools_are_planned_again_from_the_routing_seen_and_stay_exact(arch, n_seq, zipmoe_gguf, references,
+                                                                       monkeypatch):
+    """After zipmoe.replan_tokens decode steps (one token of each sequence: one decoding, or two in
+    parallel) the default pools are planned from those steps' routing; 0 keeps the first plan."""
     path = zipmoe_gguf(arch)
     _, _, everything = expert_geometry(path)
     monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "8")
-    logits, stats = pooled_run(path, everything // 2, n_seq=1)
+    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq)
     assert "observed profile" in stats["memory"]["pools_why"]
-    np.testing.assert_array_equal(logits, references(arch, 1))
+    np.testing.assert_array_equal(logits, references(arch, n_seq))
     monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "0")
-    logits, stats = pooled_run(path, everything // 2, n_seq=1)
+    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq)
     assert "uniform profile" in stats["memory"]["pools_why"]
-    np.testing.assert_array_equal(logits, references(arch, 1))
+    np.testing.assert_array_equal(logits, references(arch, n_seq))
 
 
 def test_auto_pools_is_checked_against_the_other_pool_options(zipmoe_gguf):

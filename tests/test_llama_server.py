@@ -61,6 +61,28 @@ def test_responses_equal_the_bf16_servers_for_the_same_batches(arch, n_parallel,
     assert got == want
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_four_sequences_decoding_together_re_plan_the_pools_and_stay_equal(arch, tiny_gguf, zipmoe_gguf):
+    """A server decoding four sequences at once counts its steps (one token of each) toward the re-plan,
+    which plans for the union of their experts; the responses stay those of the BF16 server."""
+    from test_serve import TOP_K, expert_geometry
+
+    _, _, everything = expert_geometry(zipmoe_gguf(arch))
+    args = ("-np", 4, "-t", 2, "-c", 1024, "--metrics", "--no-warmup", "-lv", 4)
+    with LlamaServer(tiny_gguf(arch), *args) as stock:
+        want = _completions(stock)
+    env = {"ZIPMOE_BUDGET": str(everything // 2), "ZIPMOE_REPLAN_TOKENS": "4"}
+    with LlamaServer(zipmoe_gguf(arch), *args, env=env) as zipmoe:
+        got = _completions(zipmoe)
+        metrics = zipmoe.metrics()
+        log = zipmoe.log
+    [replanned] = [line for line in log.splitlines() if "ZipMoE pools re-planned" in line]
+    per_step = int(replanned.split("decode steps (")[1].split()[0])
+    assert TOP_K[arch] < per_step <= 4 * TOP_K[arch], replanned  # the union of four sequences' experts
+    assert all(f'zipmoe:pool_experts{{pool="{p}"}}' in metrics for p in "FCSE")
+    assert got == want
+
+
 def test_zipmoe_options_reach_it_through_the_environment_and_override_kv(zipmoe_gguf):
     model = zipmoe_gguf("qwen2moe")
     with LlamaServer(model, "--metrics", "-c", 512, env={"ZIPMOE_BUDGET": "40K"}) as by_env:

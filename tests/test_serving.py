@@ -100,6 +100,10 @@ class Serving:
                 assert self.lib.ggml_zipmoe_cache_fetch(self.cache, layer, p, ids.ctypes.data, ids.shape[1],
                                                         ids.shape[0], ids.shape[1], out.ctypes.data, 0, 1) == 0
 
+    def observe(self, n_tokens: int = 1, n_seqs: int = 1) -> int:
+        """after a graph of n_tokens tokens of n_seqs sequences, as llama_zipmoe::finish_compute calls it"""
+        return self.lib.ggml_zipmoe_serving_observe(self.handle, n_tokens, n_seqs)
+
     def close(self) -> None:
         if self.cache:
             self.lib.ggml_zipmoe_cache_free(self.cache)
@@ -212,24 +216,45 @@ def test_given_pools_that_do_not_fit_fail_a_new_context_but_not_a_freed_one(serv
     assert s.plan().pools_why.startswith(b"the pools given")
 
 
-def test_the_default_pools_are_planned_again_from_one_token_decode_steps_only(serving):
+def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
     s = serving(available=256 * MIB, replan_tokens=3)
     s.make_cache()
     assert s.resize()[0] == 0
     layers = s.zf.moe_layers()
     replanned = [text for _, text in s.logs if "re-planned" in text]
     assert not replanned
-    # two-token ubatches (a prompt) are not decode steps: never counted
-    for _ in range(4):
-        s.decode_step({layer: [[0, 1], [2, 3]] for layer in layers})
-        assert s.lib.ggml_zipmoe_serving_observe(s.handle) == 0
+    # two tokens of one sequence (a prompt), or a prompt beside a decoding sequence: never counted
+    for n_tokens, n_seqs in [(2, 1)] * 4 + [(3, 2)] * 4:
+        s.decode_step({layer: [[0, 1], [2, 3], [4, 5]][:n_tokens] for layer in layers})
+        assert s.observe(n_tokens, n_seqs) == 0
     assert not [text for _, text in s.logs if "re-planned" in text]
     # three one-token steps, skewed to experts 0 and 1: the pools are planned once more, once
     for step in range(5):
         s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})
-        s.lib.ggml_zipmoe_serving_observe(s.handle)
+        s.observe()
     replanned = [text for _, text in s.logs if "re-planned" in text]
-    assert len(replanned) == 1 and replanned[0].startswith("ZipMoE pools re-planned after 3 decode steps")
+    assert len(replanned) == 1 and replanned[0].startswith("ZipMoE pools re-planned after 3 decode steps (2 experts "
+                                                           "per MoE layer a step")
+
+
+def test_parallel_sequences_decoding_are_decode_steps_planned_for_their_union(serving):
+    s = serving(available=256 * MIB, replan_tokens=3)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    # two sequences, a token each: the steps count, and the plan is for the union of their selections
+    for step in range(3):
+        s.decode_step({layer: [[0, 1], [2 + step, 5]] for layer in layers})
+        s.observe(2, 2)
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    assert replanned.startswith("ZipMoE pools re-planned after 3 decode steps (4 experts per MoE layer a step")
+    # a step that selects more than k experts per token of it is no decode step (the fetch saw a prompt)
+    t = serving(available=256 * MIB, replan_tokens=1)
+    t.make_cache()
+    assert t.resize()[0] == 0
+    t.decode_step({layer: [[0, 1], [2, 3]] for layer in layers})
+    t.observe(1, 1)
+    assert not [text for _, text in t.logs if "re-planned" in text]
 
 
 def test_a_null_or_empty_table_is_an_error_not_a_crash(model):
@@ -321,7 +346,7 @@ def test_routing_as_even_as_a_uniform_routers_is_planned_for_the_built_in_profil
     for step in range(4):
         pair = [2 * step, 2 * step + 1] if even else [0, 1]
         s.decode_step({layer: [pair] for layer in layers})
-        s.lib.ggml_zipmoe_serving_observe(s.handle)
+        s.observe()
     [replanned] = [text for _, text in s.logs if "re-planned" in text]
     z = float(replanned.split("routing z = ")[1].split()[0])
     # every expert chosen exactly once: z is as low as it goes; one pair always: far beyond the 3 of noise

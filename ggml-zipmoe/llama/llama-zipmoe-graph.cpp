@@ -355,7 +355,7 @@ static std::string lost_rpc_server(const llama_model & model) {
     return "";
 }
 
-ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status) {
+ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status, uint32_t n_tokens, uint32_t n_seqs) {
     // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
     // begin) left the fetch open: its reads stop and its slots are forgotten
     ggml_zipmoe_cache_cancel(cache);
@@ -385,7 +385,8 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
     if (status == GGML_STATUS_SUCCESS) {
         // the routing seen may re-plan the default pools (state_mutex: memory_plan reads the sizing)
         std::lock_guard<std::mutex> lock(state_mutex);
-        layout += ggml_zipmoe_serving_observe(serving); // graphs built for the old slots are rebuilt
+        // graphs built for the old slots are rebuilt
+        layout += ggml_zipmoe_serving_observe(serving, (int32_t) n_tokens, (int32_t) n_seqs);
     }
     return status;
 }

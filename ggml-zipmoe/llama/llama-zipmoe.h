@@ -201,9 +201,11 @@ struct llama_zipmoe {
     // false if gf was built for another slot count (a resize since): it must be rebuilt
     bool graph_is_current(const ggml_cgraph * gf) const;
 
-    // after a graph of lctx computed (under lock_compute): abandons a fetch the graph left open and
-    // turns a failed fetch into GGML_STATUS_FAILED, keeping its message for llama_zipmoe_last_error
-    ggml_status finish_compute(llama_context * lctx, ggml_status status);
+    // after a graph of lctx computed (under lock_compute) for a ubatch of n_tokens tokens of n_seqs
+    // distinct sequences: abandons a fetch the graph left open and turns a failed fetch into
+    // GGML_STATUS_FAILED, keeping its message for llama_zipmoe_last_error; a decode step's routing
+    // may re-plan the default pools
+    ggml_status finish_compute(llama_context * lctx, ggml_status status, uint32_t n_tokens, uint32_t n_seqs);
 
     // the abort callback installed in lctx's backends: a failed fetch, or the user's callback
     static bool abort_callback(void * data);

@@ -119,5 +119,11 @@ size_t ggml_zipmoe_serving_format_metrics(const struct ggml_zipmoe_serving_plan 
     }
     put_count(&t, "gauge", "expert_slot_bytes", "One expert's slot (gate + up + down, as served: BF16 or the file's type)", plan->expert_bytes);
     put_count(&t, "gauge", "contexts", "Live contexts the sizing counts", (uint64_t) plan->n_contexts);
+    // the pools in use (the last plan or re-plan): all 0 is one F pool of every slot
+    put_header(&t, "gauge", "pool_experts", "Experts per MoE layer in each pool (F full, C compressed, S sign-mantissa "
+               "chunks, E exponent chunks); all 0: one F pool of every slot");
+    for (int i = 0; i < 4; i++) {
+        put(&t, "zipmoe:pool_experts{pool=\"%c\"} %d\n", "FCSE"[i], plan->pools[i]);
+    }
     return t.len;
 }

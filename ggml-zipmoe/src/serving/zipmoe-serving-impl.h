@@ -14,21 +14,24 @@
 #define ZIPMOE_GIB (1024.0 * 1024.0 * 1024.0)
 #define ZIPMOE_MIB (1024.0 * 1024.0)
 
-// the routing of one-token decode steps, for planning the pools once more (zipmoe-replan.c)
+// the routing of decode steps (one token of each sequence in the ubatch), for planning the pools once
+// more (zipmoe-replan.c)
 struct zipmoe_routing_profile {
     int32_t    n_expert;     // experts of the widest served layer (0: not started)
     uint64_t * seen_counts;  // [n_layer][n_expert] the cache's activation counts after the last graph
     uint64_t * seen_ubatches;// [n_layer]
     uint64_t * counts;       // [n_layer][n_expert] and after this one
     uint64_t * ubatches;     // [n_layer]
-    double *   token_counts; // [n_layer][n_expert] selections in one-token ubatches
+    double *   token_counts; // [n_layer][n_expert] selections in decode steps
     uint64_t   token_steps;
+    uint64_t   step_selections; // distinct experts those steps selected, summed over the served layers
+    uint64_t   layer_steps;     // and the (step, served layer) pairs they summed over
     double *   observed;     // [n_expert] rank-based inclusion probabilities of those steps
     double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
     bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;
     uint64_t   misses_seen;  // the cache's misses after the last graph
-    uint64_t   step_misses;  // misses in the counted one-token steps
+    uint64_t   step_misses;  // misses in the counted decode steps
 };
 
 struct ggml_zipmoe_serving {
