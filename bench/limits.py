@@ -26,8 +26,8 @@ rates (reads at depth 1, decoding at the all-threads rate), and
   TPOT bound = MoE layers x the planner's expected makespan of a layer + the compute floor
 (I/O, decoding and compute each perfectly overlapped within its part). A batch of B sequences
 selects, per layer, the union of B tokens' experts: inclusion 1 - (1 - f)^B, rounded to a k-set
-(zipmoe-plan's rule); its compute floor is the batch-1 floor, which makes that bound looser but still
-a lower bound. The profile is `uniform` (every expert k/N) or a zipmoe-profile PROFILE document.
+(zipmoe-plan's rule); its compute floor is the floor's line for that batch size (`floor --batch 1,4`
+times resident steps of B sequences), else the batch-1 floor, which makes that bound looser. The profile is `uniform` (every expert k/N) or a zipmoe-profile PROFILE document.
   TTFT bound = the floor's prompt time + one read of the non-expert weights and of every expert the
                prompt needs (sum over ranks of 1 - (1 - f)^P, per MoE layer) at the sequential O_DIRECT
                rate: a cold start, as the benchmarks' TTFT (load + prompt) is.
@@ -246,6 +246,50 @@ def resident_times(gguf: Path, prompt_tokens: int, gen_tokens: int, threads: int
             "tpot_s": [ns / 1e9 / gen_tokens for ns in gen["samples_ns"]], "command": cmd}
 
 
+def resident_batch_tpot(gguf: Path, batch: int, prompt_tokens: int, gen_tokens: int, threads: int,
+                        repetitions: int) -> dict:
+    """stock llama.cpp's resident time of a decode step of `batch` sequences (one token of each, as
+    llama-server -np decodes them) on a truncation, page cache warm; llama-bench decodes one sequence"""
+    from zipmoe_py.bindings import Llama
+    from zipmoe_py.bindings import llama_cpp as lc
+
+    with open(gguf, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
+    llm = Llama(model_path=str(gguf), n_ctx=64, n_threads=threads, verbose=False)
+    cparams = lc.llama_context_default_params()
+    cparams.n_ctx = batch * (prompt_tokens + gen_tokens + 16)
+    cparams.n_batch = cparams.n_ubatch = max(512, batch * prompt_tokens)
+    cparams.n_seq_max = batch
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = lc.llama_init_from_model(llm._model.model, cparams)
+    lots = lc.llama_batch_init(cparams.n_batch, 0, batch)
+    rng = random.Random(0)
+    n_vocab = llm.n_vocab()
+
+    def decode(entries):  # (token, pos, seq)
+        lots.n_tokens = len(entries)
+        for i, (tok, pos, seq) in enumerate(entries):
+            lots.token[i], lots.pos[i], lots.n_seq_id[i], lots.seq_id[i][0], lots.logits[i] = tok, pos, 1, seq, True
+        if lc.llama_decode(ctx, lots) != 0:
+            raise SystemExit(f"{gguf}: llama_decode failed")
+
+    steps = []
+    try:
+        for _ in range(repetitions):
+            lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+            decode([(rng.randrange(n_vocab), pos, s) for s in range(batch) for pos in range(prompt_tokens)])
+            start = time.perf_counter()
+            for step in range(gen_tokens):
+                decode([(rng.randrange(n_vocab), prompt_tokens + step, s) for s in range(batch)])
+            steps.append((time.perf_counter() - start) / gen_tokens)
+    finally:
+        lc.llama_batch_free(lots)
+        lc.llama_free(ctx)
+        llm.close()
+    return {"tpot_s": steps, "batch": batch}
+
+
 def fit_line(points: list[tuple[int, float]]) -> dict:
     """least squares a + b L, with each point's residual"""
     n = len(points)
@@ -271,14 +315,21 @@ def floor_main(args) -> int:
     if len(args.truncations) < 3:
         print("note: fewer than 3 truncations: the line's residuals check nothing", file=sys.stderr)
     runs = []
+    batches = [int(b) for b in args.batch.split(",")]
     for gguf in args.truncations:
         times = resident_times(gguf, args.prompt_tokens, args.gen_tokens, args.threads, args.repetitions)
         runs.append({"gguf": str(gguf), "layers": layer_count(gguf), **times})
+        for batch in (b for b in batches if b > 1):
+            found = resident_batch_tpot(gguf, batch, args.prompt_tokens, args.gen_tokens, args.threads,
+                                        args.repetitions)
+            runs[-1][f"tpot_s_batch{batch}"] = found["tpot_s"]
         print(f"{gguf.name}: {runs[-1]['layers']} layers, TPOT {statistics.median(times['tpot_s']) * 1e3:.1f} ms, "
-              f"prompt of {args.prompt_tokens} {statistics.median(times['prompt_s']):.2f} s", flush=True)
+              f"prompt of {args.prompt_tokens} {statistics.median(times['prompt_s']):.2f} s" +
+              "".join(f", a step of {b} sequences {statistics.median(runs[-1][f'tpot_s_batch{b}']) * 1e3:.1f} ms"
+                      for b in batches if b > 1), flush=True)
     result = {**run_facts(args.out), "full_layers": args.layers, "threads": args.threads,
               "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "truncations": runs}
-    for what in ("tpot_s", "prompt_s"):
+    for what in ["tpot_s", "prompt_s"] + [f"tpot_s_batch{b}" for b in batches if b > 1]:
         line = fit_line([(r["layers"], statistics.median(r[what])) for r in runs])
         line["floor_s"] = line["fixed_s"] + line["per_layer_s"] * args.layers
         result[what] = line
@@ -288,6 +339,10 @@ def floor_main(args) -> int:
     print(f"TPOT floor at {args.layers} layers: {t['fixed_s'] * 1e3:.1f} + {t['per_layer_s'] * 1e3:.2f} ms x layers = "
           f"{t['floor_s'] * 1e3:.0f} ms; residuals {', '.join(f'{r * 1e3:+.1f}' for r in t['residuals_s'])} ms; "
           f"prompt floor {result['prompt_s']['floor_s']:.2f} s; saved {args.out}")
+    for b in (b for b in batches if b > 1):
+        s = result[f"tpot_s_batch{b}"]
+        print(f"a step of {b} sequences: {s['floor_s'] * 1e3:.0f} ms at {args.layers} layers; residuals "
+              f"{', '.join(f'{r * 1e3:+.1f}' for r in s['residuals_s'])} ms")
     return 0
 
 
@@ -383,6 +438,16 @@ def ttft_bound(facts: dict, f: np.ndarray, prompt_tokens: int, prompt_s: float, 
             "experts_needed": needed}
 
 
+def compute_floor(floor: dict | None, batch: int) -> tuple[float, str]:
+    """(seconds, which) of a decode step's compute: the floor's own line for this batch size where it was
+    measured (`floor --batch`), else the batch-1 floor, which understates a wider step's compute"""
+    if not floor:
+        return 0.0, "none"
+    if f"tpot_s_batch{batch}" in floor:
+        return floor[f"tpot_s_batch{batch}"]["floor_s"], f"batch {batch}"
+    return floor["tpot_s"]["floor_s"], "batch 1"
+
+
 def bounds(facts: dict, reads: dict, decode: dict, floor: dict | None, caps: list[int], batches: list[int],
            profile: str, threads: int, overhead: int, prompt_tokens: int) -> list[dict]:
     """a row per (cap, batch): the TPOT bound at the runtime's queue depth and at the disk's best one,
@@ -390,14 +455,14 @@ def bounds(facts: dict, reads: dict, decode: dict, floor: dict | None, caps: lis
     rate = {name: r["median"] * 1e9 for name, r in reads["gbps"].items()}
     best_depth = max((d for d in DEPTHS), key=lambda d: rate[f"chunks_depth{d}"])
     per_thread = 0.0 if decode.get("raw") else decode["gbps"]["all_threads"]["median"] * 1e9 / threads
-    compute_s = floor["tpot_s"]["floor_s"] if floor else 0.0
     prompt_s = floor["prompt_s"]["floor_s"] if floor else 0.0
     rows = []
     for cap in caps:
         budget = cap - facts["non_expert_bytes"] - overhead
         for batch in batches:
             f, k = inclusion(profile, facts["n_expert"], facts["k"], batch)
-            row = {"cap_bytes": cap, "batch": batch, "k": k}
+            compute_s, compute_of = compute_floor(floor, batch)
+            row = {"cap_bytes": cap, "batch": batch, "k": k, "compute_floor_of": compute_of}
             for label, depth in (("", 1), ("best_depth_", best_depth)):
                 costs = costs_from_rates(facts, rate[f"chunks_depth{depth}"], per_thread or 1.0)
                 found = tpot_bound(facts, f, k, budget, costs, threads, compute_s)
@@ -481,6 +546,9 @@ def main(argv=None) -> int:
     fl.add_argument("--layers", type=int, required=True, help="the full model's layer count")
     fl.add_argument("--repetitions", type=int, default=5, help="llama-bench repetitions (default: %(default)s)")
     fl.add_argument("--gen-tokens", type=int, default=64, help="tokens per TPOT sample (default: %(default)s)")
+    fl.add_argument("--batch", default="1",
+                    help="sequences decoded together, e.g. 1,4: each size above 1 gets its own floor line, a "
+                         "resident step of that many sequences (default: %(default)s)")
     fl.add_argument("--out", type=Path, required=True)
     bd = sub.add_parser("bound", help="measure the rates and compute the bounds for a ZipMoE GGUF")
     bd.add_argument("model", type=Path, help="the ZipMoE GGUF")

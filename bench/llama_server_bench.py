@@ -81,7 +81,7 @@ def counters_between(before: dict[str, float], after: dict[str, float]) -> dict[
 
 
 # the pools planned and re-planned (-lv 4 shows libllama's information lines)
-LOG_LINES = re.compile(r"ZipMoE (?:expert cache pools|pools re-planned)[^\n]*")
+LOG_LINES = re.compile(r"ZipMoE (?:expert cache pools|expert cache: \d+ of|pools re-planned)[^\n]*")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
@@ -97,6 +97,16 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
                 pass
         time.sleep(0.5)
     raise RuntimeError("server did not answer")
+
+
+def wait_gone(port: int, timeout: float = 300) -> None:
+    """until the server on port has exited: a server of 16 GiB takes seconds to give its memory back after
+    capped-run returns, and the next server would size its caches for what was left"""
+    start = time.monotonic()
+    while subprocess.run(["pgrep", "-f", f"[-]-port {port}"], capture_output=True).returncode == 0:
+        if time.monotonic() > start + timeout:
+            raise RuntimeError(f"the server on port {port} did not exit within {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
@@ -157,6 +167,7 @@ def bench_server(kind: str, args) -> dict:
     finally:
         subprocess.run(["pkill", "-TERM", "-f", f"[-]-port {port}"], check=False)  # the server, not capped-run
         proc.wait(timeout=120)
+        wait_gone(port)
         log.seek(0)
         lines = LOG_LINES.findall(log.read())
         log.close()

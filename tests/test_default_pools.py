@@ -150,10 +150,12 @@ def test_the_runtimes_planner_rejects_bad_params():
     assert _lib.lib().ggml_zipmoe_plan_pools(ctypes.byref(params), ctypes.byref(result)) != 0
 
 
-def pooled_run(path, budget, n_seq: int = 2, **options):
+def pooled_run(path, budget, n_seq: int = 2, while_decoding: list | None = None, **options):
+    """(logits, statistics after the context is freed); while_decoding gets the statistics before it is"""
     llm = load(path, zipmoe_budget=budget, zipmoe_preload=True, **options)
     try:
-        logits, _ = logits_trace(llm, PROMPTS[:n_seq])
+        logits, _ = logits_trace(llm, PROMPTS[:n_seq], before_free=(
+            None if while_decoding is None else lambda: while_decoding.append(llm.zipmoe_stats())))
         return logits, llm.zipmoe_stats()
     finally:
         llm.close()
@@ -250,16 +252,20 @@ def first_plan(monkeypatch):
 def test_pools_are_planned_again_from_the_routing_seen_and_stay_exact(arch, n_seq, zipmoe_gguf, references,
                                                                        monkeypatch):
     """After zipmoe.replan_tokens decode steps (one token of each sequence: one decoding, or two in
-    parallel) the default pools are planned from those steps' routing; 0 keeps the first plan."""
+    parallel) the default pools are planned from those steps' routing, and changed if the expected gain
+    repays the reads the change costs; 0 keeps the first plan."""
     path = zipmoe_gguf(arch)
     _, _, everything = expert_geometry(path)
     monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "8")
-    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq)
-    assert "observed profile" in stats["memory"]["pools_why"]
+    seen = []
+    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq, while_decoding=seen)
+    why = seen[0]["memory"]["pools_why"]
+    assert why.startswith("the planner (observed profile") or "(kept after a re-plan from the observed profile" in why
     np.testing.assert_array_equal(logits, references(arch, n_seq))
     monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "0")
-    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq)
-    assert "uniform profile" in stats["memory"]["pools_why"]
+    seen = []
+    logits, stats = pooled_run(path, everything // 2, n_seq=n_seq, while_decoding=seen)
+    assert "uniform profile" in seen[0]["memory"]["pools_why"] and "re-plan" not in seen[0]["memory"]["pools_why"]
     np.testing.assert_array_equal(logits, references(arch, n_seq))
 
 
@@ -342,6 +348,33 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         assert list(choice.capacity) == [0, 0, 0, 0]
         assert b"holds 3 full experts, too few for pools, which need more than 8 working slots and one expert per " \
                b"MoE layer in F (12)" in choice.why, choice.why
+
+
+def test_a_change_of_pools_reports_the_reads_of_what_it_drops(zipmoe_gguf):
+    """refill_s: what F and the stores drop in a change from the cache's pools to the chosen ones is read
+    whole again when next chosen; the re-plan weighs it against the expected gain."""
+    path = zipmoe_gguf("qwen2moe")
+    one, n_expert, _ = expert_geometry(path)
+    with rank_cache(path) as (cache, handle, moe_layers):
+        layers = len(moe_layers)
+        choice = _lib.DefaultPools()
+
+        def plan(read):
+            budget = (8 + 2 * layers) * one  # F or little else: C-heavy pools must shrink
+            assert handle.ggml_zipmoe_cache_default_pools(cache, budget, 2, 2, 8, read, 1e9, None,
+                                                          ctypes.byref(choice)) == 0
+            return list(choice.capacity), choice.refill_s
+
+        # from one F pool of 40 slots (10 per layer) to the plan's: the F experts beyond its F are dropped
+        pools, refill = plan(1e9)
+        assert refill > 0 and pools[0] < 10
+        assert plan(2e9)[1] == pytest.approx(refill / 2)  # reads, at the plan's rate
+        # from every expert in C to the same plan: the C entries beyond its C are dropped as well
+        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
+        assert plan(1e9)[1] > 0
+        # from the plan's own pools: nothing is dropped
+        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(*pools), choice.n_slots, 0) == 0
+        assert plan(1e9) == (pools, 0.0)
 
 
 def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):

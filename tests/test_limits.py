@@ -88,6 +88,27 @@ def test_the_bound_is_the_planners_makespan_plus_the_compute_floor(limits, zipmo
     assert "ttft_bound_s" not in by_cap[(caps[0], 4)]
 
 
+def test_a_batch_takes_its_own_compute_floor_where_one_was_measured(limits, zipmoe_gguf):
+    model = zipmoe_gguf("deepseek2")
+    facts = limits.model_facts(model)
+    reads = {"gbps": {name: {"median": 1.0} for name in
+                      ("chunks_depth1", "chunks_depth2", "chunks_depth4", "sequential")}}
+    decode = {"gbps": {"all_threads": {"median": 6.0}}}
+    cap = facts["non_expert_bytes"] + 4 * facts["n_layer_moe"] * facts["n_expert"] * facts["entry_bytes"]["F"]
+    floor = {"tpot_s": {"floor_s": 0.2}, "prompt_s": {"floor_s": 3.0}}
+    one, four = limits.bounds(facts, reads, decode, floor, [cap], [1, 4], "uniform", 2, 0, 40)
+    assert four["compute_s"] == 0.2 and four["compute_floor_of"] == "batch 1"  # none measured: batch 1's
+    floor["tpot_s_batch4"] = {"floor_s": 0.5}
+    one, four = limits.bounds(facts, reads, decode, floor, [cap], [1, 4], "uniform", 2, 0, 40)
+    assert one["tpot_bound_s"] == pytest.approx(0.2) and one["compute_floor_of"] == "batch 1"
+    assert four["tpot_bound_s"] == pytest.approx(0.5) and four["compute_floor_of"] == "batch 4"
+
+
+def test_a_resident_step_of_several_sequences_is_timed_on_the_truncation(limits, tiny_gguf):
+    found = limits.resident_batch_tpot(tiny_gguf("deepseek2"), 4, 8, 4, 2, 2)
+    assert found["batch"] == 4 and len(found["tpot_s"]) == 2 and all(0 < s < 5 for s in found["tpot_s"])
+
+
 def test_the_pools_imply_the_reads_of_the_ranks_beyond_f_and_c(limits, zipmoe_gguf):
     facts = limits.model_facts(zipmoe_gguf("deepseek2"))
     n, k, layers = facts["n_expert"], facts["k"], facts["n_layer_moe"]

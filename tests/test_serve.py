@@ -68,9 +68,10 @@ def load(path, threads: int = THREADS, **zipmoe_options):
     return Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False, **zipmoe_options)
 
 
-def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE,
-                 threads: int = THREADS) -> tuple[np.ndarray, list[list[int]]]:
-    """Logits (raw float32) of every prompt position and n_decode greedy steps, sequences decoded together."""
+def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE, threads: int = THREADS,
+                 before_free=None) -> tuple[np.ndarray, list[list[int]]]:
+    """Logits (raw float32) of every prompt position and n_decode greedy steps, sequences decoded together;
+    before_free(), if given, is called once they are, before the context is freed."""
     from zipmoe_py.bindings import llama_cpp as lc
 
     model = llm._model.model
@@ -114,6 +115,8 @@ def logits_trace(llm, prompts: list[str], n_decode: int = N_DECODE,
             logits = decode(step)
             rows += logits
             last = dict(enumerate(logits))
+        if before_free is not None:
+            before_free()
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)

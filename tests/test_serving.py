@@ -235,6 +235,9 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
     replanned = [text for _, text in s.logs if "re-planned" in text]
     assert len(replanned) == 1 and replanned[0].startswith("ZipMoE pools re-planned after 3 decode steps (2 experts "
                                                            "per MoE layer a step")
+    # kept or changed; kept, it says what the change would have read again against what it would gain
+    kept = "): kept, the change to F " in replanned[0]
+    assert kept == (" s again (" in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
 
 
 def test_parallel_sequences_decoding_are_decode_steps_planned_for_their_union(serving):

@@ -82,7 +82,7 @@ class DefaultPools(ctypes.Structure):
     """struct ggml_zipmoe_default_pools: the pools a model loaded with no pool options gets."""
     _fields_ = [("capacity", ctypes.c_int32 * 4), ("n_slots", ctypes.c_int32), ("inclusive", ctypes.c_int32),
                 ("expected_makespan_s", ctypes.c_double), ("f_only_makespan_s", ctypes.c_double),
-                ("current_makespan_s", ctypes.c_double), ("why", ctypes.c_char * 320)]
+                ("current_makespan_s", ctypes.c_double), ("refill_s", ctypes.c_double), ("why", ctypes.c_char * 320)]
 
 
 class CacheParams(ctypes.Structure):

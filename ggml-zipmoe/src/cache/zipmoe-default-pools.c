@@ -92,6 +92,24 @@ static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
     }
 }
 
+// seconds of reads that a change from the pools the cache has now (now) to out's costs: what F and
+// the stores drop is read whole again when next chosen, whichever pool it then goes to
+static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read,
+                        struct ggml_zipmoe_default_pools * out) {
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    int32_t next[4];
+    memcpy(next, out->capacity, sizeof(next));
+    if (next[0] + next[1] + next[2] + next[3] == 0) { // one F pool of n_slots
+        next[GGML_ZIPMOE_POOL_F] = out->n_slots / L < N ? out->n_slots / L : N;
+    }
+    const double stored = (double) c->layout.sm_bytes * (1.0 + c->layout.rho); // SM-chunks and E-chunks
+    double dropped = 0;
+    for (int p = 0; p < 4; p++) {
+        dropped += now[p] > next[p] ? (double) (now[p] - next[p]) * L * stored : 0;
+    }
+    out->refill_s = read > 0 ? dropped / read : 0;
+}
+
 enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };
 
 // the pools that keep every expert compressed, where the budget (less the working slots) allows:
@@ -198,9 +216,9 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
         evaluated[GGML_ZIPMOE_POOL_C] -= evaluated[GGML_ZIPMOE_POOL_F]; // an inclusive C's hits, as exclusive pools
         status = zipmoe_plan_evaluate(&p, evaluated, &held_makespan_s);
     }
+    int32_t now[4] = { 0 };
     if (status == GGML_ZIPMOE_OK) {
         // the pools the cache has now, under the same profile: a caller changes them only for a real gain
-        int32_t now[4];
         current_pools(c, now);
         status = zipmoe_plan_evaluate(&p, now, &out->current_makespan_s);
     }
@@ -213,6 +231,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     if (held != HELD_NONE && (profile == NULL || (held_makespan_s <= best.expected_makespan_s &&
                                                   held_makespan_s < f_best.expected_makespan_s))) {
         take_compressed(c, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
+        refill_cost(c, now, read, out);
         return GGML_ZIPMOE_OK;
     }
     const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
@@ -220,6 +239,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
         snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
                  "threads) expects %.2f ms per layer, pools no better", source, read / 1e9, decode / 1e9, n_threads,
                  f_best.expected_makespan_s * 1e3);
+        refill_cost(c, now, read, out);
         return GGML_ZIPMOE_OK;
     }
     memcpy(out->capacity, best.capacity, sizeof(best.capacity));
@@ -227,6 +247,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
              "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
              n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
+    refill_cost(c, now, read, out);
     return GGML_ZIPMOE_OK;
 }
 

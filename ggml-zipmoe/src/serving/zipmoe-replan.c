@@ -92,9 +92,8 @@ static bool count_step(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t
     return counted;
 }
 
-// the experts a counted step selected per served layer, on average: n_expert_used for one sequence,
-// the union of their selections for several (what the planner's k stands for)
-static int32_t step_k(const struct ggml_zipmoe_serving * s) {
+// n_expert_used for one sequence, the union of their selections for several
+int32_t zipmoe_routing_step_k(const struct ggml_zipmoe_serving * s) {
     const struct zipmoe_routing_profile * r = &s->routing;
     const double mean = r->layer_steps ? (double) r->step_selections / (double) r->layer_steps : 0;
     return MIN(MAX(s->p.n_expert_used, (int32_t) lround(mean)), MAX(r->n_expert, s->p.n_expert_used));
@@ -133,7 +132,8 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
     }
     // a few steps' top ranks overstate any router's concentration by chance (a uniform router's top
     // expert of 16 steps looks twice as likely as the rest): that expected excess comes off
-    if (ggml_zipmoe_plan_debias_profile(r->token_steps, n_exp, step_k(s), r->observed) != GGML_ZIPMOE_OK) {
+    const int32_t k = zipmoe_routing_step_k(s);
+    if (ggml_zipmoe_plan_debias_profile(r->token_steps, n_exp, k, r->observed) != GGML_ZIPMOE_OK) {
         qsort(r->observed, (size_t) n_exp, sizeof(double), descending);
     }
     free(ranked);
@@ -151,7 +151,7 @@ static double routing_even_z(const struct ggml_zipmoe_serving * s) {
     double sum = 0, mean = 0, var = 0;
     for (int il = 0; il < s->p.n_layer; ++il) {
         const int32_t n = ggml_zipmoe_cache_has_layer(s->cache, il) ? ggml_zipmoe_cache_n_expert(s->cache, il) : 0;
-        const double  p = n > 0 ? (double) MIN(step_k(s), n) / n : 0, q = 1 - p;
+        const double  p = n > 0 ? (double) MIN(zipmoe_routing_step_k(s), n) / n : 0, q = 1 - p;
         if (n < 1 || p <= 0 || q <= 0 || T < 1) {
             continue;
         }
@@ -195,7 +195,7 @@ static int replan(struct ggml_zipmoe_serving * s) {
     // partial pools planned on noise move experts between them (reads) on every change of rank
     r->even_z = routing_even_z(s);
     r->even   = r->even_z < ZIPMOE_EVEN_Z;
-    const int32_t k = step_k(s);
+    const int32_t k = zipmoe_routing_step_k(s);
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads, s->p.work_slots,
                                         s->plan_rates[0], s->plan_rates[1], r->even ? NULL : r->observed,
                                         &choice) != GGML_ZIPMOE_OK) {
@@ -213,25 +213,36 @@ static int replan(struct ggml_zipmoe_serving * s) {
     }
     const int32_t n        = MIN(capacity, MAX(fewest, choice.n_slots));
     const double  expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
+    // a change reads again what it drops (entries the shrinking stores forget): the planner's expected gain
+    // must repay those reads within as many steps as the plan was made from. Four DeepSeek-V2-Lite sequences
+    // at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64 tokens, reading
+    // three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
+    const double  gain_s   = (choice.current_makespan_s - expected) * s->info.n_moe_layers; // per step
+    const double  repaid   = gain_s > 0 ? choice.refill_s / gain_s : INFINITY;              // in steps
     const bool    same     = (use_pools == s->auto_active && n == s->n_slots &&
                               memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
                               choice.inclusive == s->auto_choice.inclusive) ||
-                             expected >= 0.9 * choice.current_makespan_s;
+                             expected >= 0.9 * choice.current_makespan_s || repaid > (double) r->token_steps;
     if (same) {
-        char why[sizeof(s->plan.pools_why) + 160];
+        char why[sizeof(s->plan.pools_why) + 200];
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
-                 "ms with these)", s->auto_choice.why, r->even ? "built-in profile, the routing seen being even" :
-                 "observed profile", expected * 1e3, choice.current_makespan_s * 1e3);
+                 "ms with these; the change would read %.1f s again, repaid in %.0f steps)", s->auto_choice.why,
+                 r->even ? "built-in profile, the routing seen being even" : "observed profile", expected * 1e3,
+                 choice.current_makespan_s * 1e3, choice.refill_s, MIN(repaid, 1e9));
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
         zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f "
-                           "MB read so far; routing z = %.1f against a uniform router's%s): kept (%s)",
-                           (unsigned long long) r->token_steps, k,
-                           read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "", choice.why);
+                           "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
+                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and reading %.1f s again (%s)",
+                           (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
+                           r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
+                           choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
+                           choice.current_makespan_s * 1e3, choice.refill_s, choice.why);
         return 0;
     }
     if (!adopt_pools(s, n, &choice, "ZipMoE pools from the observed routing")) {
         return 0; // nothing changed
     }
+    r->adopted = true;
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
                        "layer, %d slots: %s", (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,

@@ -30,6 +30,7 @@ struct zipmoe_routing_profile {
     double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
     bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;
+    bool       adopted;      // the re-plan changed the pools: later plans for the memory left keep its profile
     uint64_t   misses_seen;  // the cache's misses after the last graph
     uint64_t   step_misses;  // misses in the counted decode steps
 };
@@ -81,3 +82,6 @@ int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct g
 
 // zipmoe-replan.c
 void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r);
+// the experts a counted decode step selected per served layer, on average (zipmoe-replan.c): what the
+// planner's k stands for with the observed profile
+int32_t zipmoe_routing_step_k(const struct ggml_zipmoe_serving * s);

@@ -557,8 +557,12 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
     }
     s->auto_budget  = s->p.budget != 0 ? MIN(s->p.budget, pl->fits) : pl->fits;
     s->auto_threads = s->p.threads > 0 ? s->p.threads : MAX(1, s->n_threads_max);
-    const double * profile = s->routing.replanned && !s->routing.even ? s->routing.observed : NULL;
-    if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, s->p.n_expert_used, s->auto_threads,
+    // the profile of the pools in use: the observed one once a re-plan adopted it (one that kept the pools
+    // leaves them to change with the memory left only, not with the routing it declined to act on)
+    const double * profile = s->routing.adopted && !s->routing.even ? s->routing.observed : NULL;
+    // an observed profile sums to the experts its steps selected (the union of parallel sequences')
+    const int32_t  k       = profile != NULL ? zipmoe_routing_step_k(s) : s->p.n_expert_used;
+    if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads,
                                         s->p.work_slots, s->plan_rates[0], s->plan_rates[1], profile, choice) !=
             GGML_ZIPMOE_OK ||
         choice->capacity[1] + choice->capacity[2] + choice->capacity[3] == 0) {
