@@ -368,7 +368,7 @@ def test_a_change_of_pools_reports_the_reads_of_what_it_drops(zipmoe_gguf):
         # from one F pool of 40 slots (10 per layer) to the plan's: the F experts beyond its F are dropped
         pools, refill = plan(1e9)
         assert refill > 0 and pools[0] < 10
-        assert plan(2e9)[1] == pytest.approx(refill / 2)  # reads, at the plan's rate
+        assert plan(2e9)[1] == refill / 2  # reads, at the plan's rate (halving by a power of two is exact)
         # from every expert in C to the same plan: the C entries beyond its C are dropped as well
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
         assert plan(1e9)[1] > 0
