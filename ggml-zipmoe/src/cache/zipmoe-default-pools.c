@@ -76,12 +76,18 @@ static struct ggml_zipmoe_plan_params cost_model(const struct ggml_zipmoe_cache 
     return p;
 }
 
+// experts per served layer that one F pool of n_slots holds
+static int32_t f_per_layer(const struct ggml_zipmoe_cache * c, int32_t n_slots) {
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    return n_slots / L < N ? n_slots / L : N;
+}
+
 // the per-layer capacities of the pools the cache has now, packed in hierarchy order
 static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
     const int32_t L = c->layout.n_served, N = c->layout.max_expert;
     memset(now, 0, 4 * sizeof(int32_t));
     if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
-        now[GGML_ZIPMOE_POOL_F] = c->slots.n_used / L < N ? c->slots.n_used / L : N;
+        now[GGML_ZIPMOE_POOL_F] = f_per_layer(c, c->slots.n_used);
         return;
     }
     int32_t left = N;
@@ -96,11 +102,11 @@ static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
 // the stores drop is read whole again when next chosen, whichever pool it then goes to
 static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read,
                         struct ggml_zipmoe_default_pools * out) {
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    const int32_t L = c->layout.n_served;
     int32_t next[4];
     memcpy(next, out->capacity, sizeof(next));
     if (next[0] + next[1] + next[2] + next[3] == 0) { // one F pool of n_slots
-        next[GGML_ZIPMOE_POOL_F] = out->n_slots / L < N ? out->n_slots / L : N;
+        next[GGML_ZIPMOE_POOL_F] = f_per_layer(c, out->n_slots);
     }
     const double stored = (double) c->layout.sm_bytes * (1.0 + c->layout.rho); // SM-chunks and E-chunks
     double dropped = 0;
