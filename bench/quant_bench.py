@@ -86,7 +86,9 @@ def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
             "rows": {str(r["cap_bytes"]): {k: r[k] for k in ("tpot_bound_s", "ttft_bound_s") if k in r} for r in rows}}
 
 
-REPLANNED = re.compile(r"re-planned after (\d+) decode steps \(([0-9.]+) MB read so far[;)]")
+# "re-planned after 16 decode steps (6 experts per MoE layer a step, 33606.7 MB read so far; ...": the experts
+# part came with parallel steps (71dc6d2); the older form lacks it
+REPLANNED = re.compile(r"re-planned after (\d+) decode steps \((?:[^;()]*? a step, )?([0-9.]+) MB read so far[;)]")
 POOLS = re.compile(r"pools (?:per MoE layer|re-planned after [^:]*): F (\d+), C (\d+), S (\d+), E (\d+)")
 
 

@@ -138,6 +138,11 @@ def test_a_runs_steady_reads_are_those_after_the_re_plan(zipmoe_gguf):
     kept = dict(row, zipmoe_log=log[:3] + [log[3].split("): F")[0] + "): kept (...)"] + log[4:])
     assert quant_bench.steady_reads(kept)["steady_pools"] == {"F": 2, "C": 20, "S": 0, "E": 40}
     assert quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + log[4:])) == {}  # never re-planned
+    # the runtime's line since parallel steps count: the experts of a step come before the bytes read
+    steps = log[3].replace("(3000.0 MB", "(17 experts per MoE layer a step, 3000.0 MB").replace(
+        " so far)", " so far; routing z = 53.4 against a uniform router's)")
+    found = quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + [steps] + log[4:]))
+    assert found["steady_read_per_token"] == pytest.approx(5000e6 / 50)
 
 
 def test_a_runs_bound_takes_the_read_rate_the_runtime_saw(limits, zipmoe_gguf):
