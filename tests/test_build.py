@@ -247,3 +247,13 @@ def test_cuda_sources_compile_with_nvcc(arch, tmp_path):
 def test_cpu_build_reports_no_cuda_devices():
     """A build without CUDA (CI's) reports none; llama.cpp then keeps the slots in host memory."""
     assert _lib.lib().ggml_zipmoe_cuda_devices() == 0
+
+
+def test_cpu_backend_is_built_without_amx():
+    """ggml-cpu's AMX buffer type makes context creation abort on quantized models (CMakeLists.txt says
+    why): where the build machine has AMX, -march=native is told not to use it, so the CPU features the
+    build reports name no AMX on any machine."""
+    from zipmoe_py.bindings import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    assert "AVX" in info and "AMX" not in info, info
