@@ -211,10 +211,11 @@ def account(levels: list[dict]) -> dict[str, float] | None:
     return {label: statistics.median(z.get(name, 0.0) for z in have) for name, label in ACCOUNT}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--zipmoe", type=Path, required=True, help="the ZipMoE GGUF")
-    ap.add_argument("--bf16", type=Path, required=True, help="its BF16 GGUF (stock's path)")
+    ap.add_argument("--bf16", type=Path, help="its BF16 GGUF (stock's path); needed by the server 'llama-server bf16' "
+                    "only (the disk's rate is measured on it, else on --zipmoe)")
     ap.add_argument("--cap", required=True, help="memory cap of each server, e.g. 4G")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -226,13 +227,21 @@ def main() -> int:
     ap.add_argument("--before", type=Path, default=None,
                     help="llama-server of another build (its bin/ beside its lib/): the server 'llama-server zipmoe-before'")
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     known = {"zipmoe-server", "llama-server zipmoe", "llama-server zipmoe-before", "llama-server bf16"}
     if set(args.servers) - known:
         ap.error(f"--servers: unknown {', '.join(sorted(set(args.servers) - known))} (known: {', '.join(sorted(known))})")
     if "llama-server zipmoe-before" in args.servers and (args.before is None or not args.before.is_file()):
         ap.error("--servers 'llama-server zipmoe-before' needs --before PATH, another build's llama-server")
-    bw = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(args.bf16)], capture_output=True, text=True)
+    if "llama-server bf16" in args.servers and (args.bf16 is None or not args.bf16.is_file()):
+        ap.error("--servers 'llama-server bf16' needs --bf16 PATH, the BF16 GGUF")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    bw = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(args.bf16 or args.zipmoe)], capture_output=True,
+                        text=True)
     runs = []
     for r in range(args.rounds):
         for kind in args.servers:

@@ -186,3 +186,14 @@ def test_a_zipmoe_only_bench_needs_no_stock_file():
     quant_bench = bench_module("quant_bench")
     assert quant_bench.stock_size({"stock_bytes": 2_000_000_000}) == "2.00 GB"
     assert "not present" in quant_bench.stock_size({"stock_bytes": None})
+
+
+def test_a_zipmoe_only_server_bench_needs_no_bf16_file(tmp_path):
+    """The disk's rate is then measured on the ZipMoE GGUF; the stock server still needs its file."""
+    server_bench = bench_module("llama_server_bench")
+    common = ["--zipmoe", str(tmp_path / "m.zipmoe.gguf"), "--cap", "20G", "--out", str(tmp_path / "o.json")]
+    args = server_bench.parse_args([*common, "--servers", "llama-server zipmoe"])
+    assert args.bf16 is None and args.servers == ["llama-server zipmoe"]
+    with pytest.raises(SystemExit) as refused:
+        server_bench.parse_args([*common, "--servers", "llama-server zipmoe", "llama-server bf16"])
+    assert refused.value.code == 2
