@@ -56,8 +56,8 @@ def premade_models(zipmoe_gguf, tiny_gguf, models_dir) -> Path:
     return models_dir
 
 
-# a child pytest's whole run: exactness takes 200 s emulated on a Zen 4 host, and hosts of this
-# workplace have computed up to 2.8 times slower (BENCHMARKS.md, 2026-11-28)
+# a child pytest's whole run: exactness takes 200 s emulated on a Zen 4 host with AVX-512, and hosts
+# of this workplace have computed BF16 products up to 5.6 times slower (BENCHMARKS.md, 2026-11-28)
 EMULATED_TIMEOUT_S = 2400
 
 
