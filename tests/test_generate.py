@@ -190,6 +190,28 @@ def test_bindings_load_zipmoes_library(tmp_path):
     assert version == "0.3.36"
 
 
+def test_plain_llama_cpp_runs_zipmoe_bit_exact(tmp_path, tiny_gguf, zipmoe_gguf):
+    """llama-cpp-python's own API with no zipmoe_py import and no LLAMA_CPP_LIB_PATH (setup.sh links
+    llama_cpp/lib to ours): it loads ZipMoE's libllama, serves a ZipMoE GGUF under a budget given by
+    the environment, and its logits equal the BF16 GGUF's bit for bit."""
+    code = ("import sys, hashlib, numpy\n"
+            "from llama_cpp import Llama, llama_cpp\n"
+            "print(llama_cpp._lib._name)\n"
+            "llm = Llama(model_path=sys.argv[1], n_ctx=64, logits_all=True, verbose=False)\n"
+            "llm.eval(llm.tokenize(b'the quick brown fox jumps over the lazy dog'))\n"
+            "print(hashlib.sha256(numpy.ascontiguousarray(llm.scores[:llm.n_tokens]).tobytes()).hexdigest())\n")
+    environment = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    outputs = []
+    for model, budget in ((tiny_gguf("qwen2moe"), None), (zipmoe_gguf("qwen2moe"), "40K")):
+        env = {**environment, **({"ZIPMOE_BUDGET": budget} if budget else {})}
+        proc = run([sys.executable, "-c", code, str(model)], env=env, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+        lib, digest = proc.stdout.decode().split()
+        assert os.path.realpath(lib) == os.path.realpath(_paths.LIB_DIR / "libllama.so")
+        outputs.append(digest)
+    assert outputs[0] == outputs[1]
+
+
 def test_a_context_llama_cpp_rounds_up_is_whole_in_python(zipmoe_gguf):
     """llama.cpp makes n_ctx=16 a 256-token context; Llama holds all of it (llama-cpp-python alone sizes
     its token array by the 16 asked for, and a longer prompt fails with a numpy broadcast error)."""

@@ -96,6 +96,19 @@ start=$(date +%s)
 "${pip[@]}" install -q ${cmake_args[@]+"${cmake_args[@]}"} ".$extras"
 echo "setup: zipmoe installed in $(( $(date +%s) - start )) s; commands are in $venv/bin"
 
+# a plain `import llama_cpp` (llama-cpp-python's own API and tests) looks for libllama in llama_cpp/lib,
+# which the bindings-only install leaves empty: point it at ours (a folder link, so $ORIGIN RPATHs hold)
+(cd / && "$venv/bin/python" - <<'EOF'   # from /: the source tree's zipmoe_py holds no build
+import importlib.util, os
+from zipmoe_py import _paths
+link = os.path.join(importlib.util.find_spec("llama_cpp").submodule_search_locations[0], "lib")
+if os.path.islink(link) or not os.path.exists(link):
+    if os.path.islink(link):
+        os.remove(link)
+    os.symlink(_paths.LIB_DIR, link, target_is_directory=True)
+EOF
+)
+
 # with --dev, the AArch64 build run under qemu-user (tests/test_aarch64.py): Debian's cross compilers,
 # qemu-user and an arm64 Python (as root), then the fork cross-compiled into build/aarch64
 if [ "$dev" = 1 ]; then
