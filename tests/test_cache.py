@@ -25,7 +25,7 @@ from test_format import make_moe_gguf
 
 class Cache:
     def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0),
-                 rate_read=0.0, prefetch=0):
+                 rate_read=0.0, prefetch=0, lookahead=0):
         lib = self.lib = _lib.lib()
         self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
         layers = self.zf.moe_layers()
@@ -36,6 +36,7 @@ class Cache:
         params.pool_capacity[:] = pools
         params.rate_read = rate_read
         params.prefetch_experts = prefetch
+        params.lookahead_experts = lookahead
         params.set_layers(layers)
         self.slots = []
         for k, tensor in enumerate(layers[min(layers)]):
@@ -131,9 +132,10 @@ def setup(tmp_path):
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
     caches = []
 
-    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0, prefetch=0, pools=(0, 0, 0, 0)):
+    def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0, prefetch=0, pools=(0, 0, 0, 0),
+             lookahead=0):
         caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta, pools, rate_read=rate_read,
-                            prefetch=prefetch))
+                            prefetch=prefetch, lookahead=lookahead))
         return caches[-1]
 
     yield make, experts
@@ -469,6 +471,51 @@ def test_prefetches_interleaved_with_fetches_never_change_what_the_slots_hold(se
         status, slots = cache.fetch(layer, [actual], nth=1 + step % 2)
         assert status == 0
         assert_resident(cache, experts, layer, [actual], slots)
+    s = cache.stats()
+    assert s["prefetch_hits"] > 0 and 0 < s["prefetch_bytes_used"] <= s["prefetch_bytes_read"]
+
+
+def test_the_next_pass_is_read_ahead_while_this_one_computes(setup):
+    """A ubatch whose experts take several passes: at each pass the cache knows the next one's experts
+    (all ids are given) and reads what it lacks into a bank after this pass's own reads; the next
+    pass takes it as a prefetch, and nothing is read twice."""
+    make, experts = setup
+    cache = make(2, lookahead=2)  # a pass of 2 experts: 6 chosen take 3 passes
+    ids = [[0, 1, 2], [3, 4, 5]]
+    read_so_far = 0
+    for p in range(cache.lib.ggml_zipmoe_cache_n_passes(cache.handle, 1, 6)):
+        status, slots = cache.fetch(1, ids, pass_=p)
+        assert status == 0
+        assert_resident(cache, experts, 1, ids, slots, this_pass_only=True)
+        read_so_far += cache.stored_bytes(1, [2 * p, 2 * p + 1])
+        if p < 2:  # the next pass's two experts, read in the background
+            cache.wait_prefetched(cache.stored_bytes(1, [2 * p + 2, 2 * p + 3]) + cache.stats()["prefetch_bytes_used"])
+    s = cache.stats()
+    assert s["prefetch_hits"] == 4 and s["expert_misses"] == 6
+    assert s["bytes_read"] == read_so_far == cache.stored_bytes(1, range(6))
+    assert s["prefetch_bytes_used"] == s["prefetch_bytes_read"] == cache.stored_bytes(1, range(2, 6))
+    assert s["prefetch_recall"]["predicted"] == 0  # no prediction was made: nothing to score
+    assert cache.prefetch(1, [[0]]) == _lib.ERR_ARG  # and none can be without prefetch_experts
+
+
+@pytest.mark.parametrize("pools", [(0, 0, 0, 0), (1, 1, 1, 1)])
+def test_passes_read_ahead_in_any_timing_never_change_what_the_slots_hold(setup, pools):
+    """Multi-pass fetches with the next pass read ahead, taken at once or after the reads, mixed with
+    one-pass fetches and predictions, with and without pools, from 1 and 2 threads."""
+    make, experts = setup
+    kwargs = {"eviction": _lib.EVICT_RANK, "pools": pools} if any(pools) else {}
+    cache = make(4 if any(pools) else 2, prefetch=1, lookahead=2, **kwargs)
+    rng = np.random.default_rng(5)
+    for step in range(80):
+        layer = step % 2
+        ids = [rng.choice(6, size=2, replace=False) for _ in range(int(rng.integers(1, 4)))]
+        if rng.random() < 0.3:
+            assert cache.prefetch(layer, [rng.choice(6, size=1)]) == _lib.OK
+        for status, slots in cache.fetch_passes(layer, ids, nth=1 + step % 2):
+            assert status == 0
+            assert_resident(cache, experts, layer, ids, slots, this_pass_only=True)
+            if rng.random() < 0.5:
+                time.sleep(0.002)
     s = cache.stats()
     assert s["prefetch_hits"] > 0 and 0 < s["prefetch_bytes_used"] <= s["prefetch_bytes_read"]
 

@@ -1,6 +1,8 @@
 """Faults injected into expert chunk reads: every read of a generation in turn fails (EIO), comes back
 short, or comes back with a flipped bit. Each fault is an error naming layer, tensor, expert and
-chunk; the process goes on, and once the fault is gone the same request gives bit-exact logits.
+chunk; the process goes on, and once the fault is gone the same request gives bit-exact logits. A
+fault in a read ahead (a prompt's next pass, read while this one computes) is no error: the pass
+reads that chunk again itself, and the generation is bit-exact.
 
 The injector is tests/fault_shim.c, a test-only LD_PRELOAD shim over pread(2), compiled here.
 """
@@ -62,23 +64,28 @@ SWEEP = textwrap.dedent('''
 
     arm(0, "eio")
     reference = generate()
-    before = shim.zipmoe_fault_reads()
-    generate()
-    per_run = shim.zipmoe_fault_reads() - before
+    # reads ahead make the count vary with timing (how much of a bank is read before its pass takes it):
+    # the fewest of three generations, so that every point swept is within each generation's reads
+    per_run = None
+    for _ in range(3):
+        before = shim.zipmoe_fault_reads()
+        generate()
+        n = shim.zipmoe_fault_reads() - before
+        per_run = n if per_run is None else min(per_run, n)
     results = {"reads_per_generation": per_run, "faults": []}
     for kind in kinds:
         for at in sorted(set(range(1, per_run + 1, max(1, per_run // points))) | {per_run}):
             fired = shim.zipmoe_fault_fired()
             arm(at, kind)
-            error = None
+            error, exact_during = None, False
             try:
-                got = generate()
+                exact_during = all(np.array_equal(a, b) for a, b in zip(generate(), reference))
             except ZipMoEError as e:
                 error = str(e)
             arm(0, kind)
             exact = all(np.array_equal(a, b) for a, b in zip(generate(), reference))
             results["faults"].append({"kind": kind, "at": at, "fired": shim.zipmoe_fault_fired() - fired,
-                                      "error": error, "exact_after": exact})
+                                      "error": error, "exact_during": exact_during, "exact_after": exact})
     print(json.dumps(results))
 ''')
 
@@ -95,11 +102,15 @@ def test_every_read_of_a_generation_fails_in_turn_and_is_named(shim, zipmoe_gguf
     assert results["reads_per_generation"] > 20  # the budget makes the generation read all along
     faults = results["faults"]
     assert len(faults) >= 3 * points
+    absorbed = [f for f in faults if f["error"] is None]
+    assert len(absorbed) <= len(faults) // 3, absorbed  # most reads are a pass's own
     for f in faults:
         assert f["fired"] == 1, f  # the sweep stays within the generation's reads
-        assert f["error"] is not None, f
-        assert NAMED.search(f["error"]) and model.name in f["error"], f
-        assert REASONS[f["kind"]] in f["error"], f
+        if f["error"] is None:  # it hit a read ahead: read again by the pass, the generation exact
+            assert f["exact_during"], f
+        else:
+            assert NAMED.search(f["error"]) and model.name in f["error"], f
+            assert REASONS[f["kind"]] in f["error"], f
         assert f["exact_after"], f
     print(f"\n{arch}: {results['reads_per_generation']} chunk reads per generation; {len(faults)} faults "
           f"injected (eio, short, flip), each named, each followed by bit-exact logits")

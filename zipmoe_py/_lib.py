@@ -92,7 +92,7 @@ class CacheParams(ctypes.Structure):
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
                 ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32),
                 ("slot_memory", ctypes.c_int32), ("slot_fill", ctypes.c_void_p), ("slot_fill_data", ctypes.c_void_p),
-                ("slot_write", ctypes.c_void_p), ("slot_sync", ctypes.c_void_p)]
+                ("slot_write", ctypes.c_void_p), ("slot_sync", ctypes.c_void_p), ("lookahead_experts", ctypes.c_int32)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),

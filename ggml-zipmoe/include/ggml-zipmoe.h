@@ -249,8 +249,8 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_reader_error(const struct ggml_zipmoe_r
 //
 // Memory beyond the slots and stores: two rings of 8 staging buffers (SM-chunks: the largest
 // tensor's n bytes; E-chunks: K times the largest E-chunk), one decoder per decoding thread,
-// the scheduler's workspace, the I/O thread, the chunk index, and with prefetch_experts two
-// prefetch banks of that many experts' stored chunks.
+// the scheduler's workspace, the I/O thread, the chunk index, and with prefetch_experts or
+// lookahead_experts two prefetch banks of the larger's count of experts' stored chunks.
 //
 
 enum ggml_zipmoe_expert_kind {
@@ -351,6 +351,11 @@ struct ggml_zipmoe_cache_params {
     int (*slot_write)(void * user_data, int kind, int tensor, int32_t slot, size_t offset, const void * data,
                       size_t size, char * err, size_t err_size);
     int (*slot_sync)(void * user_data, char * err, size_t err_size);
+    // experts of a layer's next pass read ahead, into the prefetch's banks, while this pass decodes and
+    // computes (0: none). A pass holds as many experts as there are working slots; a ubatch whose
+    // experts take more (a prompt, several sequences) runs in passes, whose ids are all known at the
+    // first: what the next pass lacks is read while the disk would otherwise wait
+    int32_t lookahead_experts;
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -366,7 +371,7 @@ struct ggml_zipmoe_cache_stats {
     uint64_t s_hits;         // selections found in pool S (E-chunks read)
     uint64_t e_hits;         // selections found in pool E (SM-chunks read)
     uint64_t prefetch_hits;       // selections not in a slot whose missing chunks a prefetch had read (all or some)
-    uint64_t prefetch_bytes_read; // stored bytes prefetches read (also counted in bytes_read)
+    uint64_t prefetch_bytes_read; // stored bytes prefetches and next-pass read-aheads read (also in bytes_read)
     uint64_t prefetch_bytes_used; // of those, bytes a fetch used (the rest were mispredicted: wasted)
     uint64_t h2d_bytes;           // bytes copied host to device (slots in CUDA memory: SM + exponent planes;
                                   // GGML_ZIPMOE_SLOTS_DEVICE: what slot_write was given)

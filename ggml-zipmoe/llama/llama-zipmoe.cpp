@@ -299,6 +299,9 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
     // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
     // taken from the slots
     cp.prefetch_experts = opt.prefetch ? (n_expert_used + 1) / 2 : 0;
+    // a ubatch whose experts take several passes (a prompt, several sequences) reads a bank of the next
+    // pass's experts as this one decodes and computes: one token's worth, of the working slots' pass
+    cp.lookahead_experts = n_expert_used;
     cp.slot_memory      = cuda_slots ? GGML_ZIPMOE_SLOTS_CUDA : on_device ? GGML_ZIPMOE_SLOTS_DEVICE : GGML_ZIPMOE_SLOTS_HOST;
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));

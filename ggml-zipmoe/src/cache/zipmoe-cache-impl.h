@@ -177,6 +177,7 @@ struct zipmoe_pools {
 // the current fetch's plan: its experts, tasks and their schedule (made by thread 0 in begin)
 struct zipmoe_plan {
     int32_t *                       unique;      // [max_expert] distinct experts of the current call, ascending
+    int32_t                         n_unique;    // how many
     uint8_t *                       seen;        // [max_expert]
     int32_t *                       pass_slot;   // [max_expert] slot of each expert of the current pass, or -1
     int32_t *                       tokens;      // [max_expert] tokens of the ubatch that chose each expert
@@ -256,7 +257,9 @@ struct zipmoe_prefetch_bank {
 // prefetch (zipmoe-prefetch.c). The bank fields are written by the fetching thread while the I/O
 // thread is not reading them (active == 0, under pipe.io_lock).
 struct zipmoe_prefetch {
-    int32_t                     capacity;    // experts per bank (0: prefetch off)
+    int32_t                     capacity;    // experts per bank (0: no banks)
+    int32_t                     predict_limit; // experts a prediction (ggml_zipmoe_cache_prefetch) may fill
+    int32_t                     lookahead;   // experts of a layer's next pass read ahead (0: none)
     size_t                      sm_region;   // bytes of a kind's SM part of an entry (largest SM-chunk, aligned)
     size_t                      e_region;    // bytes of a kind's E part (K regions of the E ring's size)
     struct zipmoe_prefetch_bank bank[2];
@@ -390,7 +393,7 @@ void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, i
                                     int64_t victim);
 
 // zipmoe-prefetch.c
-int      zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity);
+int      zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t predict, int32_t lookahead);
 void     zipmoe_prefetch_free(struct ggml_zipmoe_cache * c);
 size_t   zipmoe_prefetch_bytes(const struct ggml_zipmoe_cache * c);
 void     zipmoe_prefetch_pause(struct ggml_zipmoe_cache * c, int wait);
@@ -399,6 +402,7 @@ void     zipmoe_prefetch_claim(struct ggml_zipmoe_cache * c, int layer);
 void     zipmoe_prefetch_release(struct ggml_zipmoe_cache * c);
 void     zipmoe_prefetch_score(struct ggml_zipmoe_cache * c, int layer, const int32_t * unique, int n_unique);
 int      zipmoe_prefetch_supply(struct ggml_zipmoe_cache * c, struct zipmoe_task * t);
+void     zipmoe_prefetch_next_pass(struct ggml_zipmoe_cache * c, int layer, int pass);
 void     zipmoe_prefetch_reset_stats(struct ggml_zipmoe_cache * c);
 
 // zipmoe-fetch-io.c

@@ -162,6 +162,9 @@ static const char * check_params(const struct ggml_zipmoe_cache_params * p, int 
     if (p->prefetch_experts < 0) {
         return "ggml_zipmoe_cache_new: prefetch_experts is negative";
     }
+    if (p->lookahead_experts < 0) {
+        return "ggml_zipmoe_cache_new: lookahead_experts is negative";
+    }
     if (p->slot_memory != GGML_ZIPMOE_SLOTS_HOST && p->slot_memory != GGML_ZIPMOE_SLOTS_CUDA &&
         p->slot_memory != GGML_ZIPMOE_SLOTS_DEVICE) {
         return "ggml_zipmoe_cache_new: slot_memory is not host, CUDA or a device's";
@@ -378,7 +381,7 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         status   = c->subst != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
     }
     if (status == GGML_ZIPMOE_OK) {
-        status = zipmoe_prefetch_init(c, p->prefetch_experts);
+        status = zipmoe_prefetch_init(c, p->prefetch_experts, p->lookahead_experts);
     }
     const int32_t compressed_pools = p->pool_capacity[GGML_ZIPMOE_POOL_C] + p->pool_capacity[GGML_ZIPMOE_POOL_S] +
                                      p->pool_capacity[GGML_ZIPMOE_POOL_E];

@@ -373,6 +373,9 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
         if (status == GGML_ZIPMOE_OK && c->plan.n_io > 0) {
             status = zipmoe_cache_start_io(c);
         }
+        if (status == GGML_ZIPMOE_OK) {
+            zipmoe_prefetch_next_pass(c, layer, pass); // read after this fetch's own, as it decodes and computes
+        }
     }
     if (status != GGML_ZIPMOE_OK) {
         zipmoe_cache_forget_tasks(c);

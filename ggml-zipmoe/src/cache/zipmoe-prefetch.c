@@ -1,5 +1,7 @@
 // Expert cache, prefetch: reads ahead for the experts the caller predicts a layer will choose
-// (SMoE §5.2's top-score prediction), so that the disk works while the graph computes.
+// (SMoE §5.2's top-score prediction), and for the experts of a layer's next pass (known, not
+// predicted: a ubatch's ids are all known at its first pass), so that the disk works while the
+// graph decodes and computes.
 //
 // A prefetch fills one of two banks with the predicted experts the cache lacks (what each lacks:
 // its SM-chunks, its E-chunks or both) and hands the bank to the I/O thread, which reads it when
@@ -23,7 +25,8 @@ enum { PART_SM = 1, PART_E = 2 };
 static int  has_work_locked(const struct ggml_zipmoe_cache * c);
 static void read_locked(struct ggml_zipmoe_cache * c);
 
-int zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity) {
+int zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t predict, int32_t lookahead) {
+    const int32_t capacity = predict > lookahead ? predict : lookahead;
     struct zipmoe_prefetch * pf = &c->prefetch;
     pf->latest    = -1;
     pf->consuming = -1;
@@ -39,7 +42,9 @@ int zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t capacity) {
     c->pipe.has_idle_work = has_work_locked;
     c->pipe.idle_work     = read_locked;
     // more experts than a layer has would never be predicted
-    pf->capacity  = capacity < c->layout.max_expert ? capacity : c->layout.max_expert;
+    pf->capacity      = capacity < c->layout.max_expert ? capacity : c->layout.max_expert;
+    pf->predict_limit = predict < pf->capacity ? predict : pf->capacity;
+    pf->lookahead     = lookahead < pf->capacity ? lookahead : pf->capacity;
     pf->sm_region = (size_t) zipmoe_align_up(c->file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);
     pf->e_region  = (size_t) c->file->n_shards * zipmoe_cache_e_region_bytes(c);
     for (int b = 0; b < 2; b++) {
@@ -320,26 +325,13 @@ void zipmoe_prefetch_reset_stats(struct ggml_zipmoe_cache * c) {
     }
 }
 
-int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used,
-                               int64_t n_tokens, int64_t ids_stride) {
-    if (c == NULL || c->prefetch.capacity == 0 || !zipmoe_layer_served(c, layer) || ids == NULL ||
-        n_used < 1 || n_tokens < 1 || ids_stride < n_used) {
-        return GGML_ZIPMOE_ERR_ARG;
-    }
-    const int32_t n_expert = c->layout.layer_n_expert[layer];
-    for (int64_t t = 0; t < n_tokens; t++) {
-        for (int64_t k = 0; k < n_used; k++) {
-            if (ids[t * ids_stride + k] < 0 || ids[t * ids_stride + k] >= n_expert) {
-                return GGML_ZIPMOE_ERR_ARG;
-            }
-        }
-    }
+// under the cache's lock: the experts of ids, in order, into the bank no open fetch reads; up to limit of
+// those the cache lacks get entries, which the I/O thread reads when it has no fetch's reads left
+// (resume: from now; else once the caller's fetch has posted its own). predicted: the ids are a
+// prediction, whose recall the layer's first fetch scores.
+static int post_bank(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used, int64_t n_tokens,
+                     int64_t ids_stride, int32_t limit, int predicted, int resume) {
     struct zipmoe_prefetch * pf = &c->prefetch;
-    // residency is read under the cache's lock, which the caller holds if it has a fetch open
-    const int own = c->fetch_open && pthread_equal(c->fetch_owner, pthread_self());
-    if (!own) {
-        pthread_mutex_lock(&c->lock);
-    }
     int status = zipmoe_cache_start_io(c);
     const int target = pf->consuming >= 0 ? 1 - pf->consuming : pf->latest < 0 ? 0 : 1 - pf->latest;
     struct zipmoe_prefetch_bank * bank = &pf->bank[target];
@@ -351,16 +343,14 @@ int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * c, int layer, const in
         bank->mem = (uint8_t *) mem;
     }
     if (status != GGML_ZIPMOE_OK) {
-        if (!own) {
-            pthread_mutex_unlock(&c->lock);
-        }
         return status;
     }
     zipmoe_prefetch_pause(c, 1);
     bank->layer       = layer;
     bank->n_entries   = 0;
     bank->n_predicted = 0;
-    bank->scored      = 0;
+    bank->scored      = !predicted;
+    const int32_t n_expert = c->layout.layer_n_expert[layer];
     uint8_t * seen = c->plan.seen; // the planning scratch: no fetch plans while this runs
     memset(seen, 0, (size_t) n_expert);
     const int64_t base = (int64_t) layer * c->layout.max_expert;
@@ -373,7 +363,7 @@ int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * c, int layer, const in
             seen[e] = 1;
             bank->predicted[bank->n_predicted++] = e;
             const int pool = c->pools.key_pool[base + e];
-            if (c->slots.of_key[base + e] >= 0 || pool == GGML_ZIPMOE_POOL_C || bank->n_entries == pf->capacity) {
+            if (c->slots.of_key[base + e] >= 0 || pool == GGML_ZIPMOE_POOL_C || bank->n_entries == limit) {
                 continue; // resident, or no room left
             }
             struct zipmoe_prefetch_entry * en = &bank->entries[bank->n_entries++];
@@ -390,13 +380,52 @@ int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * c, int layer, const in
     pthread_mutex_lock(&c->pipe.io_lock);
     pf->latest  = target;
     pf->pending = bank->n_entries > 0;
-    zipmoe_prefetch_resume_locked(c);
-    pthread_cond_signal(&c->pipe.io_wake);
+    if (resume) {
+        zipmoe_prefetch_resume_locked(c);
+        pthread_cond_signal(&c->pipe.io_wake);
+    }
     pthread_mutex_unlock(&c->pipe.io_lock);
+    return GGML_ZIPMOE_OK;
+}
+
+int ggml_zipmoe_cache_prefetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used,
+                               int64_t n_tokens, int64_t ids_stride) {
+    if (c == NULL || c->prefetch.predict_limit == 0 || !zipmoe_layer_served(c, layer) || ids == NULL ||
+        n_used < 1 || n_tokens < 1 || ids_stride < n_used) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const int32_t n_expert = c->layout.layer_n_expert[layer];
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t k = 0; k < n_used; k++) {
+            if (ids[t * ids_stride + k] < 0 || ids[t * ids_stride + k] >= n_expert) {
+                return GGML_ZIPMOE_ERR_ARG;
+            }
+        }
+    }
+    // residency is read under the cache's lock, which the caller holds if it has a fetch open
+    const int own = c->fetch_open && pthread_equal(c->fetch_owner, pthread_self());
+    if (!own) {
+        pthread_mutex_lock(&c->lock);
+    }
+    const int status = post_bank(c, layer, ids, n_used, n_tokens, ids_stride, c->prefetch.predict_limit, 1, 1);
     if (!own) {
         pthread_mutex_unlock(&c->lock);
     }
-    return GGML_ZIPMOE_OK;
+    return status;
+}
+
+// thread 0 of a fetch, under the lock, after planning pass `pass`: the experts of the next pass, if
+// the ubatch has one, into a bank, read once this fetch's own reads are done. A failure (no memory
+// for a bank) only leaves the next pass to read them itself.
+void zipmoe_prefetch_next_pass(struct ggml_zipmoe_cache * c, int layer, int pass) {
+    const int width = zipmoe_cache_pass_width(c);
+    const int next  = (pass + 1) * width;
+    if (c->prefetch.lookahead == 0 || next >= c->plan.n_unique) {
+        return;
+    }
+    const int n = c->plan.n_unique - next < width ? c->plan.n_unique - next : width;
+    // post_bank marks experts in c->plan.seen, which planning has finished with
+    post_bank(c, layer, c->plan.unique + next, n, 1, n, c->prefetch.lookahead, 0, 0);
 }
 
 int ggml_zipmoe_cache_get_prefetch_recall(const struct ggml_zipmoe_cache * c, int layer, uint64_t * predicted,

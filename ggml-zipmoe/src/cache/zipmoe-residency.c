@@ -311,6 +311,7 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
                  c->layout.layer_n_expert[layer] - 1);
         return GGML_ZIPMOE_ERR_ARG;
     }
+    c->plan.n_unique = n_unique;
     const int width = zipmoe_cache_pass_width(c);
     const int first = pass * width;
     const int last  = first + width < n_unique ? first + width : n_unique;
