@@ -16,6 +16,9 @@ Measured by `bound` (interleaved rounds, median and min-max):
   decoding  decode + recover GB/s of BF16 output (the library's ggml_zipmoe_decode_expert on the
             file's own experts) on one thread, on --threads threads at once, and on one thread while
             the other cores run a memory-bound matrix-vector load (what the graph's products are)
+  new memory GB/s of new anonymous memory made present, a write a page, on one thread (what the stores'
+            pages cost on their first write; on a VM that hands freed memory back to its host, far
+            more than zeroing them)
 Taken from `floor`: the compute floor, a least-squares line through the resident TPOT (and prompt
 time) of the truncations at the full model's layer count, with its residuals.
 
@@ -31,6 +34,9 @@ times resident steps of B sequences), else the batch-1 floor, which makes that b
   TTFT bound = the floor's prompt time + one read of the non-expert weights and of every expert the
                prompt needs (sum over ranks of 1 - (1 - f)^P, per MoE layer) at the sequential O_DIRECT
                rate: a cold start, as the benchmarks' TTFT (load + prompt) is.
+  TTFT CPU floor = the floor's prompt time + every needed expert decoded once at the all-threads rate +
+               the memory they are kept in (their stored bytes, at most the experts' budget) made present
+               on all threads at the one-thread new-memory rate: work no overlap with the reads removes.
 """
 from __future__ import annotations
 
@@ -223,6 +229,23 @@ def decode_rates(path: Path, threads: int, rounds: int, seconds: float, load_row
     for d in decoders:
         d.close()
     return {"gbps": {k: spread(v) for k, v in found.items()}, "threads": threads, "rounds": rounds}
+
+
+# ---- fresh memory ----
+
+def fresh_memory_rate(volume: int) -> float:
+    """GB/s at which one thread makes new anonymous memory present, a write a page: what the stores' pages
+    cost on their first write (or the runtime's populator, ahead of it). A VM that hands freed memory back
+    to its host (free page reporting) faults each page in on the host too."""
+    buf = mmap.mmap(-1, volume)
+    pages = np.frombuffer(buf, np.uint8)[::mmap.PAGESIZE]
+    try:
+        t0 = time.perf_counter()
+        pages[:] = 1
+        return volume / (time.perf_counter() - t0) / 1e9
+    finally:
+        del pages  # the view must go before the map closes
+        buf.close()
 
 
 # ---- the compute floor ----
@@ -430,12 +453,19 @@ def tpot_bound(facts: dict, f: np.ndarray, k: int, budget: int, costs, threads: 
             "capacities": found.capacities, "expert_budget_bytes": budget}
 
 
-def ttft_bound(facts: dict, f: np.ndarray, prompt_tokens: int, prompt_s: float, seq_bps: float) -> dict:
-    """a cold start: the non-expert weights and every expert the prompt needs read once, then the prompt's compute"""
+def ttft_bound(facts: dict, f: np.ndarray, prompt_tokens: int, prompt_s: float, seq_bps: float, budget: int,
+               decode_bps: float, fresh_bps: float, threads: int) -> dict:
+    """a cold start: the non-expert weights and every expert the prompt needs read once, then the prompt's
+    compute. Beside it the CPU's floor, which no overlap with the reads removes: the prompt's compute, every
+    needed expert decoded once on all threads, and the memory they are kept in (at least their stored bytes,
+    at most the experts' budget) made present for the first time, on all threads at one thread's rate."""
     needed = float(np.sum(1.0 - (1.0 - np.minimum(f, 1.0)) ** prompt_tokens)) * facts["n_layer_moe"]
     read_s = (facts["non_expert_bytes"] + needed * facts["stored_expert_bytes"]) / seq_bps
+    decode_s = needed * facts["bf16_expert_bytes"] / decode_bps if decode_bps else 0.0
+    fresh_s = min(max(budget, 0), needed * facts["stored_expert_bytes"]) / (fresh_bps * threads) if fresh_bps else 0.0
     return {"ttft_bound_s": prompt_s + read_s, "prompt_compute_s": prompt_s, "weight_reads_s": read_s,
-            "experts_needed": needed}
+            "experts_needed": needed, "ttft_cpu_floor_s": prompt_s + decode_s + fresh_s, "prompt_decode_s": decode_s,
+            "fresh_memory_s": fresh_s}
 
 
 def compute_floor(floor: dict | None, batch: int) -> tuple[float, str]:
@@ -449,7 +479,7 @@ def compute_floor(floor: dict | None, batch: int) -> tuple[float, str]:
 
 
 def bounds(facts: dict, reads: dict, decode: dict, floor: dict | None, caps: list[int], batches: list[int],
-           profile: str, threads: int, overhead: int, prompt_tokens: int) -> list[dict]:
+           profile: str, threads: int, overhead: int, prompt_tokens: int, fresh: dict | None = None) -> list[dict]:
     """a row per (cap, batch): the TPOT bound at the runtime's queue depth and at the disk's best one,
     and (batch 1) the TTFT bound"""
     rate = {name: r["median"] * 1e9 for name, r in reads["gbps"].items()}
@@ -469,7 +499,9 @@ def bounds(facts: dict, reads: dict, decode: dict, floor: dict | None, caps: lis
                 row.update({f"{label}{key}": value for key, value in found.items()})
             row["best_depth"] = best_depth
             if batch == 1:
-                row.update(ttft_bound(facts, f, prompt_tokens, prompt_s, rate["sequential"]))
+                fresh_bps = fresh["gbps"]["median"] * 1e9 if fresh else 0.0  # none: a JSON from before it was measured
+                row.update(ttft_bound(facts, f, prompt_tokens, prompt_s, rate["sequential"], budget, per_thread * threads,
+                                      fresh_bps, threads))
             rows.append(row)
     return rows
 
@@ -487,6 +519,8 @@ def markdown(result: dict) -> str:
         lines += [f"| decode + recover, 1 thread | {fmt(g['one_thread'])} |",
                   f"| decode + recover, {decode['threads']} threads | {fmt(g['all_threads'])} |",
                   f"| decode + recover, 1 thread beside a matrix-vector load | {fmt(g['one_thread_under_load'])} |"]
+    if result.get("fresh_memory"):
+        lines += [f"| new memory made present, 1 thread a page at a time | {fmt(result['fresh_memory']['gbps'])} |"]
     floor = result.get("floor")
     if floor:
         t = floor["tpot_s"]
@@ -499,13 +533,15 @@ def markdown(result: dict) -> str:
     lines += ["", f"Profile: {result['profile']}; overhead beside the non-expert weights "
               f"{result['overhead_bytes'] / 2**30:.2f} GiB.", "",
               "| cap | batch | k | expert budget GiB | pools F/C/S/E per layer | experts ms | compute ms | "
-              "TPOT bound ms | at depth d | TTFT bound s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "TPOT bound ms | at depth d | TTFT bound s | TTFT CPU floor s (compute + decoding + new memory) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['cap_bytes'] / 2**30:.1f} GiB | {r['batch']} | {r['k']} | {r['error']} |||||||")
+            lines.append(f"| {r['cap_bytes'] / 2**30:.1f} GiB | {r['batch']} | {r['k']} | {r['error']} ||||||||")
             continue
         caps = "/".join(str(r["capacities"].get(p, 0)) for p in ("F", "C", "S", "E"))
-        ttft = f"{r['ttft_bound_s']:.1f}" if "ttft_bound_s" in r else ""
+        ttft = f"{r['ttft_bound_s']:.1f} | {r['ttft_cpu_floor_s']:.1f} ({r['prompt_compute_s']:.1f} + " \
+               f"{r['prompt_decode_s']:.1f} + {r['fresh_memory_s']:.1f})" if "ttft_bound_s" in r else " |"
         lines.append(f"| {r['cap_bytes'] / 2**30:.1f} GiB | {r['batch']} | {r['k']} | {r['expert_budget_bytes'] / 2**30:.2f} | "
                      f"{caps} | {r['experts_s'] * 1e3:.0f} | {r['compute_s'] * 1e3:.0f} | {r['tpot_bound_s'] * 1e3:.0f} | "
                      f"{r['best_depth_tpot_bound_s'] * 1e3:.0f} (d={r['best_depth']}) | {ttft} |")
@@ -528,12 +564,13 @@ def bound_main(args) -> int:
           f"measuring reads ({args.rounds} rounds of {args.volume / 1e9:.1f} GB per pattern) and decoding ...", flush=True)
     reads = read_rates(args.model, args.rounds, args.volume)
     decode = decode_rates(args.model, args.threads, args.rounds, args.seconds)
+    fresh = {"gbps": spread([fresh_memory_rate(args.volume) for _ in range(args.rounds)]), "volume_bytes": args.volume}
     rows = bounds(facts, reads, decode, floor, [parse_size(c) for c in args.caps.split(",")],
                   [int(b) for b in args.batch.split(",")], args.profile, args.threads, parse_size(args.overhead),
-                  args.prompt_tokens)
+                  args.prompt_tokens, fresh)
     result = {**run_facts(args.out), "model": str(args.model), "profile": args.profile, "threads": args.threads,
               "overhead_bytes": parse_size(args.overhead), "prompt_tokens": args.prompt_tokens, "facts": facts,
-              "reads": reads, "decode": decode, "floor": floor, "rows": rows}
+              "reads": reads, "decode": decode, "fresh_memory": fresh, "floor": floor, "rows": rows}
     save(result, args.out, markdown)
     return 0
 
@@ -560,7 +597,7 @@ def main(argv=None) -> int:
                     help="memory beside the non-expert weights the experts cannot have (default: %(default)s)")
     bd.add_argument("--rounds", type=int, default=5, help="interleaved measuring rounds (default: %(default)s)")
     bd.add_argument("--volume", type=parse_size, default=parse_size("512M"),
-                    help="bytes read per read pattern and round (default: 512M)")
+                    help="bytes read per read pattern and round, and new memory made present per round (default: 512M)")
     bd.add_argument("--seconds", type=float, default=2.0, help="seconds per decoding measurement (default: %(default)s)")
     bd.add_argument("--out", type=Path, required=True)
     fl.add_argument("--prompt-tokens", type=int, default=44,

@@ -81,9 +81,10 @@ def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
 
     reads = machine.read_rates(zipmoe, 1, limits["reads"]["volume_bytes"])
     rows = machine.bounds(limits["facts"], reads, limits["decode"], limits["floor"], caps, [1], limits["profile"],
-                          limits["threads"], limits["overhead_bytes"], limits["prompt_tokens"])
+                          limits["threads"], limits["overhead_bytes"], limits["prompt_tokens"], limits.get("fresh_memory"))
+    kept = ("tpot_bound_s", "ttft_bound_s", "ttft_cpu_floor_s")
     return {"reads_gbps": {k: v["median"] for k, v in reads["gbps"].items()},
-            "rows": {str(r["cap_bytes"]): {k: r[k] for k in ("tpot_bound_s", "ttft_bound_s") if k in r} for r in rows}}
+            "rows": {str(r["cap_bytes"]): {k: r[k] for k in kept if k in r} for r in rows}}
 
 
 # "re-planned after 16 decode steps (6 experts per MoE layer a step, 33606.7 MB read so far; ...": the experts

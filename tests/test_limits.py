@@ -86,6 +86,20 @@ def test_the_bound_is_the_planners_makespan_plus_the_compute_floor(limits, zipmo
     cold = facts["non_expert_bytes"] + needed * facts["stored_expert_bytes"]
     assert one["ttft_bound_s"] == pytest.approx(3.0 + cold / 1.8e9)
     assert "ttft_bound_s" not in by_cap[(caps[0], 4)]
+    # the CPU's floor beside it: compute, every needed expert decoded once on both threads (6 GB/s), and
+    # the memory they are kept in, at most the experts' budget, made present on both at one thread's rate
+    assert one["ttft_cpu_floor_s"] == pytest.approx(3.0 + needed * facts["bf16_expert_bytes"] / 6e9)  # rate not given
+    fresh = {"gbps": {"median": 0.5}}
+    for cap in (caps[0], caps[2]):
+        row = limits.bounds(facts, reads, decode, floor, [cap], [1], "uniform", 2, 0, 40, fresh)[0]
+        kept = min(cap - facts["non_expert_bytes"], needed * facts["stored_expert_bytes"])
+        assert row["fresh_memory_s"] == pytest.approx(kept / 1e9)
+        assert row["ttft_cpu_floor_s"] == pytest.approx(3.0 + needed * facts["bf16_expert_bytes"] / 6e9 + kept / 1e9)
+        assert row["ttft_bound_s"] == pytest.approx(one["ttft_bound_s"])  # the issue's bound is the reads'
+
+
+def test_new_memory_is_timed_as_it_is_first_written(limits):
+    assert limits.fresh_memory_rate(16 << 20) > 0
 
 
 def test_a_batch_takes_its_own_compute_floor_where_one_was_measured(limits, zipmoe_gguf):

@@ -4,6 +4,10 @@ other threads; the graphs' whole time beside it; page faults while fetching. The
 from shared timestamps, so they add up to fetch_ns exactly."""
 from __future__ import annotations
 
+import os
+import re
+import time
+
 import numpy as np
 
 from conftest import run, zipmoe_command
@@ -70,3 +74,37 @@ def test_a_models_graphs_are_counted_and_the_cli_reports_the_account(zipmoe_gguf
     assert chat.returncode == 0, chat.stderr[-2000:]
     line = next(line for line in chat.stderr.splitlines() if line.startswith("[stats] this reply"))
     assert "time (ms per token): graphs" in line and "waiting for reads" in line and "page faults" in line
+
+
+def _kernel_populates() -> bool:
+    """MADV_POPULATE_WRITE (Linux 5.14): without it the stores' pages are faulted in where first written"""
+    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return os.uname().sysname == "Linux" and found is not None and tuple(map(int, found.groups())) >= (5, 14)
+
+
+def test_the_stores_pages_faulted_in_ahead_are_counted(tmp_path):
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(1031, 517, 8), layers=3)
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=4)
+    # a C store of 4 experts a layer: the populator has pages to fault in
+    cache = Cache(path, 10, eviction=_lib.EVICT_RANK, pools=(2, 4, 0, 0))
+    try:
+        _fetch_some(cache, 2)
+        # the populator runs beside the fetches: wait until it has done and its count holds still
+        deadline = time.monotonic() + 30
+        while _kernel_populates() and time.monotonic() < deadline:
+            seen = cache.stats()["populate_bytes"]
+            time.sleep(0.5)
+            if seen > 0 and cache.stats()["populate_bytes"] == seen:
+                break
+        s = cache.stats()
+        if _kernel_populates():
+            c_store = 3 * 4 * (1031 * 517 * 3) * 2  # 12 entries of at most a whole BF16 expert
+            assert 0 < s["populate_bytes"] <= c_store and s["populate_bytes"] % 4096 == 0, s
+            assert s["populate_ns"] > 0
+        else:
+            assert s["populate_bytes"] == s["populate_ns"] == 0
+        cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
+        assert cache.stats()["populate_bytes"] == cache.stats()["populate_ns"] == 0
+    finally:
+        cache.close()

@@ -40,7 +40,8 @@ class CacheStats(ctypes.Structure):
                                                      "prefetch_bytes_read", "prefetch_bytes_used", "h2d_bytes",
                                                      "substitutions", "substitution_tokens", "lock_wait_ns", "plan_ns",
                                                      "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
-                                                     "graph_ns", "graphs", "preload_experts", "preload_bytes_read")]
+                                                     "graph_ns", "graphs", "preload_experts", "preload_bytes_read",
+                                                     "populate_bytes", "populate_ns")]
 
 
 class BuddyParams(ctypes.Structure):

@@ -62,7 +62,10 @@ def _time_account(stats: dict, n_tokens: int | None) -> str:
              ("waiting for reads", stats["read_wait_ns"]), ("waiting for the other threads", stats["finish_wait_ns"])]
     text = f"time ({unit}): graphs {stats['graph_ns'] / 1e6 / per:.1f} = " + ", ".join(
         f"{name} {ns / 1e6 / per:.1f}" for name, ns in parts)
-    return text + f"; {stats['decode_faults']} page faults while fetching"
+    text += f"; {stats['decode_faults']} page faults while fetching"
+    if stats.get("populate_bytes"):  # a helper thread's, beside the graphs: CPU they share on a small machine
+        text += f"; stores' pages faulted in ahead: {stats['populate_bytes'] / 1e6:.1f} MB in {stats['populate_ns'] / 1e6:.1f} ms"
+    return text
 
 
 def _format_stats(stats: dict, n_tokens: int | None = None) -> str:

@@ -103,6 +103,7 @@ struct zipmoe_store {
     atomic_int populate_halt;  // set: the populator stops after its current piece
     size_t     populated_to;   // bytes [populated_to, populate_end) of mem are left to fault in
     size_t     populate_end;
+    struct zipmoe_counters * counters; // where the populator adds its bytes and time
 };
 
 // the served experts' geometry, fixed when the cache is made. A key is layer * max_expert + expert.
@@ -276,7 +277,7 @@ struct zipmoe_prefetch {
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
         fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
-        decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read;
+        decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read, populate_bytes, populate_ns;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]

@@ -202,11 +202,14 @@ static void * populate_pages(void * arg) {
     const size_t piece = 16u << 20;
     while (s->populated_to < s->populate_end && !atomic_load(&s->populate_halt)) {
         const size_t n = s->populate_end - s->populated_to < piece ? s->populate_end - s->populated_to : piece;
+        const uint64_t t0 = zipmoe_now_ns();
         if (madvise(s->mem + s->populated_to, n, MADV_POPULATE_WRITE) != 0) {
             s->populated_to = s->populate_end; // a kernel before 5.14 refuses: the faults stay where written
             break;
         }
         s->populated_to += n;
+        atomic_fetch_add(&s->counters->populate_ns, zipmoe_now_ns() - t0);
+        atomic_fetch_add(&s->counters->populate_bytes, n);
     }
     return NULL;
 }
@@ -227,7 +230,8 @@ static void populate_stop(struct zipmoe_store * s, size_t * from, size_t * to) {
 
 // bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made, nor where
 // the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do)
-static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
+static void populate_async(struct zipmoe_store * s, struct zipmoe_counters * counters, size_t from, size_t to) {
+    s->counters = counters;
 #if defined(MADV_POPULATE_WRITE)
     const uintptr_t page  = 4096;
     const uintptr_t base  = (uintptr_t) s->mem;
@@ -240,7 +244,6 @@ static void populate_async(struct zipmoe_store * s, size_t from, size_t to) {
     s->populate_end = end - base;
     s->populating   = pthread_create(&s->populator, NULL, populate_pages, s) == 0;
 #else
-    (void) s;
     (void) from;
     (void) to;
 #endif
@@ -285,7 +288,7 @@ static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t
     const size_t from = pending_to > pending_from ? pending_from : old_bytes;
     const size_t to   = new_bytes > old_bytes ? new_bytes : pending_to < new_bytes ? pending_to : new_bytes;
     if (to > from) {
-        populate_async(s, from, to);
+        populate_async(s, &c->stats, from, to);
     }
     s->entry_size = entry_size;
     s->n_entries  = n_new;

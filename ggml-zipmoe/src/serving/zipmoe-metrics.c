@@ -68,6 +68,7 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
         { "h2d_bytes_total",     "Bytes copied host to device for slots in a device's memory", s.h2d_bytes },
         { "fetch_page_faults_total", "Page faults of the decoding threads while fetching", s.decode_faults },
         { "graphs_total",        "Graphs of the model computed (build, fetches and compute)", s.graphs },
+        { "populate_bytes_total", "Store pages a helper thread faulted in ahead of their first write", s.populate_bytes },
         { "substitutions_total", "LOSSY: selections a substitution policy replaced (0 unless a lossy mode is on)",
                                  s.substitutions },
     };
@@ -78,6 +79,7 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
     put_seconds(&t, "decode_seconds_total", "Time decoding exponent chunks, summed over threads", s.decode_ns);
     put_seconds(&t, "recover_seconds_total", "Time recovering BF16 weights, summed over threads", s.recover_ns);
     put_seconds(&t, "fetch_wait_seconds_total", "Time the graph waited in expert fetches", s.fetch_ns);
+    put_seconds(&t, "populate_seconds_total", "Time a helper thread spent faulting store pages in", s.populate_ns);
     put_seconds(&t, "graph_seconds_total", "Wall time of the model's graphs, fetches included", s.graph_ns);
     // the fetch wait by part (they add up to fetch_wait_seconds_total)
     put(&t, "# HELP zipmoe:fetch_wait_part_seconds_total Where the expert fetches' wait went on the graph's critical "
