@@ -33,7 +33,6 @@ CONTEXTS = {"default": [], "256": ["-c", "256", "-b", "64"]}
 SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"},
               "zipmoe-fpool": {"ZIPMOE_AUTO_POOLS": "0"}}
 STATS = re.compile(r"ZipMoE expert cache so far: (.*)")  # logged when a context is freed
-LIBGOMP_SPIN_COUNT = "300000"  # libgomp's own GOMP_SPINCOUNT when neither it nor OMP_WAIT_POLICY is set
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
@@ -50,30 +49,20 @@ def zipmoe_beside(source: Path, given: Path | None) -> Path:
     return zipmoe.resolve()
 
 
-def run_environment(stock: bool) -> dict:
-    """A run's environment: ZipMoE's as the venv's commands give it (importing zipmoe_py sets libgomp's barrier
-    spin, docs/GUIDE.md "Barrier spin"); stock's with libgomp's own default, as stock's users run it."""
-    import zipmoe_py
-
-    if stock and zipmoe_py.OPENMP_SPIN_SET:
-        return {**os.environ, "GOMP_SPINCOUNT": LIBGOMP_SPIN_COUNT}  # said, so the venv's commands keep it too
-    return dict(os.environ)
-
-
 def llama_completion() -> Path:
     from zipmoe_py import _paths
 
     return _paths.program("llama-completion")
 
 
-def run_one(cap: int, model: Path, args, context: str, env: dict | None = None, stock: bool = False) -> dict:
+def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) -> dict:
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--",
            str(llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp", "1",
            "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *CONTEXTS[context]]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
                           stdin=subprocess.DEVNULL,
-                          env={**run_environment(stock), **(env or {})})
+                          env={**os.environ, **(env or {})})
     row = {"command": cmd[cmd.index("--") + 1:], "env": env or {}, "wall_s": time.perf_counter() - t}
     stats = STATS.findall(proc.stderr)
     if stats:
@@ -135,7 +124,7 @@ def main() -> int:
             for system in args.systems.split(","):
                 path = bf16 if system == "stock" else zipmoe
                 row = {"system": system, "context": context, "cap_pct": pct, "cap_bytes": cap,
-                       **run_one(cap, path, args, context, SYSTEM_ENV.get(system), stock=system == "stock")}
+                       **run_one(cap, path, args, context, SYSTEM_ENV.get(system))}
                 rows.append(row)
                 if "error" in row:
                     print(f"ctx {context:>7} {pct:>3}% {system:7s} FAILED (rc {row['rc']}): {row['error'][-300:]}",

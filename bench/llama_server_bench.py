@@ -36,9 +36,6 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_bench import run_environment  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 CAPPED_RUN = ROOT.parent / "shared" / "tools" / "capped-run"
 BIN = Path(sys.executable).parent
@@ -151,8 +148,7 @@ def bench_server(kind: str, args) -> dict:
     cmd, model = server_command(kind, args, port)
     capped = [sys.executable, str(CAPPED_RUN), "--mem", args.cap, "--evict", str(model), "--"]
     log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=log,
-                            env=run_environment(stock=kind == "llama-server bf16"))
+    proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
         t = time.perf_counter()

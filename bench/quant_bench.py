@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, run_environment, zipmoe_beside  # noqa: E402
+from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
 from floors import ACCOUNT, STATS as COUNTERS  # noqa: E402
 
 # 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
@@ -142,13 +142,13 @@ def implied_reads(limits: dict, pools: dict) -> float:
     return machine.implied_read_bytes(limits["facts"], f, pools)
 
 
-def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None = None, stock: bool = False) -> dict:
+def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None = None) -> dict:
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", str(cap), "--evict", str(model), "--", sys.executable, "-c",
            IO_WRAPPER, str(program or llama_completion()), "-m", str(model), "-p", PROMPT, "-n", str(args.gen_tokens), "--temp",
            "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv", "-t", str(args.threads), "-v", *extra]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir(),
-                          stdin=subprocess.DEVNULL, env=run_environment(stock))
+                          stdin=subprocess.DEVNULL)
     row = {"command": cmd[cmd.index("--") + 4:], "wall_s": time.perf_counter() - t}
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     capped = json.loads(lines[-1]) if lines else {}
@@ -364,8 +364,7 @@ def main() -> int:
                     continue
                 row = {"round": rnd, "system": system, "cap_bytes": cap,
                        **({"round_bound": {"reads_gbps": bound["reads_gbps"], **bound["rows"][str(cap)]}} if bound else {}),
-                       **run_one(cap, files[which], extra, args, args.before if system == "zipmoe-before" else None,
-                                 stock=which == "stock")}
+                       **run_one(cap, files[which], extra, args, args.before if system == "zipmoe-before" else None)}
                 if limits and "steady_pools" in row:
                     row["implied_read_per_token"] = implied_reads(limits, row["steady_pools"])
                 rows.append(row)

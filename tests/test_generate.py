@@ -181,19 +181,6 @@ def test_foreign_llama_cpp_lib_path_is_refused(tmp_path):
     assert b"points llama_cpp at another llama.cpp build" in proc.stderr
 
 
-def test_libgomps_barrier_spin_is_cut_unless_the_user_chose(tmp_path):
-    """libgomp reads GOMP_SPINCOUNT when it loads: importing zipmoe_py sets it first (the venv's fork programs
-    exec theirs from a Python that imported it), and leaves a count or a wait policy the user gave alone"""
-    import zipmoe_py
-
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = "import os, zipmoe_py\nprint(os.environ.get('GOMP_SPINCOUNT'))"
-    for extra, expected in (({}, zipmoe_py.OPENMP_SPIN_COUNT), ({"GOMP_SPINCOUNT": "42"}, "42"),
-                            ({"OMP_WAIT_POLICY": "active"}, "None")):
-        proc = run([sys.executable, "-c", code], env={**base, **extra}, cwd=tmp_path)
-        assert proc.returncode == 0 and proc.stdout.decode().strip() == expected, (extra, proc.stderr.decode())
-
-
 def test_bindings_load_zipmoes_library(tmp_path):
     proc = _python("import zipmoe_py, llama_cpp\nzipmoe_py.Llama\n"
                    "print(llama_cpp.llama_cpp._lib._name)\nprint(llama_cpp.__version__)", tmp_path)

@@ -211,18 +211,3 @@ def test_a_zipmoe_only_server_bench_needs_no_bf16_file(tmp_path):
     with pytest.raises(SystemExit) as refused:
         server_bench.parse_args([*common, "--servers", "llama-server zipmoe", "llama-server bf16"])
     assert refused.value.code == 2
-
-
-def test_stock_runs_keep_libgomps_spin_and_zipmoe_runs_get_ours(monkeypatch):
-    """the benches run ZipMoE as the venv's commands do (zipmoe_py's import sets GOMP_SPINCOUNT) and stock with
-    libgomp's own default, said explicitly so that the venv's commands do not set ours over it"""
-    import zipmoe_py
-
-    cli_bench = bench_module("cli_bench")
-    monkeypatch.setattr(zipmoe_py, "OPENMP_SPIN_SET", True)
-    monkeypatch.setenv("GOMP_SPINCOUNT", zipmoe_py.OPENMP_SPIN_COUNT)
-    assert cli_bench.run_environment(stock=False)["GOMP_SPINCOUNT"] == zipmoe_py.OPENMP_SPIN_COUNT
-    assert cli_bench.run_environment(stock=True)["GOMP_SPINCOUNT"] == "300000"
-    monkeypatch.setattr(zipmoe_py, "OPENMP_SPIN_SET", False)  # the user chose a count: both runs keep it
-    monkeypatch.setenv("GOMP_SPINCOUNT", "42")
-    assert cli_bench.run_environment(stock=True)["GOMP_SPINCOUNT"] == "42"

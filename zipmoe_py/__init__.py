@@ -17,16 +17,6 @@ from .errors import ZipMoEError, ZipMoELoadError
 if "llama_cpp" not in _sys.modules and "LLAMA_CPP_LIB_PATH" not in _os.environ and _paths.LIB_DIR.is_dir():
     _os.environ["LLAMA_CPP_LIB_PATH"] = str(_paths.LIB_DIR)
 
-# libgomp, which runs ggml's CPU threads, spins 300,000 times at each barrier of a graph before it sleeps.
-# Where the cores are all taken (the stores' populator and the I/O thread beside the graph threads on a
-# small machine), the spinning thread holds the core its preempted partner needs (BENCHMARKS, "A barrier's
-# spin"). libgomp reads the count once, when it loads: set before ours load (and inherited by the fork's
-# programs, which the venv's commands exec), unless the user chose a count or a wait policy.
-OPENMP_SPIN_COUNT = "10000"
-OPENMP_SPIN_SET = "GOMP_SPINCOUNT" not in _os.environ and "OMP_WAIT_POLICY" not in _os.environ
-if OPENMP_SPIN_SET:
-    _os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
-
 __version__ = "0.1.0"
 __all__ = ["Llama", "ZipMoEError", "ZipMoELoadError", "__version__"]
 
