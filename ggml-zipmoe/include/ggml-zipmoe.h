@@ -391,7 +391,8 @@ struct ggml_zipmoe_cache_stats {
     uint64_t preload_experts;     // experts ggml_zipmoe_cache_preload filled (counted in no fetch counter above;
     uint64_t preload_bytes_read;  //   their bytes sent to a device are in h2d_bytes) and the stored bytes it read
     uint64_t populate_bytes;      // store pages a helper thread faulted in ahead of their first write (bytes),
-    uint64_t populate_ns;         //   and its time doing so: CPU the graph threads share on a small machine
+    uint64_t populate_ns;         //   and its wall time in those calls (preempted time included: on a small
+                                  //   machine it shares the cores with the graph threads)
 };
 
 struct ggml_zipmoe_cache;
