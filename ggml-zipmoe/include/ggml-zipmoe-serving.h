@@ -133,10 +133,10 @@ GGML_ZIPMOE_API int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, c
 
 // after a graph of a ubatch of n_tokens tokens of n_seqs distinct sequences computed: counts the
 // routing of decode steps (n_tokens == n_seqs: one token of each sequence, one decoding or several in
-// parallel; a prompt is not counted); after zipmoe.replan_tokens of them, plans the default pools
-// once more from their rank profile, for the experts a step selected (slots in a device's memory:
-// adds host stores beside them if those steps missed once per step or more). Returns 1 if the slot
-// layout changed (graphs must be rebuilt), else 0.
+// parallel; a prompt is not counted); after zipmoe.replan_tokens of them, and again each time their
+// number doubles, plans the default pools from their rank profile, for the experts a step selected
+// (slots in a device's memory: once, adds host stores beside them if those steps missed once per step
+// or more). Returns 1 if the slot layout changed (graphs must be rebuilt), else 0.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t n_seqs);
 
 // the last sizing (before the first: what load decided)

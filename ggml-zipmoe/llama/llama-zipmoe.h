@@ -12,7 +12,7 @@
 //
 // Memory. The sizing is ggml-zipmoe's (ggml-zipmoe-serving.h): the slot tensors reserve address
 // space for every expert but take memory only for the slots in use, decided when a context is made
-// or freed, and again when zipmoe.replan_tokens decode steps re-plan the default pools. An
+// or freed, and again when decode steps re-plan the default pools (zipmoe.replan_tokens, then doubling). An
 // explicit zipmoe.budget is reduced, with a warning giving the numbers, when it does not fit; pools
 // that do not fit make context creation fail with the numbers.
 //

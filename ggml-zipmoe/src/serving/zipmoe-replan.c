@@ -1,8 +1,9 @@
-// Serving, re-planning: the default pools planned once more from the routing seen. After
+// Serving, re-planning: the default pools planned again from the routing seen. After
 // zipmoe.replan_tokens decode steps (ubatches of one token of each of their sequences: one sequence
 // decoding, or several in parallel), the rank-based inclusion probabilities of those steps replace
 // the planner's built-in uniform profile, planned for the experts a step selects (its union over
 // the sequences, which a step of four sequences makes about 3.5 times one's on DeepSeek-V2-Lite).
+// It plans again each time the steps counted double, from all of them.
 
 #include "serving/zipmoe-serving-impl.h"
 
@@ -302,11 +303,16 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         r->step_misses += counted ? st.expert_misses - r->misses_seen : 0;
         r->misses_seen = st.expert_misses;
     }
-    if (r->token_steps < (uint64_t) s->p.replan_tokens) {
+    if (r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
         return 0;
     }
-    r->replanned = true;
+    // a change must repay its reads within the steps seen (replan), so a serving that has run twice as
+    // long may take one an earlier re-plan declined: four Qwen1.5-MoE sequences at 20 GiB kept every
+    // expert compressed, decoding on the path at twice stock's step, for a change repaid in 51 steps
+    // (BENCHMARKS, "Four sequences on the full Qwen1.5-MoE geometry")
+    r->next_replan = 2 * r->token_steps;
     if (s->on_gpu) {
+        r->replanned = true; // the host stores beside the device's slots are added once
         return replan_device(s);
     }
     return rank_profile(s) ? replan(s) : 0;
