@@ -65,7 +65,7 @@ SWEEP = textwrap.dedent('''
     arm(0, "eio")
     reference = generate()
     # reads ahead make the count vary with timing (how much of a bank is read before its pass takes it):
-    # the fewest of three generations, so that every point swept is within each generation's reads
+    # the fewest of three generations is the last point swept (a generation that falls short runs again)
     per_run = None
     for _ in range(3):
         before = shim.zipmoe_fault_reads()
@@ -75,13 +75,18 @@ SWEEP = textwrap.dedent('''
     results = {"reads_per_generation": per_run, "faults": []}
     for kind in kinds:
         for at in sorted(set(range(1, per_run + 1, max(1, per_run // points))) | {per_run}):
-            fired = shim.zipmoe_fault_fired()
-            arm(at, kind)
-            error, exact_during = None, False
-            try:
-                exact_during = all(np.array_equal(a, b) for a, b in zip(generate(), reference))
-            except ZipMoEError as e:
-                error = str(e)
+            # a generation that read fewer than `at` chunks (timing: 4732-4745 of DeepSeek's, one machine)
+            # never reached the fault: it is run again, up to twice, with the fault armed afresh
+            for _ in range(3):
+                fired, reads = shim.zipmoe_fault_fired(), shim.zipmoe_fault_reads()
+                arm(at, kind)
+                error, exact_during = None, False
+                try:
+                    exact_during = all(np.array_equal(a, b) for a, b in zip(generate(), reference))
+                except ZipMoEError as e:
+                    error = str(e)
+                if shim.zipmoe_fault_fired() > fired or shim.zipmoe_fault_reads() - reads >= at:
+                    break
             arm(0, kind)
             exact = all(np.array_equal(a, b) for a, b in zip(generate(), reference))
             results["faults"].append({"kind": kind, "at": at, "fired": shim.zipmoe_fault_fired() - fired,
