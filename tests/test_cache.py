@@ -276,27 +276,35 @@ def test_passes_split_distinct_experts_in_ascending_order_and_merge_takes_rows_f
 
 def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
     make, experts = setup
-    cache = make(6)
+    cache = make(3)  # three slots: every fetch below misses
     defaults = {name: _lib.default_rate(r) for name, r in (("read", _lib.RATE_READ), ("decode", _lib.RATE_DECODE),
                                                            ("compute", _lib.RATE_COMPUTE))}
     assert cache.stats()["rates"] == defaults  # nothing measured yet
     bf16 = 2 * 67 * 45 * 3  # one expert's three tensors, BF16 bytes
-    assert cache.fetch(0, [[0, 1, 2]])[0] == 0
-    s = cache.stats()
-    # the first measurement replaces the default: this fetch's bytes over its own time
-    read1 = s["bytes_read"] * 1e9 / s["io_ns"]
-    decode1 = 3 * bf16 * 1e9 / (s["decode_ns"] + s["recover_ns"])
-    assert s["rates"] == {"read": read1, "decode": decode1, "compute": defaults["compute"]}
-    assert cache.fetch(0, [[3, 4]])[0] == 0
-    t = cache.stats()
-    # then a running average, moved by a quarter of each fetch's own rate
-    read2 = (t["bytes_read"] - s["bytes_read"]) * 1e9 / (t["io_ns"] - s["io_ns"])
-    decode2 = 2 * bf16 * 1e9 / (t["decode_ns"] + t["recover_ns"] - s["decode_ns"] - s["recover_ns"])
-    assert t["rates"] == {"read": 0.75 * read1 + 0.25 * read2, "decode": 0.75 * decode1 + 0.25 * decode2,
-                          "compute": defaults["compute"]}
+    before, faulted, clean = cache.stats(), 0, 0
+    read, decode = defaults["read"], defaults["decode"]
+    # fresh slots first (their pages are touched for the first time), then slots freed by eviction
+    for i, ids in enumerate([[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4], [5, 0]]):
+        assert cache.fetch(0, [ids])[0] == 0
+        after = cache.stats()
+        # the first measurement replaces the default, then a running average moved by a quarter of
+        # each fetch's own rate: stored bytes over read time; BF16 bytes over decode + recovery time
+        now = (after["bytes_read"] - before["bytes_read"]) * 1e9 / (after["io_ns"] - before["io_ns"])
+        read = now if i == 0 else 0.75 * read + 0.25 * now
+        if after["decode_faults"] > before["decode_faults"]:  # the kernel's page clearing, not decoding
+            faulted += 1
+        else:
+            spent = after["decode_ns"] + after["recover_ns"] - before["decode_ns"] - before["recover_ns"]
+            now = len(ids) * bf16 * 1e9 / spent
+            decode = now if clean == 0 else 0.75 * decode + 0.25 * now
+            clean += 1
+        assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"]}, i
+        before = after
+    assert faulted >= 1 and clean >= 2  # the fresh slots faulted; fetches into reused slots measured
     # a rate given in the params stays as given
-    given = make(6, rate_read=5e8)
-    assert given.fetch(0, [[0, 1, 2]])[0] == 0
+    given = make(3, rate_read=5e8)
+    for ids in ([0, 1, 2], [3, 4, 5], [0, 1, 2]):
+        assert given.fetch(0, [ids])[0] == 0
     rates = given.stats()["rates"]
     assert rates["read"] == 5e8 and rates["decode"] != defaults["decode"]
 

@@ -519,8 +519,8 @@ GGML_ZIPMOE_API size_t       ggml_zipmoe_cache_format_metrics(const struct ggml_
 
 // the rate (enum ggml_zipmoe_rate, bytes per second) the scheduler's cost model uses now: the params'
 // rate when one was given; else, for reads and decodes, the running average of this cache's own
-// fetches (stored bytes over read time; BF16 bytes over decode + recovery time per thread), the
-// default until a fetch has measured it. Compute stays the params' or the default (the products run
+// fetches (stored bytes over read time; BF16 bytes over decode + recovery time per thread, from
+// fetches whose decoding threads took no page faults), the default until a fetch has measured it. Compute stays the params' or the default (the products run
 // in the graph, where the cache does not time them). 0 if cache is NULL or rate unknown.
 GGML_ZIPMOE_API double       ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * cache, int rate);
 

@@ -194,9 +194,10 @@ struct zipmoe_plan {
     int32_t                         sched_threads; // L: decoding threads of the last fetch
     double                          rate_read, rate_decode, rate_compute; // the cost model, bytes per second
     // rates not given in the params follow this machine (zipmoe-fetch.c: calibrate): running
-    // averages of the fetches' own reads and decodes; the counters as of the last update
+    // averages of the fetches' own reads and decodes (decodes without page faults); the counters as
+    // of the last update
     int                             measure_read, measure_decode; // RATE_GIVEN, RATE_DEFAULT or RATE_MEASURED
-    uint64_t                        seen_bytes_read, seen_io_ns, seen_decode_ns;
+    uint64_t                        seen_bytes_read, seen_io_ns, seen_decode_ns, seen_decode_faults;
 };
 
 // the fetch pipeline: the I/O thread and the staging rings (zipmoe-fetch-io.c), the decoding threads

@@ -281,19 +281,25 @@ static void update_rate(double * rate, int * measure, double bytes, uint64_t ns)
 
 // the cost model follows this machine (rates the params did not give): read rate from the I/O
 // thread's bytes and time, decode rate from the fetch's BF16 output and its threads' decode +
-// recovery time. Thread 0 of end; a failed fetch only moves the starting point.
+// recovery time. Thread 0 of end; a failed fetch only moves the starting point. A fetch whose
+// decoding threads took page faults (slots touched for the first time: new pools) leaves the decode
+// rate: with them it fell from 4.4-5.3 to 0.3-0.6 GB/s after a re-plan made F pools (four Qwen1.5-MoE
+// sequences), and the re-plans after it planned with that.
 static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
     const uint64_t bytes  = atomic_load(&c->stats.bytes_read), io_ns = atomic_load(&c->stats.io_ns);
     const uint64_t dec_ns = atomic_load(&c->stats.decode_ns) + atomic_load(&c->stats.recover_ns);
+    const uint64_t faults = atomic_load(&c->stats.decode_faults);
+    const int      clean  = faults == c->plan.seen_decode_faults;
     if (!succeeded || bytes < c->plan.seen_bytes_read || io_ns < c->plan.seen_io_ns ||
-        dec_ns < c->plan.seen_decode_ns) {
+        dec_ns < c->plan.seen_decode_ns || faults < c->plan.seen_decode_faults) {
         // a failure's partial reads, or statistics reset: measure from here
         c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+        c->plan.seen_decode_faults = faults;
         return;
     }
     update_rate(&c->plan.rate_read, &c->plan.measure_read, (double) (bytes - c->plan.seen_bytes_read),
                 io_ns - c->plan.seen_io_ns);
-    if (c->plan.measure_decode != RATE_GIVEN) {
+    if (c->plan.measure_decode != RATE_GIVEN && clean) {
         double out = 0;
         for (int i = 0; i < c->plan.n_tasks; i++) {
             out += (double) c->file->tensors[c->plan.tasks[i].tensor].bytes;
@@ -301,6 +307,7 @@ static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
         update_rate(&c->plan.rate_decode, &c->plan.measure_decode, out, dec_ns - c->plan.seen_decode_ns);
     }
     c->plan.seen_bytes_read = bytes, c->plan.seen_io_ns = io_ns, c->plan.seen_decode_ns = dec_ns;
+    c->plan.seen_decode_faults = faults;
 }
 
 // thread 0 of end, once every task is done (or the fetch failed): wait for the I/O thread, clean up,
