@@ -11,6 +11,7 @@ slots it was filling.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import time
 
@@ -25,8 +26,10 @@ from test_format import make_moe_gguf
 
 class Cache:
     def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0),
-                 rate_read=0.0, prefetch=0, lookahead=0):
+                 rate_read=0.0, prefetch=0, lookahead=0, fresh_pages=False):
+        """fresh_pages: slots in pages of their own, never touched (their first write faults)"""
         lib = self.lib = _lib.lib()
+        self.maps = []
         self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
         layers = self.zf.moe_layers()
         # the params hold the layer table C reads: kept as long as the cache
@@ -42,6 +45,9 @@ class Cache:
         for k, tensor in enumerate(layers[min(layers)]):
             ne0, ne1, _ = self.zf.shape(self.zf.tensors[tensor])
             slots = np.zeros((n_slots, ne1 * ne0), np.uint16)
+            if fresh_pages:
+                self.maps.append(mmap.mmap(-1, slots.nbytes))
+                slots = np.frombuffer(self.maps[-1], np.uint16).reshape(slots.shape)
             self.slots.append(slots)
             params.slot_data[k] = slots.ctypes.data
             params.slot_stride[k] = slots.strides[0]
@@ -133,9 +139,9 @@ def setup(tmp_path):
     caches = []
 
     def make(n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, rate_read=0.0, prefetch=0, pools=(0, 0, 0, 0),
-             lookahead=0):
+             lookahead=0, fresh_pages=False):
         caches.append(Cache(path, n_slots, n_decoders, eviction, rank_delta, pools, rate_read=rate_read,
-                            prefetch=prefetch, lookahead=lookahead))
+                            prefetch=prefetch, lookahead=lookahead, fresh_pages=fresh_pages))
         return caches[-1]
 
     yield make, experts
@@ -276,7 +282,7 @@ def test_passes_split_distinct_experts_in_ascending_order_and_merge_takes_rows_f
 
 def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
     make, experts = setup
-    cache = make(3)  # three slots: every fetch below misses
+    cache = make(3, fresh_pages=True)  # three slots: every fetch below misses
     defaults = {name: _lib.default_rate(r) for name, r in (("read", _lib.RATE_READ), ("decode", _lib.RATE_DECODE),
                                                            ("compute", _lib.RATE_COMPUTE))}
     assert cache.stats()["rates"] == defaults  # nothing measured yet
@@ -300,7 +306,7 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
             clean += 1
         assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"]}, i
         before = after
-    assert faulted >= 1 and clean >= 2  # the fresh slots faulted; fetches into reused slots measured
+    assert faulted >= 1 and clean >= 2  # the fresh slots' pages faulted; fetches into them again measured
     # a rate given in the params stays as given
     given = make(3, rate_read=5e8)
     for ids in ([0, 1, 2], [3, 4, 5], [0, 1, 2]):

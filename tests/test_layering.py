@@ -14,6 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "ggml-zipmoe" / "src"
 
 # the cache's files from the top down (zipmoe-cache-impl.h); a file may call those after it only
 CACHE_ORDER = [
+    ("zipmoe-migrate.c",),
     ("zipmoe-preload.c", "zipmoe-substitution-hook.c", "zipmoe-default-pools.c"),
     ("zipmoe-cache.c", "zipmoe-stats.c"),
     ("zipmoe-fetch.c",),

@@ -161,6 +161,49 @@ def test_a_re_plan_keeps_the_store_entries_that_still_fit(make, model):
     assert d["expert_misses"] == 4 and read == sum(sum(sizes[1, x]) for x in (2, 5, 6, 7))
 
 
+def set_pools_migrating(cache, pools, n_slots, n_threads):
+    moved = ctypes.c_int32(-1)
+    status = cache.lib.ggml_zipmoe_cache_set_pools_migrating(cache.handle, (ctypes.c_int32 * 4)(*pools), n_slots, 0,
+                                                              n_threads, ctypes.byref(moved))
+    assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)
+    return moved.value
+
+
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_them(make, model, n_threads):
+    """Every expert in C; a re-plan to F 2 / C 4: the two F experts of layer 0 (in C, in no slot) are
+    decoded from their C entries into slots, bit-exact, with nothing read; then used, they are hits.
+    The same change by set_pools drops those entries, and the experts are read again."""
+    _, experts, sizes = model
+    for migrate in (True, False):
+        cache = make(7, (0, 8, 0, 0))  # every expert in C; every slot a working slot
+        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0  # 4 in use until the re-plan
+        for layer in (0, 1):
+            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
+            read_by(cache, layer, [[1, 0, 2]])  # ranks: 0, 1, 2, then the rest by id
+        # the slots hold layer 1's experts 0, 1, 2 and one more: layer 0's F experts are in C only
+        before = cache.stats()
+        if migrate:
+            assert set_pools_migrating(cache, (2, 4, 0, 0), 2 * 2 + 3, n_threads) == 2
+        else:
+            set_pools(cache, (2, 4, 0, 0), 2 * 2 + 3)
+        after = cache.stats()
+        assert after["migrate_experts"] - before["migrate_experts"] == (2 if migrate else 0)
+        assert (after["migrate_ns"] > before["migrate_ns"]) == migrate
+        # no fetch counted, nothing read, no activation counted: the ranks stay
+        for name in ("fetch_calls", "bytes_read", "expert_hits", "expert_misses", "c_hits", "decode_ns"):
+            assert after[name] == before[name], name
+        assert after["pools"]["C"]["experts"] == 2 * 4  # C shrank to its new size
+        read, d = read_by(cache, 0, [[0, 1]], experts)
+        if migrate:
+            assert (d["expert_hits"], d["expert_misses"], read) == (2, 0, 0), d
+        else:
+            assert d["expert_misses"] == 2 and read == sum(sizes[0, 0]) + sum(sizes[0, 1]), d
+        # the rest of C is as a re-plan leaves it: ranks 2-5 of each layer, exact
+        read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
+        assert d["c_hits"] == 4 and read == 0, d
+
+
 def test_slots_stay_bit_exact_across_re_plans(make, model):
     """Entries kept, moved within their store or dropped by one re-plan after another: every fill is exact."""
     _, experts, _ = model

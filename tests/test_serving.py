@@ -237,7 +237,7 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
                                                            "per MoE layer a step")
     # kept or changed; kept, it says what the change would have read again against what it would gain
     kept = "): kept, the change to F " in replanned[0]
-    assert kept == (" s again (" in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
+    assert kept == (" s to fill (" in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
     # and again each time the counted steps double: a change must repay its reads within the steps seen
     for step in range(5, 12):
         s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})

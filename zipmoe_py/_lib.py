@@ -41,7 +41,8 @@ class CacheStats(ctypes.Structure):
                                                      "substitutions", "substitution_tokens", "lock_wait_ns", "plan_ns",
                                                      "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
                                                      "graph_ns", "graphs", "preload_experts", "preload_bytes_read",
-                                                     "populate_bytes", "populate_ns")]
+                                                     "populate_bytes", "populate_ns", "migrate_experts",
+                                                     "migrate_ns")]
 
 
 class BuddyParams(ctypes.Structure):
@@ -297,6 +298,9 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_set_n_slots": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32]),
     "ggml_zipmoe_cache_set_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32), ctypes.c_int32,
                                                    ctypes.c_int]),
+    "ggml_zipmoe_cache_set_pools_migrating": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int32),
+                                                             ctypes.c_int32, ctypes.c_int, ctypes.c_int,
+                                                             ctypes.POINTER(ctypes.c_int32)]),
     "ggml_zipmoe_plan_pools": (ctypes.c_int, [ctypes.POINTER(PlanParams), ctypes.POINTER(PlanResult)]),
     "ggml_zipmoe_cache_default_pools": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32, ctypes.c_int32,
                                                        ctypes.c_int32, ctypes.c_double, ctypes.c_double,

@@ -158,7 +158,8 @@ struct ggml_zipmoe_default_pools {
     double  expected_makespan_s; // the planner's expectation per layer (0 when it did not run)
     double  f_only_makespan_s;   // and its expectation for one F pool of the same budget
     double  current_makespan_s;  // and for the pools the cache has now (0 when the planner did not run)
-    double  refill_s;            // reads (at the plan's rate) of what a change from those pools to these drops
+    double  refill_s;            // what a change from those pools to these costs: reads (at the plan's rate)
+                                 // of what it drops, decoding (n_threads) of what it moves from C to F
     char    why[320];            // one sentence for logs and statistics
 };
 

@@ -393,6 +393,8 @@ struct ggml_zipmoe_cache_stats {
     uint64_t populate_bytes;      // store pages a helper thread faulted in ahead of their first write (bytes),
     uint64_t populate_ns;         //   and its wall time in those calls (preempted time included: on a small
                                   //   machine it shares the cores with the graph threads)
+    uint64_t migrate_experts;     // experts a change of pools decoded from C into F (set_pools_migrating;
+    uint64_t migrate_ns;          //   in no fetch counter above), and the wall time of those changes
 };
 
 struct ggml_zipmoe_cache;
@@ -429,6 +431,20 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache *
 // slots; the message in ggml_zipmoe_cache_error).
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * cache, const int32_t * capacity,
                                                     int32_t n_slots, int inclusive);
+
+// ggml_zipmoe_cache_set_pools, and then the experts the new pools send to F that C holds (and no slot)
+// are decoded from their C entries into slots on n_threads threads of its own (the calling thread one
+// of them), instead of being dropped and read again on their next use: a change from C to F costs
+// decoding from memory, not reads. Memory stays within the pools': C first shrinks to what the new
+// pools keep plus those experts, gives each entry's pages back once its expert is in a slot, then
+// shrinks to its new size. Only for slots in host memory written by the cache (else, and with
+// n_threads 0, it is set_pools). The fills count in no fetch counter and no activation; statistics
+// migrate_experts and migrate_ns count them. *n_migrated (may be NULL) gets the experts moved. Returns
+// as set_pools; a fill that fails stops the migration (its message in ggml_zipmoe_cache_error, the
+// status OK: the rest are read on their next use).
+GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * cache, const int32_t * capacity,
+                                                              int32_t n_slots, int inclusive, int n_threads,
+                                                              int32_t * n_migrated);
 
 
 // host memory the cache allocates besides the slots, once it has fetched with n_threads graph

@@ -438,7 +438,8 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
-                   "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms\n",
+                   "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C to F "
+                   "%llu experts in %.1f ms\n",
                    __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
@@ -448,7 +449,8 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    s.fetch_work_ns / 1e6, s.read_wait_ns / 1e6, s.finish_wait_ns / 1e6,
                    (unsigned long long) s.decode_faults, (unsigned long long) s.graphs, s.graph_ns / 1e6,
                    s.h2d_bytes / 1e6, (unsigned long long) s.preload_experts, s.preload_bytes_read / 1e6,
-                   s.populate_bytes / 1e6, s.populate_ns / 1e6);
+                   s.populate_bytes / 1e6, s.populate_ns / 1e6, (unsigned long long) s.migrate_experts,
+                   s.migrate_ns / 1e6);
     try {
         resize(nullptr);
     } catch (const std::exception & e) {

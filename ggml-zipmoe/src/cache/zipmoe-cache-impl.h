@@ -3,6 +3,7 @@
 //   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge
 //   zipmoe-stats.c      statistics: the counters, their reset, the account of a fetch's time
 //   zipmoe-preload.c    the slots filled before serving
+//   zipmoe-migrate.c    a change of pools that moves experts from C to F: decoded from memory
 //   zipmoe-residency.c  what is where: slots, eviction policies, and the plan of a pass (hits,
 //                       victims, one task per expert tensor to fill)
 //   zipmoe-stores.c     the C/S/E stores: rank dispatch, their entries, their sizes at a re-plan
@@ -170,6 +171,8 @@ struct zipmoe_pools {
     int32_t             threshold[4]; // by pool: ranks below it go to that pool (or an earlier one)
     int32_t             f_capacity;   // slots that may hold F-pool experts (the rest are working slots)
     int                 inclusive;    // C holds every expert: an F expert keeps its C entry (demoted, it is not read again)
+    int                 migrating;    // a change of pools keeps C's entries of experts bound for F, in no slot, until
+                                      // they are decoded into slots (zipmoe-migrate.c)
     struct zipmoe_store store[4];     // by pool; F's is unused
     int8_t *            key_pool;     // [n_keys] store holding the expert (C, S, E), or NO_POOL
     int32_t *           key_entry;    // [n_keys]
@@ -278,7 +281,8 @@ struct zipmoe_prefetch {
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
         fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
-        decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read, populate_bytes, populate_ns;
+        decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read, populate_bytes, populate_ns,
+        migrate_experts, migrate_ns;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
@@ -302,7 +306,7 @@ struct ggml_zipmoe_cache {
     pthread_t       fetch_owner;
     atomic_int      status;      // the open fetch's first failure
     int32_t         n_decoders;  // graph threads that decode (0: all)
-    int             preloading;  // fetches of ggml_zipmoe_cache_preload: no activation counted
+    int             preloading;  // fetches of a preload or a migration: no activation counted
     char            error[1024];
 };
 
@@ -342,6 +346,7 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 
 // The files call each other one way, from the top down; a lower file never calls a higher one
 // (the I/O thread reaches the prefetch's reads through pipe.idle_work, which prefetch registers):
+//   zipmoe-migrate.c                                 a change of pools, then fetches on the public API
 //   zipmoe-preload.c, zipmoe-substitution-hook.c,    on the public cache API (and lossy/; the default
 //   zipmoe-default-pools.c                           pools on the planner)
 //   zipmoe-cache.c, zipmoe-stats.c                   lifecycle, queries, merge; statistics
@@ -351,6 +356,16 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 //   zipmoe-prefetch.c                                read-ahead banks
 //   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads, a task's chunks
 //   zipmoe-sched.c, zipmoe-planner.c                 pure: Algorithm 1; Algorithms 2-4
+
+// zipmoe-preload.c: one fetch of n experts of a layer, in as many passes as it takes, each decoded on
+// n_threads threads of its own (the caller one of them)
+int      zipmoe_cache_fetch_on_threads(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n,
+                                       int n_threads);
+
+// zipmoe-cache.c: ggml_zipmoe_cache_set_pools, with C keeping the entries of experts bound for F where
+// migrating (c->pools.migrating for the change)
+int      zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
+                                   int inclusive, int migrating);
 
 // zipmoe-fetch.c
 void     zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c);
@@ -390,6 +405,10 @@ uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t ent
 uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert,
                          int kind);                                                            // NULL in S
 void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
+// an expert the pools (while migrating) send to F that C holds and no slot does
+int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
+// the whole pages within entry of store p given back to the system (it was forgotten: nothing reads them)
+void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t entry);
 // expert key, kept in E's e_entry, takes C's c_entry: C's victim keeps its E-chunks in e_entry
 void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry,
                                     int64_t victim);

@@ -462,6 +462,11 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
 
 int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
                                 int inclusive) {
+    return zipmoe_cache_change_pools(c, capacity, n_slots, inclusive, 0);
+}
+
+int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots, int inclusive,
+                              int migrating) {
     if (c == NULL || capacity == NULL) {
         return GGML_ZIPMOE_ERR_ARG;
     }
@@ -502,12 +507,14 @@ int ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * c, const int32_t * ca
     __atomic_store_n(&c->slots.n_used, n_slots, __ATOMIC_RELAXED);
     c->pools.n_active  = 0;
     c->pools.inclusive = 0;
+    c->pools.migrating = migrating && n_pools > 0 && capacity[GGML_ZIPMOE_POOL_F] > 0;
     char msg[1024];
     int status = set_up_pools(c, capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
     if (status != GGML_ZIPMOE_OK) {
         // the stores could not be made: one F pool of every slot, as before any pools
         const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
         c->pools.n_active = 0;
+        c->pools.migrating = 0;
         set_up_pools(c, none, 0, 0, NULL, 0); // frees the stores
         snprintf(c->error, sizeof(c->error), "%s", msg);
     } else {

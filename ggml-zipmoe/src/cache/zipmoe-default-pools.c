@@ -98,10 +98,11 @@ static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
     }
 }
 
-// seconds of reads that a change from the pools the cache has now (now) to out's costs: what F and
-// the stores drop is read whole again when next chosen, whichever pool it then goes to
-static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read,
-                        struct ggml_zipmoe_default_pools * out) {
+// seconds that a change from the pools the cache has now (now) to out's costs: what F and the stores
+// drop is read whole again when next chosen, whichever pool it then goes to; but what C drops as F
+// grows, the change decodes from C into F on n_threads (ggml_zipmoe_cache_set_pools_migrating)
+static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read, double decode,
+                        int32_t n_threads, struct ggml_zipmoe_default_pools * out) {
     const int32_t L = c->layout.n_served;
     int32_t next[4];
     memcpy(next, out->capacity, sizeof(next));
@@ -109,11 +110,16 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
         next[GGML_ZIPMOE_POOL_F] = f_per_layer(c, out->n_slots);
     }
     const double stored = (double) c->layout.sm_bytes * (1.0 + c->layout.rho); // SM-chunks and E-chunks
+    const int    host   = c->gpu == NULL && c->slots.write == NULL && c->slots.fill == NULL;
+    const int32_t c_dropped = now[GGML_ZIPMOE_POOL_C] - next[GGML_ZIPMOE_POOL_C];
+    const int32_t f_gained  = next[GGML_ZIPMOE_POOL_F] - now[GGML_ZIPMOE_POOL_F];
+    const int32_t moved     = host && c_dropped > 0 && f_gained > 0 ? (c_dropped < f_gained ? c_dropped : f_gained) : 0;
     double dropped = 0;
     for (int p = 0; p < 4; p++) {
-        dropped += now[p] > next[p] ? (double) (now[p] - next[p]) * L * stored : 0;
+        dropped += now[p] > next[p] ? (double) (now[p] - next[p] - (p == GGML_ZIPMOE_POOL_C ? moved : 0)) * L * stored : 0;
     }
-    out->refill_s = read > 0 ? dropped / read : 0;
+    const double decoded = (double) moved * L * (double) c->layout.expert_bytes;
+    out->refill_s = (read > 0 ? dropped / read : 0) + (decode > 0 ? decoded / (decode * n_threads) : 0);
 }
 
 enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };
@@ -237,7 +243,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     if (held != HELD_NONE && (profile == NULL || (held_makespan_s <= best.expected_makespan_s &&
                                                   held_makespan_s < f_best.expected_makespan_s))) {
         take_compressed(c, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
-        refill_cost(c, now, read, out);
+        refill_cost(c, now, read, decode, n_threads, out);
         return GGML_ZIPMOE_OK;
     }
     const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
@@ -245,7 +251,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
         snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
                  "threads) expects %.2f ms per layer, pools no better", source, read / 1e9, decode / 1e9, n_threads,
                  f_best.expected_makespan_s * 1e3);
-        refill_cost(c, now, read, out);
+        refill_cost(c, now, read, decode, n_threads, out);
         return GGML_ZIPMOE_OK;
     }
     memcpy(out->capacity, best.capacity, sizeof(best.capacity));
@@ -253,7 +259,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
              "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
              n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
-    refill_cost(c, now, read, out);
+    refill_cost(c, now, read, decode, n_threads, out);
     return GGML_ZIPMOE_OK;
 }
 

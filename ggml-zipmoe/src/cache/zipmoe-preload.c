@@ -47,9 +47,8 @@ static int preload_fetch_pass(struct ggml_zipmoe_cache * c, int layer, int pass,
     return status != GGML_ZIPMOE_OK ? status : end_status;
 }
 
-// one preload fetch of n experts of a layer, in as many passes as it takes, each decoded on
-// n_threads threads (the caller one of them)
-static int preload_fetch(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n, int n_threads) {
+int zipmoe_cache_fetch_on_threads(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int32_t n,
+                                  int n_threads) {
     int32_t slot_ids_small[256];
     int32_t * slot_ids = n <= 256 ? slot_ids_small : (int32_t *) malloc(sizeof(int32_t) * (size_t) n);
     if (slot_ids == NULL) {
@@ -129,7 +128,7 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
             }
         }
         if (n > 0) {
-            status = preload_fetch(c, l, ids, n, n_threads);
+            status = zipmoe_cache_fetch_on_threads(c, l, ids, n, n_threads);
             loaded += status == GGML_ZIPMOE_OK ? n : 0;
         }
         int32_t e = share;
@@ -140,7 +139,7 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
                 }
             }
             if (n > 0) {
-                status = preload_fetch(c, l, ids, n, n_threads);
+                status = zipmoe_cache_fetch_on_threads(c, l, ids, n, n_threads);
                 loaded += status == GGML_ZIPMOE_OK ? n : 0;
             }
         }

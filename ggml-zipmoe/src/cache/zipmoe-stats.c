@@ -32,6 +32,8 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->preload_bytes_read = atomic_load(&c->stats.preload_bytes_read);
     s->populate_bytes     = atomic_load(&c->stats.populate_bytes);
     s->populate_ns        = atomic_load(&c->stats.populate_ns);
+    s->migrate_experts    = atomic_load(&c->stats.migrate_experts);
+    s->migrate_ns         = atomic_load(&c->stats.migrate_ns);
 }
 
 void ggml_zipmoe_cache_count_graph(struct ggml_zipmoe_cache * c, uint64_t ns) {
@@ -68,7 +70,8 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
         &c->stats.io_ns, &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns, &c->stats.lock_wait_ns,
         &c->stats.plan_ns, &c->stats.fetch_work_ns, &c->stats.read_wait_ns, &c->stats.finish_wait_ns,
         &c->stats.decode_faults, &c->stats.graph_ns, &c->stats.graphs, &c->stats.preload_experts,
-        &c->stats.preload_bytes_read, &c->stats.populate_bytes, &c->stats.populate_ns,
+        &c->stats.preload_bytes_read, &c->stats.populate_bytes, &c->stats.populate_ns, &c->stats.migrate_experts,
+        &c->stats.migrate_ns,
     };
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         atomic_store(counters[i], 0);

@@ -122,8 +122,26 @@ void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
     c->pools.store[p].entry_key[entry] = -1;
 }
 
-// a kept entry's claim to stay when its store shrinks: first the entries the new pools send
-// there, then the most chosen, then the most recently used
+int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
+    const int     layer = (int) (key / c->layout.max_expert);
+    const int32_t e     = (int32_t) (key % c->layout.max_expert);
+    return c->pools.migrating && c->pools.key_pool[key] == GGML_ZIPMOE_POOL_C && c->slots.of_key[key] < 0 &&
+           zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
+}
+
+void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
+    const struct zipmoe_store * s = &c->pools.store[p];
+    const uintptr_t page = 4096;
+    const uintptr_t lo = ((uintptr_t) s->mem + (size_t) entry * s->entry_size + page - 1) & ~(page - 1);
+    const uintptr_t hi = ((uintptr_t) s->mem + (size_t) (entry + 1) * s->entry_size) & ~(page - 1);
+    if (hi > lo) {
+        madvise((void *) lo, hi - lo, MADV_DONTNEED);
+    }
+}
+
+// a kept entry's claim to stay when its store shrinks: first the experts a migration decodes from
+// C into F (zipmoe-migrate.c), then the entries the new pools send there, then the most chosen,
+// then the most recently used
 struct entry_claim {
     int32_t  entry;
     int      belongs;
@@ -162,8 +180,9 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
         if (key >= 0) {
             const int     layer = (int) (key / c->layout.max_expert);
             const int32_t e     = (int32_t) (key % c->layout.max_expert);
-            claims[n_held++] = (struct entry_claim) { i, zipmoe_dispatch_pool(c, layer, e) == p, c->policy.freq[key],
-                                                      s->entry_last_use[i] };
+            const int belongs = p == GGML_ZIPMOE_POOL_C && zipmoe_store_migrant(c, key) ? 2
+                              : zipmoe_dispatch_pool(c, layer, e) == p;
+            claims[n_held++] = (struct entry_claim) { i, belongs, c->policy.freq[key], s->entry_last_use[i] };
         }
     }
     qsort(claims, (size_t) n_held, sizeof(*claims), by_claim);
@@ -305,7 +324,13 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
     for (int grow = 0; grow <= 1; grow++) {
         for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
             struct zipmoe_store * s = &c->pools.store[p];
-            const int32_t n_new = capacity[p] * c->layout.n_served;
+            int32_t n_new = capacity[p] * c->layout.n_served;
+            if (p == GGML_ZIPMOE_POOL_C && c->pools.migrating && n_new < s->n_entries) {
+                // the experts bound for F stay until decoded from here (never more than C holds now)
+                for (int32_t i = 0; i < s->n_entries && n_new < s->n_entries; i++) {
+                    n_new += s->entry_key[i] >= 0 && zipmoe_store_migrant(c, s->entry_key[i]);
+                }
+            }
             if ((n_new > s->n_entries) != grow) {
                 continue;
             }

@@ -69,6 +69,8 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
         { "fetch_page_faults_total", "Page faults of the decoding threads while fetching", s.decode_faults },
         { "graphs_total",        "Graphs of the model computed (build, fetches and compute)", s.graphs },
         { "populate_bytes_total", "Store pages a helper thread faulted in ahead of their first write", s.populate_bytes },
+        { "migrated_experts_total", "Experts a change of pools decoded from C into F instead of reading them again",
+                                    s.migrate_experts },
         { "substitutions_total", "LOSSY: selections a substitution policy replaced (0 unless a lossy mode is on)",
                                  s.substitutions },
     };
@@ -80,6 +82,7 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
     put_seconds(&t, "recover_seconds_total", "Time recovering BF16 weights, summed over threads", s.recover_ns);
     put_seconds(&t, "fetch_wait_seconds_total", "Time the graph waited in expert fetches", s.fetch_ns);
     put_seconds(&t, "populate_seconds_total", "Time a helper thread spent faulting store pages in", s.populate_ns);
+    put_seconds(&t, "migrate_seconds_total", "Wall time of the changes of pools that decoded C into F", s.migrate_ns);
     put_seconds(&t, "graph_seconds_total", "Wall time of the model's graphs, fetches included", s.graph_ns);
     // the fetch wait by part (they add up to fetch_wait_seconds_total)
     put(&t, "# HELP zipmoe:fetch_wait_part_seconds_total Where the expert fetches' wait went on the graph's critical "

@@ -214,8 +214,8 @@ static int replan(struct ggml_zipmoe_serving * s) {
     }
     const int32_t n        = MIN(capacity, MAX(fewest, choice.n_slots));
     const double  expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
-    // a change reads again what it drops (entries the shrinking stores forget): the planner's expected gain
-    // must repay those reads within as many steps as the plan was made from. Four DeepSeek-V2-Lite sequences
+    // a change reads again what it drops (entries the shrinking stores forget; those it moves from C to F
+    // it decodes): the planner's expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite sequences
     // at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64 tokens, reading
     // three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
     const double  gain_s   = (choice.current_makespan_s - expected) * s->info.n_moe_layers; // per step
@@ -227,13 +227,13 @@ static int replan(struct ggml_zipmoe_serving * s) {
     if (same) {
         char why[sizeof(s->plan.pools_why) + 200];
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
-                 "ms with these; the change would read %.1f s again, repaid in %.0f steps)", s->auto_choice.why,
+                 "ms with these; the change would take %.1f s, repaid in %.0f steps)", s->auto_choice.why,
                  r->even ? "built-in profile, the routing seen being even" : "observed profile", expected * 1e3,
                  choice.current_makespan_s * 1e3, choice.refill_s, MIN(repaid, 1e9));
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
         zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f "
                            "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
-                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and reading %.1f s again (%s)",
+                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill (%s)",
                            (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
                            r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
                            choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
@@ -244,11 +244,15 @@ static int replan(struct ggml_zipmoe_serving * s) {
         return 0; // nothing changed
     }
     r->adopted = true;
+    struct ggml_zipmoe_cache_stats moved;
+    ggml_zipmoe_cache_get_stats(s->cache, &moved);
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
-                       "layer, %d slots: %s", (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
-                       r->even ? ", so planned for the built-in profile" : "", choice.capacity[0], choice.capacity[1],
-                       choice.capacity[2], choice.capacity[3], n, choice.why);
+                       "layer, %d slots, %llu experts moved from C to F in %.2f s: %s", (unsigned long long) r->token_steps,
+                       k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
+                       choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,
+                       (unsigned long long) (moved.migrate_experts - st.migrate_experts),
+                       (moved.migrate_ns - st.migrate_ns) / 1e9, choice.why);
     return 1;
 }
 

@@ -395,7 +395,9 @@ int ggml_zipmoe_serving_set_cache(struct ggml_zipmoe_serving * s, struct ggml_zi
 
 int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools) {
     const int32_t old = s->n_slots;
-    const int status = pools != NULL ? ggml_zipmoe_cache_set_pools(s->cache, pools->capacity, n, pools->inclusive)
+    // experts the new pools send from C to F are decoded into their slots, not read again
+    const int status = pools != NULL ? ggml_zipmoe_cache_set_pools_migrating(s->cache, pools->capacity, n,
+                                                                             pools->inclusive, s->auto_threads, NULL)
                                      : ggml_zipmoe_cache_set_n_slots(s->cache, n);
     if (status != GGML_ZIPMOE_OK && status != GGML_ZIPMOE_ERR_NOMEM) {
         return status; // refused before anything changed

@@ -1,0 +1,119 @@
+// Expert cache, migration: a change of pools that sends experts C holds to F decodes them from their
+// C entries into slots, memory to memory, instead of dropping the entries and reading the experts
+// again on their next use. Four Qwen1.5-MoE sequences at 20 GiB moved from C 60 to F 38 / C 3: a
+// change that read 12.4 s again and was declined until the steps it was judged by had doubled twice
+// (BENCHMARKS, "Four sequences on the full Qwen1.5-MoE geometry"); decoded from C it costs about
+// the decoding of the BF16 it makes.
+//
+// Memory stays within the pools': C first shrinks to what the new pools keep plus the experts bound
+// for F; each of those entries' pages is given back once its expert is in a slot; then C shrinks to
+// its new size.
+
+#include "cache/zipmoe-cache-impl.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+// the slots live in host memory, written by the decoding threads (a migration's fills are fetches
+// like any other, but a device's slots take copies the caller makes: not worth a change's time)
+static int migrates(const struct ggml_zipmoe_cache * c) {
+    return c->gpu == NULL && c->slots.write == NULL && c->slots.fill == NULL;
+}
+
+// layer's experts bound for F that C holds and no slot does (ids ascending), with their C entries
+static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int32_t * entries) {
+    const int64_t base = (int64_t) layer * c->layout.max_expert;
+    int32_t n = 0;
+    for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
+        if (zipmoe_store_migrant(c, base + e)) {
+            entries[n] = c->pools.key_entry[base + e];
+            ids[n++]   = e;
+        }
+    }
+    return n;
+}
+
+// each served layer's migrants fetched (C hits: decoded from their entries, kept in F after use, their
+// entries forgotten and given back); returns the experts moved, *status the first failure
+static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int * status) {
+    const size_t n = (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
+    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * n), * entries = (int32_t *) malloc(sizeof(int32_t) * n);
+    int32_t moved = 0;
+    *status = ids != NULL && entries != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
+    for (int l = 0; l < c->layout.n_layer && *status == GGML_ZIPMOE_OK; l++) {
+        if (!zipmoe_layer_served(c, l)) {
+            continue;
+        }
+        pthread_mutex_lock(&c->lock);
+        const int32_t n_layer = layer_migrants(c, l, ids, entries);
+        pthread_mutex_unlock(&c->lock);
+        if (n_layer == 0) {
+            continue;
+        }
+        *status = zipmoe_cache_fetch_on_threads(c, l, ids, n_layer, n_threads);
+        pthread_mutex_lock(&c->lock);
+        for (int32_t i = 0; i < n_layer; i++) {
+            const int64_t key = (int64_t) l * c->layout.max_expert + ids[i];
+            moved += c->slots.of_key[key] >= 0;
+            if (c->pools.store[GGML_ZIPMOE_POOL_C].entry_key[entries[i]] < 0) {
+                zipmoe_store_release(c, GGML_ZIPMOE_POOL_C, entries[i]);
+            }
+        }
+        pthread_mutex_unlock(&c->lock);
+    }
+    free(ids);
+    free(entries);
+    return moved;
+}
+
+int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
+                                          int inclusive, int n_threads, int32_t * n_migrated) {
+    if (n_migrated != NULL) {
+        *n_migrated = 0;
+    }
+    if (c == NULL || n_threads < 0) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const int migrating = n_threads > 0 && migrates(c);
+    int status = zipmoe_cache_change_pools(c, capacity, n_slots, inclusive, migrating);
+    if (status != GGML_ZIPMOE_OK || !c->pools.migrating) {
+        return status;
+    }
+    n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
+    // what a fetch counts, kept as it was: a migration is the change's, not a graph's (its own counters)
+    atomic_uint_least64_t * counters[] = { &c->stats.fetch_calls, &c->stats.hits, &c->stats.store_hits[1],
+                                           &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns,
+                                           &c->stats.lock_wait_ns, &c->stats.plan_ns, &c->stats.fetch_work_ns,
+                                           &c->stats.read_wait_ns, &c->stats.finish_wait_ns, &c->stats.decode_faults };
+    uint64_t saved[sizeof(counters) / sizeof(counters[0])];
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        saved[i] = atomic_load(counters[i]);
+    }
+    const uint64_t t0 = zipmoe_now_ns();
+    c->preloading = 1;
+    int fetched = GGML_ZIPMOE_OK;
+    const int32_t moved = migrate_layers(c, n_threads, &fetched);
+    (void) fetched;
+    c->preloading = 0;
+    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+        atomic_store(counters[i], saved[i]);
+    }
+    // C to its new size: the entries of experts not moved (after a failure) are forgotten there
+    zipmoe_prefetch_pause(c, 1);
+    pthread_mutex_lock(&c->lock);
+    c->pools.migrating = 0;
+    char msg[1024];
+    status = zipmoe_cache_resize_stores(c, capacity, c->layout.max_e_bytes, msg, sizeof(msg));
+    pthread_mutex_unlock(&c->lock);
+    atomic_fetch_add(&c->stats.migrate_experts, (uint64_t) moved);
+    atomic_fetch_add(&c->stats.migrate_ns, zipmoe_now_ns() - t0);
+    if (n_migrated != NULL) {
+        *n_migrated = moved;
+    }
+    if (status != GGML_ZIPMOE_OK) {
+        snprintf(c->error, sizeof(c->error), "%s", msg);
+    }
+    // a failed fill (its message left in c->error) stopped the migration: the experts not moved are read
+    // on their next use, as without one, and the pools are the new ones either way
+    return status;
+}
