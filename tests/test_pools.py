@@ -169,11 +169,18 @@ def set_pools_migrating(cache, pools, n_slots, n_threads):
     return moved.value
 
 
+# (pools after the re-plan, slots, layer 0's experts F takes, C's entries after it)
+MIGRATIONS = [((2, 4, 0, 0), 2 * 2 + 3, [0, 1], 2 * 4), ((0, 0, 0, 0), 7, [0, 1, 2], 0)]
+
+
 @pytest.mark.parametrize("n_threads", [1, 3])
-def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_them(make, model, n_threads):
-    """Every expert in C; a re-plan to F 2 / C 4: the two F experts of layer 0 (in C, in no slot) are
-    decoded from their C entries into slots, bit-exact, with nothing read; then used, they are hits.
-    The same change by set_pools drops those entries, and the experts are read again."""
+@pytest.mark.parametrize("pools, n_slots, moved, c_after", MIGRATIONS, ids=["F2C4", "one-F-pool"])
+def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_them(make, model, n_threads, pools,
+                                                                                   n_slots, moved, c_after):
+    """Every expert in C; a re-plan to F 2 / C 4, or to one F pool of 7 slots (3 a layer): layer 0's
+    experts F now takes (in C, in no slot) are decoded from their C entries into slots, bit-exact, with
+    nothing read; then used, they are hits. The same change by set_pools drops those entries, and the
+    experts are read again."""
     _, experts, sizes = model
     for migrate in (True, False):
         cache = make(7, (0, 8, 0, 0))  # every expert in C; every slot a working slot
@@ -184,24 +191,24 @@ def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_the
         # the slots hold layer 1's experts 0, 1, 2 and one more: layer 0's F experts are in C only
         before = cache.stats()
         if migrate:
-            assert set_pools_migrating(cache, (2, 4, 0, 0), 2 * 2 + 3, n_threads) == 2
+            assert set_pools_migrating(cache, pools, n_slots, n_threads) == len(moved)
         else:
-            set_pools(cache, (2, 4, 0, 0), 2 * 2 + 3)
+            set_pools(cache, pools, n_slots)
         after = cache.stats()
-        assert after["migrate_experts"] - before["migrate_experts"] == (2 if migrate else 0)
+        assert after["migrate_experts"] - before["migrate_experts"] == (len(moved) if migrate else 0)
         assert (after["migrate_ns"] > before["migrate_ns"]) == migrate
         # no fetch counted, nothing read, no activation counted: the ranks stay
         for name in ("fetch_calls", "bytes_read", "expert_hits", "expert_misses", "c_hits", "decode_ns"):
             assert after[name] == before[name], name
-        assert after["pools"]["C"]["experts"] == 2 * 4  # C shrank to its new size
-        read, d = read_by(cache, 0, [[0, 1]], experts)
+        assert after["pools"]["C"]["experts"] == c_after  # C shrank to its new size
+        read, d = read_by(cache, 0, [moved], experts)
         if migrate:
-            assert (d["expert_hits"], d["expert_misses"], read) == (2, 0, 0), d
+            assert (d["expert_hits"], d["expert_misses"], read) == (len(moved), 0, 0), d
         else:
-            assert d["expert_misses"] == 2 and read == sum(sizes[0, 0]) + sum(sizes[0, 1]), d
-        # the rest of C is as a re-plan leaves it: ranks 2-5 of each layer, exact
-        read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
-        assert d["c_hits"] == 4 and read == 0, d
+            assert d["expert_misses"] == len(moved) and read == sum(sum(sizes[0, e]) for e in moved), d
+        if c_after:  # the rest of C is as a re-plan leaves it: ranks 2-5 of each layer, exact
+            read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
+            assert d["c_hits"] == 4 and read == 0, d
 
 
 def test_slots_stay_bit_exact_across_re_plans(make, model):

@@ -314,6 +314,9 @@ static int set_up_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, 
         pools->n_active  = 1;
         pools->active[0] = GGML_ZIPMOE_POOL_F;
         zipmoe_cache_share_single_pool(c);
+        if (pools->migrating) { // C keeps the experts F takes until they are decoded from it
+            return zipmoe_cache_resize_stores(c, capacity, max_e, msg, msg_size);
+        }
         free_stores(c);
         return GGML_ZIPMOE_OK;
     }
@@ -507,7 +510,7 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     __atomic_store_n(&c->slots.n_used, n_slots, __ATOMIC_RELAXED);
     c->pools.n_active  = 0;
     c->pools.inclusive = 0;
-    c->pools.migrating = migrating && n_pools > 0 && capacity[GGML_ZIPMOE_POOL_F] > 0;
+    c->pools.migrating = migrating && (n_pools == 0 || capacity[GGML_ZIPMOE_POOL_F] > 0); // an F that takes experts
     char msg[1024];
     int status = set_up_pools(c, capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
     if (status != GGML_ZIPMOE_OK) {
