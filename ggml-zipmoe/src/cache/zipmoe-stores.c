@@ -287,6 +287,7 @@ static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t
         return GGML_ZIPMOE_ERR_NOMEM;
     }
     s->mem = mem;
+    zipmoe_advise_huge_pages(mem, entry_size * (size_t) n_new);
     int64_t * key = (int64_t *) realloc(s->entry_key, sizeof(int64_t) * (size_t) n_new);
     s->entry_key  = key != NULL ? key : s->entry_key;
     uint64_t * pinned = key != NULL ? (uint64_t *) realloc(s->entry_pinned, sizeof(uint64_t) * (size_t) n_new) : NULL;

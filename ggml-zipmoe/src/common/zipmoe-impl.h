@@ -37,6 +37,10 @@ void   zipmoe_huff0_state_free(void * state);
 // decode one block to exactly dst_size bytes: 0 on success, -1 on corrupt input
 int    zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const void * src, size_t n);
 
+// transparent huge pages asked for [addr, addr + size): memory written for the first time goes about
+// twice as fast (zipmoe-pages.c); a no-op where the kernel has none
+void zipmoe_advise_huge_pages(void * addr, size_t size);
+
 // XXH64 with seed 0 (zstd's bundled xxHash)
 uint64_t zipmoe_xxh64(const void * data, size_t n);
 

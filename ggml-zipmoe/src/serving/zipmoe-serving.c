@@ -2,6 +2,7 @@
 // slots in use with their pools each time a context is made or freed.
 
 #include "serving/zipmoe-serving-impl.h"
+#include "common/zipmoe-impl.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -279,6 +280,7 @@ int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data
         void * m = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m != MAP_FAILED) {
             s->mapping = m;
+            zipmoe_advise_huge_pages(m, off);
             break;
         }
         if (in->capacity <= MIN(s->p.n_expert_used, in->capacity) || in->capacity <= 1) {
