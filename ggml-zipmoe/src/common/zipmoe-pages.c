@@ -1,8 +1,9 @@
 // Memory the cache writes into for the first time (slots, stores): transparent huge pages where the
 // kernel offers them on request (/sys/kernel/mm/transparent_hugepage/enabled "madvise"). A first
 // write of 3 GB ran at 0.84-1.79 GB/s in 4 KiB pages and 2.72-3.53 GB/s in 2 MiB ones on the bench VM
-// (BENCHMARKS, "Huge pages"); later writes ran alike. Only the 2 MiB-aligned pieces within [addr,
-// addr + size) can be huge; a MADV_DONTNEED of part of one splits it.
+// (BENCHMARKS, "Re-plans that decode C into F, a clean decode rate, and huge pages"); later writes
+// ran alike. Only the 2 MiB-aligned pieces within [addr, addr + size) can be huge; a MADV_DONTNEED of
+// part of one splits it.
 
 #include "common/zipmoe-impl.h"
 
