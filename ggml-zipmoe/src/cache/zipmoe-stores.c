@@ -200,6 +200,7 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
             hole++; // fewer than n_new entries are held, so a hole below n_new is found
         }
         memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+        zipmoe_store_release(c, p, i); // the copy is in; the tail goes at the realloc, this one's pages now
         s->entry_key[hole]      = key;
         s->entry_last_use[hole] = s->entry_last_use[i];
         s->entry_key[i]         = -1;
