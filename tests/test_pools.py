@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from zipmoe_py import _lib, codec
+from zipmoe_py.cli import _time_account
 from zipmoe_py import format as zformat
 
 from test_cache import Cache, assert_resident, corrupt_chunk
@@ -197,6 +198,7 @@ def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_the
         after = cache.stats()
         assert after["migrate_experts"] - before["migrate_experts"] == (len(moved) if migrate else 0)
         assert (after["migrate_ns"] > before["migrate_ns"]) == migrate
+        assert (f"moved from C to F: {len(moved)} experts in " in _time_account(after, None)) == migrate  # --stats
         # no fetch counted, nothing read, no activation counted: the ranks stay
         for name in ("fetch_calls", "bytes_read", "expert_hits", "expert_misses", "c_hits", "decode_ns"):
             assert after[name] == before[name], name
@@ -209,6 +211,8 @@ def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_the
         if c_after:  # the rest of C is as a re-plan leaves it: ranks 2-5 of each layer, exact
             read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
             assert d["c_hits"] == 4 and read == 0, d
+        cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
+        assert cache.stats()["migrate_experts"] == cache.stats()["migrate_ns"] == 0
 
 
 def test_slots_stay_bit_exact_across_re_plans(make, model):
