@@ -337,6 +337,12 @@ static inline uint16_t * zipmoe_slot_tensor(const struct ggml_zipmoe_cache * c, 
     return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
 }
 
+// the slots are in host memory and the decoding threads write them (no CUDA slots, no caller's
+// slot_write or slot_fill): where a change of pools can decode C into F itself (zipmoe-migrate.c)
+static inline int zipmoe_cache_slots_in_host(const struct ggml_zipmoe_cache * c) {
+    return c->gpu == NULL && c->slots.write == NULL && c->slots.fill == NULL;
+}
+
 // experts one pass may hold: with pools, the working slots, so that a pass never evicts an expert
 // of F (nor of another layer's F) to make room; with one F pool, every slot in use
 static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c) {
@@ -366,6 +372,15 @@ int      zipmoe_cache_fetch_on_threads(struct ggml_zipmoe_cache * c, int layer, 
 // migrating (c->pools.migrating for the change)
 int      zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capacity, int32_t n_slots,
                                    int inclusive, int migrating);
+
+// zipmoe-stats.c: the counters a fetch adds to, kept as they were around fetches that are no serving's
+// (a preload's, a migration's: their own counters say what they did)
+#define ZIPMOE_FETCH_COUNTERS 18
+struct zipmoe_fetch_counts {
+    uint64_t v[ZIPMOE_FETCH_COUNTERS];
+};
+void     zipmoe_stats_save_fetch(struct ggml_zipmoe_cache * c, struct zipmoe_fetch_counts * saved);
+void     zipmoe_stats_restore_fetch(struct ggml_zipmoe_cache * c, const struct zipmoe_fetch_counts * saved);
 
 // zipmoe-fetch.c
 void     zipmoe_cache_schedule_tasks(struct ggml_zipmoe_cache * c);

@@ -110,7 +110,7 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
         next[GGML_ZIPMOE_POOL_F] = f_per_layer(c, out->n_slots);
     }
     const double stored = (double) c->layout.sm_bytes * (1.0 + c->layout.rho); // SM-chunks and E-chunks
-    const int    host   = c->gpu == NULL && c->slots.write == NULL && c->slots.fill == NULL;
+    const int    host   = zipmoe_cache_slots_in_host(c);
     const int32_t c_dropped = now[GGML_ZIPMOE_POOL_C] - next[GGML_ZIPMOE_POOL_C];
     const int32_t f_gained  = next[GGML_ZIPMOE_POOL_F] - now[GGML_ZIPMOE_POOL_F];
     const int32_t moved     = host && c_dropped > 0 && f_gained > 0 ? (c_dropped < f_gained ? c_dropped : f_gained) : 0;

@@ -14,12 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-// the slots live in host memory, written by the decoding threads (a migration's fills are fetches
-// like any other, but a device's slots take copies the caller makes: not worth a change's time)
-static int migrates(const struct ggml_zipmoe_cache * c) {
-    return c->gpu == NULL && c->slots.write == NULL && c->slots.fill == NULL;
-}
-
 // layer's experts bound for F that C holds and no slot does (ids ascending), with their C entries
 static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int32_t * entries) {
     const int64_t base = (int64_t) layer * c->layout.max_expert;
@@ -74,29 +68,22 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     if (c == NULL || n_threads < 0) {
         return GGML_ZIPMOE_ERR_ARG;
     }
-    const int migrating = n_threads > 0 && migrates(c);
+    // a device's slots take copies the caller makes: not worth a change's time
+    const int migrating = n_threads > 0 && zipmoe_cache_slots_in_host(c);
     int status = zipmoe_cache_change_pools(c, capacity, n_slots, inclusive, migrating);
     if (status != GGML_ZIPMOE_OK || !c->pools.migrating) {
         return status;
     }
     n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
     // what a fetch counts, kept as it was: a migration is the change's, not a graph's (its own counters)
-    atomic_uint_least64_t * counters[] = { &c->stats.fetch_calls, &c->stats.hits, &c->stats.store_hits[1],
-                                           &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns,
-                                           &c->stats.lock_wait_ns, &c->stats.plan_ns, &c->stats.fetch_work_ns,
-                                           &c->stats.read_wait_ns, &c->stats.finish_wait_ns, &c->stats.decode_faults };
-    uint64_t saved[sizeof(counters) / sizeof(counters[0])];
-    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
-        saved[i] = atomic_load(counters[i]);
-    }
+    struct zipmoe_fetch_counts saved;
+    zipmoe_stats_save_fetch(c, &saved);
     const uint64_t t0 = zipmoe_now_ns();
     c->preloading = 1;
     int fetched = GGML_ZIPMOE_OK; // a failure stops the layers (its message stays in c->error)
     const int32_t moved = migrate_layers(c, n_threads, &fetched);
     c->preloading = 0;
-    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
-        atomic_store(counters[i], saved[i]);
-    }
+    zipmoe_stats_restore_fetch(c, &saved);
     // C to its new size: the entries of experts not moved (after a failure) are forgotten there
     zipmoe_prefetch_pause(c, 1);
     pthread_mutex_lock(&c->lock);

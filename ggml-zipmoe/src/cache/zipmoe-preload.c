@@ -89,16 +89,8 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
     // what a fetch counts, kept as it was: preloading is not serving. The bytes sent to the slots' device
     // are counted (h2d_bytes: what crossed the bus, preload included)
-    atomic_uint_least64_t * counters[] = { &c->stats.fetch_calls, &c->stats.hits, &c->stats.misses, &c->stats.store_hits[0], &c->stats.store_hits[1],
-                                           &c->stats.store_hits[2], &c->stats.store_hits[3], &c->stats.bytes_read, &c->stats.io_ns,
-                                           &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns,
-                                           &c->stats.lock_wait_ns, &c->stats.plan_ns,
-                                           &c->stats.fetch_work_ns, &c->stats.read_wait_ns,
-                                           &c->stats.finish_wait_ns, &c->stats.decode_faults };
-    uint64_t saved[sizeof(counters) / sizeof(counters[0])];
-    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
-        saved[i] = atomic_load(counters[i]);
-    }
+    struct zipmoe_fetch_counts saved;
+    zipmoe_stats_save_fetch(c, &saved);
     const uint64_t read_before = atomic_load(&c->stats.bytes_read);
     // each served layer's share of the slots in use (F's capacity with pools), experts in id order;
     // then, where C keeps every expert, the rest into C (by id: no activation is counted yet), as
@@ -148,9 +140,7 @@ int ggml_zipmoe_cache_preload(struct ggml_zipmoe_cache * c, int n_threads, int32
     free(ids);
     atomic_fetch_add(&c->stats.preload_bytes_read, atomic_load(&c->stats.bytes_read) - read_before);
     atomic_fetch_add(&c->stats.preload_experts, (uint64_t) loaded);
-    for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
-        atomic_store(counters[i], saved[i]);
-    }
+    zipmoe_stats_restore_fetch(c, &saved);
     if (n_loaded != NULL) {
         *n_loaded = loaded;
     }

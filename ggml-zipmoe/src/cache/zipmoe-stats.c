@@ -3,6 +3,8 @@
 
 #include "cache/zipmoe-cache-impl.h"
 
+#include <string.h>
+
 void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml_zipmoe_cache_stats * s) {
     s->fetch_calls   = atomic_load(&c->stats.fetch_calls);
     s->expert_hits   = atomic_load(&c->stats.hits);
@@ -34,6 +36,33 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->populate_ns        = atomic_load(&c->stats.populate_ns);
     s->migrate_experts    = atomic_load(&c->stats.migrate_experts);
     s->migrate_ns         = atomic_load(&c->stats.migrate_ns);
+}
+
+// the counters a fetch adds to, in struct zipmoe_fetch_counts order
+static void fetch_counters(struct ggml_zipmoe_cache * c, atomic_uint_least64_t * out[ZIPMOE_FETCH_COUNTERS]) {
+    atomic_uint_least64_t * all[ZIPMOE_FETCH_COUNTERS] = {
+        &c->stats.fetch_calls, &c->stats.hits, &c->stats.misses, &c->stats.store_hits[0], &c->stats.store_hits[1],
+        &c->stats.store_hits[2], &c->stats.store_hits[3], &c->stats.bytes_read, &c->stats.io_ns,
+        &c->stats.decode_ns, &c->stats.recover_ns, &c->stats.fetch_ns, &c->stats.lock_wait_ns, &c->stats.plan_ns,
+        &c->stats.fetch_work_ns, &c->stats.read_wait_ns, &c->stats.finish_wait_ns, &c->stats.decode_faults,
+    };
+    memcpy(out, all, sizeof(all));
+}
+
+void zipmoe_stats_save_fetch(struct ggml_zipmoe_cache * c, struct zipmoe_fetch_counts * saved) {
+    atomic_uint_least64_t * counters[ZIPMOE_FETCH_COUNTERS];
+    fetch_counters(c, counters);
+    for (int i = 0; i < ZIPMOE_FETCH_COUNTERS; i++) {
+        saved->v[i] = atomic_load(counters[i]);
+    }
+}
+
+void zipmoe_stats_restore_fetch(struct ggml_zipmoe_cache * c, const struct zipmoe_fetch_counts * saved) {
+    atomic_uint_least64_t * counters[ZIPMOE_FETCH_COUNTERS];
+    fetch_counters(c, counters);
+    for (int i = 0; i < ZIPMOE_FETCH_COUNTERS; i++) {
+        atomic_store(counters[i], saved->v[i]);
+    }
 }
 
 void ggml_zipmoe_cache_count_graph(struct ggml_zipmoe_cache * c, uint64_t ns) {

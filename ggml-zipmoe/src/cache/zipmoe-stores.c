@@ -131,12 +131,7 @@ int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
 
 void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
     const struct zipmoe_store * s = &c->pools.store[p];
-    const uintptr_t page = 4096;
-    const uintptr_t lo = ((uintptr_t) s->mem + (size_t) entry * s->entry_size + page - 1) & ~(page - 1);
-    const uintptr_t hi = ((uintptr_t) s->mem + (size_t) (entry + 1) * s->entry_size) & ~(page - 1);
-    if (hi > lo) {
-        madvise((void *) lo, hi - lo, MADV_DONTNEED);
-    }
+    zipmoe_release_pages(s->mem + (size_t) entry * s->entry_size, s->entry_size);
 }
 
 // a kept entry's claim to stay when its store shrinks: first the experts a migration decodes from

@@ -40,6 +40,8 @@ int    zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const 
 // transparent huge pages asked for [addr, addr + size): memory written for the first time goes about
 // twice as fast (zipmoe-pages.c); a no-op where the kernel has none
 void zipmoe_advise_huge_pages(void * addr, size_t size);
+// the whole pages within [addr, addr + size) given back to the system (MADV_DONTNEED: read again as zeros)
+void zipmoe_release_pages(void * addr, size_t size);
 
 // XXH64 with seed 0 (zstd's bundled xxHash)
 uint64_t zipmoe_xxh64(const void * data, size_t n);

@@ -413,13 +413,8 @@ int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct g
     s->n_slots = n;
     if (n < old && s->slot_base[0] != NULL) {
         // give the memory of the slots given up back to the system (whole pages within them)
-        const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
         for (int k = 0; k < 3; ++k) {
-            const uintptr_t lo = ((uintptr_t) s->slot_base[k] + (uintptr_t) n * s->stride[k] + page - 1) / page * page;
-            const uintptr_t hi = ((uintptr_t) s->slot_base[k] + (uintptr_t) old * s->stride[k]) / page * page;
-            if (hi > lo) {
-                madvise((void *) lo, hi - lo, MADV_DONTNEED);
-            }
+            zipmoe_release_pages(s->slot_base[k] + (size_t) n * s->stride[k], (size_t) (old - n) * s->stride[k]);
         }
     }
     return GGML_ZIPMOE_OK;
