@@ -284,7 +284,7 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
     make, experts = setup
     cache = make(3, fresh_pages=True)  # three slots: every fetch below misses
     defaults = {name: _lib.default_rate(r) for name, r in (("read", _lib.RATE_READ), ("decode", _lib.RATE_DECODE),
-                                                           ("compute", _lib.RATE_COMPUTE))}
+                                                           ("compute", _lib.RATE_COMPUTE), ("touch", _lib.RATE_TOUCH))}
     assert cache.stats()["rates"] == defaults  # nothing measured yet
     bf16 = 2 * 67 * 45 * 3  # one expert's three tensors, BF16 bytes
     before, faulted, clean = cache.stats(), 0, 0
@@ -304,7 +304,8 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
             now = len(ids) * bf16 * 1e9 / spent
             decode = now if clean == 0 else 0.75 * decode + 0.25 * now
             clean += 1
-        assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"]}, i
+        assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"],
+                                  "touch": defaults["touch"]}, i  # no store: nothing populated
         before = after
     assert faulted >= 1 and clean >= 2  # the fresh slots' pages faulted; fetches into them again measured
     # a rate given in the params stays as given

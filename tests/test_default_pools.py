@@ -369,31 +369,48 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
                b"MoE layer in F (12)" in choice.why, choice.why
 
 
-def test_a_change_of_pools_reports_the_reads_of_what_it_drops(zipmoe_gguf):
-    """refill_s: what F and the stores drop in a change from the cache's pools to the chosen ones is read
-    whole again when next chosen; the re-plan weighs it against the expected gain."""
+def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(zipmoe_gguf):
+    """refill_s, rank by rank from the cache's pools to the chosen ones: an expert dropped beyond every new
+    pool costs nothing up front (its next use is a miss, as the new pools' makespan counts it); one that
+    changes pool is read whole on its next use, but from C to host slots, and, bound for F, decoded (from
+    C by the change); slots past those in use are written for the first time at the touch rate. The re-plan weighs it
+    against the expected gain."""
     path = zipmoe_gguf("qwen2moe")
     one, n_expert, _ = expert_geometry(path)
+    touch = _lib.default_rate(_lib.RATE_TOUCH)
     with rank_cache(path) as (cache, handle, moe_layers):
         layers = len(moe_layers)
         choice = _lib.DefaultPools()
 
-        def plan(read):
+        def plan(read, decode=1e9):
             budget = (8 + 2 * layers) * one  # F or little else: C-heavy pools must shrink
-            assert handle.ggml_zipmoe_cache_default_pools(cache, budget, 2, 2, 8, read, 1e9, None,
+            assert handle.ggml_zipmoe_cache_default_pools(cache, budget, 2, 2, 8, read, decode, None,
                                                           ctypes.byref(choice)) == 0
-            return list(choice.capacity), choice.refill_s
+            return list(choice.capacity), choice.n_slots, choice.refill_s
 
-        # from one F pool of 40 slots (10 per layer) to the plan's: the F experts beyond its F are dropped
-        pools, refill = plan(1e9)
-        assert refill > 0 and pools[0] < 10
-        assert plan(2e9)[1] == refill / 2  # reads, at the plan's rate (halving by a power of two is exact)
-        # from every expert in C to the same plan: the C entries beyond its C are dropped as well
+        # the plan for this budget: one F pool of 16 slots, 4 experts per layer
+        pools, n_slots, _ = plan(1e9)
+        assert pools == [0, 0, 0, 0] and n_slots == 4 * layers
+        # from one F pool of 40 slots (10 per layer): what it drops goes nowhere, nothing to fill
+        assert plan(1e9)[2] == 0.0
+        # from every expert in C (8 slots in use): the 4 per layer F takes are decoded from C on 2 threads,
+        # and the 8 slots past those in use touched; the rest of C goes nowhere
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
-        assert plan(1e9)[1] > 0
-        # from the plan's own pools: nothing is dropped
-        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(*pools), choice.n_slots, 0) == 0
-        assert plan(1e9) == (pools, 0.0)
+        assert plan(1e9)[2] == 0.0 + float(4 * one) * layers / (1e9 * 2) + 8 * one / (touch * 2)
+        # from F 2 and the rest in S or in E (16 slots in use): F's 2 stay, the next 2 are read whole on their
+        # next use (a change keeps an entry only in its own pool), SM-chunks (half an expert's BF16
+        # bytes) and E-chunks, and decoded; no new slots
+        decoded = float(2 * one) * layers / (5e8 * 2)
+        reads = []
+        for store in (2, 3):
+            pools = [2, 0, 0, 0]
+            pools[store] = n_expert - 2
+            assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(*pools), 16, 0) == 0
+            reads.append((plan(1e9, decode=5e8)[2] - decoded) * 1e9)
+        assert reads[0] == pytest.approx(reads[1], rel=1e-12) and reads[0] > one * layers
+        # from the plan's own pools: nothing changes
+        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, 0, 0, 0), n_slots, 0) == 0
+        assert plan(1e9)[2] == 0.0
 
 
 def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):

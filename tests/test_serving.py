@@ -62,8 +62,9 @@ class Serving:
         self.lib.ggml_zipmoe_serving_get_info(self.handle, ctypes.byref(info))
         return info
 
-    def make_cache(self) -> None:
-        """reserves the host slots and makes the cache on them, as the loader does"""
+    def make_cache(self, rate_read=0.0, rate_decode=0.0) -> None:
+        """reserves the host slots and makes the cache on them, as the loader does (rates given: plans
+        that do not follow this machine's)"""
         data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()
         assert self.lib.ggml_zipmoe_serving_reserve_host(self.handle, data, stride, self.err, len(self.err)) == 0
         cp = self.cache_params = _lib.CacheParams()
@@ -71,6 +72,7 @@ class Serving:
         cp.pool_capacity[:] = list(self.params.pools)
         cp.n_layer, cp.layer_tensors = self.params.n_layer, self.table
         cp.slot_data[:], cp.slot_stride[:] = list(data), list(stride)
+        cp.rate_read, cp.rate_decode = rate_read, rate_decode
         self.cache = self.lib.ggml_zipmoe_cache_new(ctypes.byref(cp), self.err, len(self.err))
         assert self.cache, self.error
         status = self.lib.ggml_zipmoe_serving_set_cache(self.handle, self.cache, 0, self.err, len(self.err))
@@ -237,7 +239,7 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
                                                            "per MoE layer a step")
     # kept or changed; kept, it says what the change would have read again against what it would gain
     kept = "): kept, the change to F " in replanned[0]
-    assert kept == (" s to fill (" in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
+    assert kept == (" s to fill, repaid in " in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
     # and again each time the counted steps double: a change must repay its reads within the steps seen
     for step in range(5, 12):
         s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})
@@ -344,6 +346,28 @@ def test_short_of_every_compressed_expert_each_is_kept_compressed_in_c_or_as_its
     assert default_pools_at(serving, kept)[0] == [0, N_EXPERT - k, 0, k]
     pools, why = default_pools_at(serving, kept - 1)
     assert not why.startswith("every expert kept compressed") and pools != [0, N_EXPERT - k - 1, 0, k + 1]
+
+
+def test_a_change_declined_for_its_cost_is_planned_again_where_it_would_repay(serving):
+    """A re-plan that declines a change only because it would not repay within the steps seen plans again
+    once they reach the steps it would repay in (a ski rental's break-even), not at twice them; the
+    change, from every expert in C, then decodes the experts F takes from their C entries."""
+    inclusive = lowest_budget(serving, lambda why: why.startswith("every compressed expert fits"))
+    s = serving(budget=inclusive, replan_tokens=4)
+    s.make_cache(rate_read=1e9, rate_decode=1e9)  # given rates (touch: the default): plans that do not vary
+    assert s.resize()[0] == 0 and s.plan().pools[1] == N_EXPERT
+    layers = s.zf.moe_layers()
+    for step in range(12):
+        s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})
+        s.observe()
+    first, second = [text for _, text in s.logs if "re-planned" in text][:2]
+    assert first.startswith("ZipMoE pools re-planned after 4 decode steps") and "): kept, the change to F " in first
+    repaid = float(first.split("repaid in ")[1].split()[0])
+    again = int(first.split("planned again after ")[1].split()[0])
+    assert 4 <= repaid < 8 and 4 < again < 8 and abs(again - repaid) <= 1, first
+    assert second.startswith(f"ZipMoE pools re-planned after {again} decode steps") and "kept" not in second, second
+    moved = int(second.split(" slots, ")[1].split(" experts moved from C to F")[0])
+    assert moved > 0, second
 
 
 @pytest.mark.parametrize("routing,even", [("every expert in turn", True), ("experts 0 and 1 only", False)])

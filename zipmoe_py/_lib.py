@@ -22,7 +22,7 @@ FORMAT_VERSION, CHUNK_ALIGNMENT = 2, 4096  # the newest version the library read
 # enum ggml_zipmoe_eviction (their names: eviction_names())
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK, EVICT_SCORE = range(6)
 # enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
-RATE_READ, RATE_DECODE, RATE_COMPUTE = range(3)
+RATE_READ, RATE_DECODE, RATE_COMPUTE, RATE_TOUCH = range(4)
 # enum ggml_zipmoe_open_flags
 OPEN_DIRECT, OPEN_DIRECT_IF_SUPPORTED = 1, 2
 
@@ -430,8 +430,9 @@ def pool_names() -> tuple[str, ...]:
 @functools.cache
 def default_rate(rate: int) -> float:
     """ggml_zipmoe_default_rate: bytes per second the runtime's cost model assumes when not told,
-    for RATE_READ (O_DIRECT reads), RATE_DECODE (decode + recover, BF16 output bytes per thread) or
-    RATE_COMPUTE (an expert's products per token, its BF16 weight bytes)."""
+    for RATE_READ (O_DIRECT reads), RATE_DECODE (decode + recover, BF16 output bytes per thread),
+    RATE_COMPUTE (an expert's products per token, its BF16 weight bytes) or RATE_TOUCH (first writes
+    of new memory per thread, never measured)."""
     value = lib().ggml_zipmoe_default_rate(rate)
     if not value > 0:
         raise ZipMoEError(f"ggml_zipmoe_default_rate({rate}) gave {value}: no such rate in this libggml-zipmoe")
@@ -505,7 +506,8 @@ def cache_stats(cache) -> dict:
     out["substitution"] = substitution(cache, stats)  # "lossy": True whenever a policy replaces experts
     # the scheduler's cost model now (bytes/s): measured on this machine unless given
     out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
-                    for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE))}
+                    for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE),
+                                       ("touch", RATE_TOUCH))}
     return out
 
 

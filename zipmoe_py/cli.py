@@ -130,7 +130,8 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
     if rates:
         print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s, decode {rates['decode'] / 1e9:.2f} "
               f"GB/s per thread (measured by the runtime unless given), compute {rates['compute'] / 1e9:.2f} GB/s "
-              "(the default unless given: not measured)",
+              f"(the default unless given: not measured), first writes of new memory {rates['touch'] / 1e9:.2f} GB/s "
+              "per thread (the default: not measured)",
               file=sys.stderr)
     plan = now.get("memory")
     if plan:

@@ -158,8 +158,10 @@ struct ggml_zipmoe_default_pools {
     double  expected_makespan_s; // the planner's expectation per layer (0 when it did not run)
     double  f_only_makespan_s;   // and its expectation for one F pool of the same budget
     double  current_makespan_s;  // and for the pools the cache has now (0 when the planner did not run)
-    double  refill_s;            // what a change from those pools to these costs: reads (at the plan's rate)
-                                 // of what it drops, decoding (n_threads) of what it moves from C to F
+    double  refill_s;            // what a change from those pools to these costs, rank by rank: reads (at the
+                                 // plan's rate) of the chunks a new pool keeps and the old did not, decoding
+                                 // (n_threads) of what goes to F, first writes of the slots past those in use
+                                 // (the touch rate); nothing for what goes beyond every new pool
     char    why[320];            // one sentence for logs and statistics
 };
 

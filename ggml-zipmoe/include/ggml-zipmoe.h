@@ -293,6 +293,8 @@ enum ggml_zipmoe_rate {
     GGML_ZIPMOE_RATE_READ    = 0, // chunk reads (O_DIRECT), stored bytes per second
     GGML_ZIPMOE_RATE_DECODE  = 1, // decode + recovery, BF16 output bytes per second per thread
     GGML_ZIPMOE_RATE_COMPUTE = 2, // an expert's products, BF16 weight bytes per second per token
+    GGML_ZIPMOE_RATE_TOUCH   = 3, // first writes of new memory (page faults, zeroing), bytes per second per
+                                  // thread: the default, not measured (no params field)
 };
 
 // names and defaults the library owns; the llama.cpp glue and the Python layer read them from here
@@ -536,8 +538,9 @@ GGML_ZIPMOE_API size_t       ggml_zipmoe_cache_format_metrics(const struct ggml_
 // the rate (enum ggml_zipmoe_rate, bytes per second) the scheduler's cost model uses now: the params'
 // rate when one was given; else, for reads and decodes, the running average of this cache's own
 // fetches (stored bytes over read time; BF16 bytes over decode + recovery time per thread, from
-// fetches whose decoding threads took no page faults), the default until a fetch has measured it. Compute stays the params' or the default (the products run
-// in the graph, where the cache does not time them). 0 if cache is NULL or rate unknown.
+// fetches whose decoding threads took no page faults), the default until a fetch has measured it.
+// Compute stays the params' or the default (the products run in the graph, where the cache does not
+// time them); touch is the default. 0 if cache is NULL or rate unknown.
 GGML_ZIPMOE_API double       ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * cache, int rate);
 
 // Prefetch (SMoE §5.2's top-score prediction, lossless): the caller predicts the experts of a layer

@@ -98,28 +98,61 @@ static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
     }
 }
 
-// seconds that a change from the pools the cache has now (now) to out's costs: what F and the stores
-// drop is read whole again when next chosen, whichever pool it then goes to; but what C drops as F
-// grows, the change decodes from C into F on n_threads (ggml_zipmoe_cache_set_pools_migrating)
+// the pool a rank goes to in pools of these per-layer capacities (packed in hierarchy order; an
+// inclusive C counts the ranks past F's), NO_POOL beyond every one
+static int rank_pool(const int32_t capacity[4], int inclusive, int32_t rank) {
+    int32_t bound = 0;
+    for (int p = 0; p < 4; p++) {
+        bound += p == GGML_ZIPMOE_POOL_C && inclusive ? capacity[p] - capacity[GGML_ZIPMOE_POOL_F] : capacity[p];
+        if (rank < bound) {
+            return p;
+        }
+    }
+    return NO_POOL;
+}
+
+// stored bytes an expert moved from pool `from` (NO_POOL: none) to pool `to` reads on its next use. A
+// change keeps an expert's entry only in its own pool (zipmoe_cache_resize_stores), so `to` reads all it
+// keeps (a miss, for F), but two: C into host slots decodes its entry (set_pools_migrating), and F's
+// experts keep their entries in an inclusive C
+static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, int host, int now_inclusive) {
+    const double sm = (double) c->layout.sm_bytes, e = c->layout.rho * sm;
+    if ((from == GGML_ZIPMOE_POOL_C && to == GGML_ZIPMOE_POOL_F && host) ||
+        (from == GGML_ZIPMOE_POOL_F && to == GGML_ZIPMOE_POOL_C && now_inclusive)) {
+        return 0;
+    }
+    return to == GGML_ZIPMOE_POOL_S ? sm : to == GGML_ZIPMOE_POOL_E ? e : sm + e;
+}
+
+// seconds that a change from the pools the cache has now (now, inclusive or not as the cache's) to out's
+// costs, rank by rank: an expert that keeps its pool costs nothing, nor one dropped beyond every new pool
+// (its next use is a miss, as the new pools' makespan counts it); one that changes pool is read
+// (fill_bytes) on its next use and, bound for F, decoded: then, or by the change for those C holds
+// (ggml_zipmoe_cache_set_pools_migrating), on n_threads. Slots past those in use are written for the
+// first time (page faults and zeroing, at the touch rate) by n_threads as well
 static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read, double decode,
                         int32_t n_threads, struct ggml_zipmoe_default_pools * out) {
-    const int32_t L = c->layout.n_served;
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
     int32_t next[4];
     memcpy(next, out->capacity, sizeof(next));
     if (next[0] + next[1] + next[2] + next[3] == 0) { // one F pool of n_slots
         next[GGML_ZIPMOE_POOL_F] = f_per_layer(c, out->n_slots);
     }
-    const double stored = (double) c->layout.sm_bytes * (1.0 + c->layout.rho); // SM-chunks and E-chunks
-    const int    host   = zipmoe_cache_slots_in_host(c);
-    const int32_t c_dropped = now[GGML_ZIPMOE_POOL_C] - next[GGML_ZIPMOE_POOL_C];
-    const int32_t f_gained  = next[GGML_ZIPMOE_POOL_F] - now[GGML_ZIPMOE_POOL_F];
-    const int32_t moved     = host && c_dropped > 0 && f_gained > 0 ? (c_dropped < f_gained ? c_dropped : f_gained) : 0;
-    double dropped = 0;
-    for (int p = 0; p < 4; p++) {
-        dropped += now[p] > next[p] ? (double) (now[p] - next[p] - (p == GGML_ZIPMOE_POOL_C ? moved : 0)) * L * stored : 0;
+    const int    host = zipmoe_cache_slots_in_host(c);
+    const double X    = (double) c->layout.expert_bytes;
+    double read_bytes = 0, decoded = 0;
+    for (int32_t r = 0; r < N; r++) {
+        const int from = rank_pool(now, 0, r), to = rank_pool(next, out->inclusive, r);
+        if (to == NO_POOL || to == from) {
+            continue;
+        }
+        read_bytes += fill_bytes(c, from, to, host, c->pools.inclusive);
+        decoded += to == GGML_ZIPMOE_POOL_F ? X : 0;
     }
-    const double decoded = (double) moved * L * (double) c->layout.expert_bytes;
-    out->refill_s = (read > 0 ? dropped / read : 0) + (decode > 0 ? decoded / (decode * n_threads) : 0);
+    const int32_t new_slots = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
+    const double  touch     = ggml_zipmoe_cache_rate(c, GGML_ZIPMOE_RATE_TOUCH);
+    out->refill_s = (read > 0 ? read_bytes * L / read : 0) + (decode > 0 ? decoded * L / (decode * n_threads) : 0) +
+                    (touch > 0 ? new_slots * X / (touch * n_threads) : 0);
 }
 
 enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };

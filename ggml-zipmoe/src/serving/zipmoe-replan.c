@@ -214,17 +214,25 @@ static int replan(struct ggml_zipmoe_serving * s) {
     }
     const int32_t n        = MIN(capacity, MAX(fewest, choice.n_slots));
     const double  expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
-    // a change reads again what it drops (entries the shrinking stores forget; those it moves from C to F
-    // it decodes): the planner's expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite sequences
-    // at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64 tokens, reading
-    // three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
+    // a change costs its fills (refill_s: reads, decodes, first touches of new slots): the planner's
+    // expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite
+    // sequences at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64
+    // tokens, reading three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
     const double  gain_s   = (choice.current_makespan_s - expected) * s->info.n_moe_layers; // per step
     const double  repaid   = gain_s > 0 ? choice.refill_s / gain_s : INFINITY;              // in steps
     const bool    same     = (use_pools == s->auto_active && n == s->n_slots &&
                               memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
                               choice.inclusive == s->auto_choice.inclusive) ||
-                             expected >= 0.9 * choice.current_makespan_s || repaid > (double) r->token_steps;
-    if (same) {
+                             expected >= 0.9 * choice.current_makespan_s;
+    if (!same && repaid > (double) r->token_steps) {
+        // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
+        // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
+        // change at 16 steps repaid in 21 and decoded from C on the path until 32 (BENCHMARKS, "A
+        // change taken when it repays")
+        const uint64_t at = (uint64_t) MIN(ceil(repaid), 2.0 * (double) r->token_steps);
+        r->next_replan = MAX(at, r->token_steps + MAX(1, r->token_steps / 8));
+    }
+    if (same || repaid > (double) r->token_steps) {
         char why[sizeof(s->plan.pools_why) + 200];
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
                  "ms with these; the change would take %.1f s, repaid in %.0f steps)", s->auto_choice.why,
@@ -233,11 +241,13 @@ static int replan(struct ggml_zipmoe_serving * s) {
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
         zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f "
                            "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
-                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill (%s)",
+                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill, "
+                           "repaid in %.0f steps; planned again after %llu (%s)",
                            (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
                            r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
                            choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
-                           choice.current_makespan_s * 1e3, choice.refill_s, choice.why);
+                           choice.current_makespan_s * 1e3, choice.refill_s, MIN(repaid, 1e9),
+                           (unsigned long long) r->next_replan, choice.why);
         return 0;
     }
     if (!adopt_pools(s, n, &choice, "ZipMoE pools from the observed routing")) {
@@ -310,10 +320,11 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     if (r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
         return 0;
     }
-    // a change must repay its reads within the steps seen (replan), so a serving that has run twice as
+    // a change must repay its cost within the steps seen (replan), so a serving that has run twice as
     // long may take one an earlier re-plan declined: four Qwen1.5-MoE sequences at 20 GiB kept every
     // expert compressed, decoding on the path at twice stock's step, for a change repaid in 51 steps
-    // (BENCHMARKS, "Four sequences on the full Qwen1.5-MoE geometry")
+    // (BENCHMARKS, "Four sequences on the full Qwen1.5-MoE geometry"). A change declined only for its
+    // cost brings the next re-plan forward to where it would repay (replan)
     r->next_replan = 2 * r->token_steps;
     if (s->on_gpu) {
         r->replanned = true; // the host stores beside the device's slots are added once

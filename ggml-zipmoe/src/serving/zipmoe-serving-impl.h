@@ -30,7 +30,8 @@ struct zipmoe_routing_profile {
     double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
     bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;    // no more re-plans
-    uint64_t   next_replan;  // the counted steps at which the next re-plan runs (twice the last one's)
+    uint64_t   next_replan;  // the counted steps at which the next re-plan runs (twice the last one's, or
+                             // sooner: where a change declined for its cost would repay)
     bool       adopted;      // the re-plan changed the pools: later plans for the memory left keep its profile
     uint64_t   misses_seen;  // the cache's misses after the last graph
     uint64_t   step_misses;  // misses in the counted decode steps
