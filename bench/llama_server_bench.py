@@ -224,6 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--servers", nargs="+", default=["zipmoe-server", "llama-server zipmoe", "llama-server bf16"],
                     help="of zipmoe-server, 'llama-server zipmoe', 'llama-server zipmoe-before' (needs --before), "
                          "'llama-server bf16'; each round runs them in this order")
+    ap.add_argument("--rotate", action="store_true",
+                    help="start each round one server later (round 2 runs the second server first, ...): on the "
+                         "bench VM the first server of a round ran 4-8%% slower (BENCHMARKS, 'A change taken when it repays')")
     ap.add_argument("--before", type=Path, default=None,
                     help="llama-server of another build (its bin/ beside its lib/): the server 'llama-server zipmoe-before'")
     ap.add_argument("--out", type=Path, required=True)
@@ -238,16 +241,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def round_order(servers: list[str], r: int, rotate: bool) -> list[str]:
+    """the servers of round r (0-based): as given, or started r places later"""
+    shift = r % len(servers) if rotate else 0
+    return servers[shift:] + servers[:shift]
+
+
 def main() -> int:
     args = parse_args()
     bw = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(args.bf16 or args.zipmoe)], capture_output=True,
                         text=True)
     runs = []
     for r in range(args.rounds):
-        for kind in args.servers:
+        for position, kind in enumerate(round_order(args.servers, r, args.rotate)):
             print(f"round {r + 1}: {kind} ...", flush=True)
             res = bench_server(kind, args)
-            res["round"] = r + 1
+            res["round"], res["position"] = r + 1, position + 1
             runs.append(res)
             for lv in res["levels"]:
                 print(f"  {lv['clients']} clients: {lv['tok_per_s']:.2f} tok/s, p50 {lv['p50_s']:.1f} s, "

@@ -211,3 +211,12 @@ def test_a_zipmoe_only_server_bench_needs_no_bf16_file(tmp_path):
     with pytest.raises(SystemExit) as refused:
         server_bench.parse_args([*common, "--servers", "llama-server zipmoe", "llama-server bf16"])
     assert refused.value.code == 2
+
+
+def test_a_rotated_server_bench_starts_each_round_one_server_later():
+    """--rotate: no build always runs first in a round (the first server of a round ran slower on the bench VM)"""
+    server_bench = bench_module("llama_server_bench")
+    servers = ["a", "b", "c"]
+    assert [server_bench.round_order(servers, r, True) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert all(server_bench.round_order(servers, r, False) == servers for r in range(4))
