@@ -305,7 +305,7 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
             decode = now if clean == 0 else 0.75 * decode + 0.25 * now
             clean += 1
         assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"],
-                                  "touch": defaults["touch"]}, i  # no store: nothing populated
+                                  "touch": defaults["touch"]}, i  # first writes: never measured
         before = after
     assert faulted >= 1 and clean >= 2  # the fresh slots' pages faulted; fetches into them again measured
     # a rate given in the params stays as given
