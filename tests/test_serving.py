@@ -239,7 +239,7 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
                                                            "per MoE layer a step")
     # kept or changed; kept, it says what the change would have read again against what it would gain
     kept = "): kept, the change to F " in replanned[0]
-    assert kept == (" s to fill, repaid in " in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
+    assert kept == (" s to fill, " in replanned[0]) and (kept or " per MoE layer, " in replanned[0]), replanned[0]
     # and again each time the counted steps double: a change must repay its reads within the steps seen
     for step in range(5, 12):
         s.decode_step({layer: [[0, 1]] if step % 2 == 0 else [[0, 2]] for layer in layers})
@@ -362,12 +362,13 @@ def test_a_change_declined_for_its_cost_is_planned_again_where_it_would_repay(se
         s.observe()
     first, second = [text for _, text in s.logs if "re-planned" in text][:2]
     assert first.startswith("ZipMoE pools re-planned after 4 decode steps") and "): kept, the change to F " in first
-    repaid = float(first.split("repaid in ")[1].split()[0])
+    repaid = int(first.split("repaid in ")[1].split()[0])  # rounded up
     again = int(first.split("planned again after ")[1].split()[0])
-    assert 4 <= repaid < 8 and 4 < again < 8 and abs(again - repaid) <= 1, first
+    # at the steps it repays in: at least an eighth more than seen (one, here), at most twice
+    assert 4 < repaid < 8 and again == max(repaid, 5), first
     assert second.startswith(f"ZipMoE pools re-planned after {again} decode steps") and "kept" not in second, second
-    moved = int(second.split(" slots, ")[1].split(" experts moved from C to F")[0])
-    assert moved > 0, second
+    moved = int(second.split(" experts moved from C to F")[0].rsplit(" ", 1)[1])
+    assert moved > 0 and "ms per layer with the pools before" in second, second
 
 
 @pytest.mark.parametrize("routing,even", [("every expert in turn", True), ("experts 0 and 1 only", False)])

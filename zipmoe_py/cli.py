@@ -142,8 +142,9 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
               f"{plan['cache_buffers'] / gib:.2f} - margin {plan['margin'] / gib:.2f} = {plan['fits'] / gib:.2f} GiB "
               "for slots and stores", file=sys.stderr)
         pools = ", ".join(f"{name} {count}" for name, count in plan["pools"].items())
-        print(f"[stats] pools per MoE layer: {pools if any(plan['pools'].values()) else 'one F pool'}; "
-              f"{plan['pools_why']}", file=sys.stderr)
+        pools = pools if any(plan["pools"].values()) else "one F pool"
+        why = plan["pools_why"]  # its reason may name the pools itself ("one F pool: ...")
+        print(f"[stats] pools per MoE layer: {why if why.startswith(pools) else f'{pools}; {why}'}", file=sys.stderr)
     return now
 
 

@@ -220,10 +220,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
     // tokens, reading three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
     const double  gain_s   = (choice.current_makespan_s - expected) * s->info.n_moe_layers; // per step
     const double  repaid   = gain_s > 0 ? choice.refill_s / gain_s : INFINITY;              // in steps
-    const bool    same     = (use_pools == s->auto_active && n == s->n_slots &&
-                              memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0 &&
-                              choice.inclusive == s->auto_choice.inclusive) ||
-                             expected >= 0.9 * choice.current_makespan_s;
+    const bool    in_use   = use_pools == s->auto_active && n == s->n_slots && choice.inclusive == s->auto_choice.inclusive &&
+                             memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0;
+    const bool    same     = in_use || expected >= 0.9 * choice.current_makespan_s;
     if (!same && repaid > (double) r->token_steps) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
@@ -233,20 +232,25 @@ static int replan(struct ggml_zipmoe_serving * s) {
         r->next_replan = MAX(at, r->token_steps + MAX(1, r->token_steps / 8));
     }
     if (same || repaid > (double) r->token_steps) {
-        char why[sizeof(s->plan.pools_why) + 200];
+        char repay[64], why[sizeof(s->plan.pools_why) + 200];
+        if (in_use || !isfinite(repaid)) {
+            snprintf(repay, sizeof(repay), "%s", in_use ? "no change: the pools in use" : "never repaid: no gain");
+        } else {
+            snprintf(repay, sizeof(repay), "repaid in %.0f steps", ceil(repaid));
+        }
         snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
-                 "ms with these; the change would take %.1f s, repaid in %.0f steps)", s->auto_choice.why,
+                 "ms with these; the change would take %.1f s, %s)", s->auto_choice.why,
                  r->even ? "built-in profile, the routing seen being even" : "observed profile", expected * 1e3,
-                 choice.current_makespan_s * 1e3, choice.refill_s, MIN(repaid, 1e9));
+                 choice.current_makespan_s * 1e3, choice.refill_s, repay);
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
         zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f "
                            "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
                            "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill, "
-                           "repaid in %.0f steps; planned again after %llu (%s)",
+                           "%s; planned again after %llu (%s)",
                            (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
                            r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
                            choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
-                           choice.current_makespan_s * 1e3, choice.refill_s, MIN(repaid, 1e9),
+                           choice.current_makespan_s * 1e3, choice.refill_s, repay,
                            (unsigned long long) r->next_replan, choice.why);
         return 0;
     }
@@ -258,9 +262,11 @@ static int replan(struct ggml_zipmoe_serving * s) {
     ggml_zipmoe_cache_get_stats(s->cache, &moved);
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
-                       "layer, %d slots, %llu experts moved from C to F in %.2f s: %s", (unsigned long long) r->token_steps,
+                       "layer, %d slots, expecting %.2f against %.2f ms per layer with the pools before, %llu experts "
+                       "moved from C to F in %.2f s: %s", (unsigned long long) r->token_steps,
                        k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
                        choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,
+                       expected * 1e3, choice.current_makespan_s * 1e3,
                        (unsigned long long) (moved.migrate_experts - st.migrate_experts),
                        (moved.migrate_ns - st.migrate_ns) / 1e9, choice.why);
     return 1;
