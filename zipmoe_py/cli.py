@@ -73,8 +73,10 @@ def _time_account(stats: dict, n_tokens: int | None) -> str:
 def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     pooled = stats["c_hits"] + stats["s_hits"] + stats["e_hits"]
     lookups = stats["expert_hits"] + pooled + stats["expert_misses"]
-    text = (f"experts: {stats['expert_hits']} hits, {stats['expert_misses']} misses"
-            f" ({100 * stats['expert_hits'] / lookups:.1f}% hits)" if lookups else "experts: no lookups")
+    # of the lookups: found full in a slot (hits), in a store C/S/E (decoded or half read), or missed
+    text = (f"experts: {lookups} lookups, {stats['expert_hits']} hits in slots "
+            f"({100 * stats['expert_hits'] / lookups:.1f}%), {stats['expert_misses']} misses"
+            if lookups else "experts: no lookups")
     if pooled:
         text += f"; from pools C/S/E: {stats['c_hits']}/{stats['s_hits']}/{stats['e_hits']}"
     text += (f"; read {stats['bytes_read'] / 1e6:.2f} MB; io {stats['io_ns'] / 1e6:.1f} ms, decode "
