@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import platform
+import sys
 import threading
 import time
 
@@ -24,10 +26,17 @@ from zipmoe_py import format as zformat
 from test_format import make_moe_gguf
 
 
+def kernel_moves_pages() -> bool:
+    """Linux 5.7+ moves private anonymous pages with MREMAP_DONTUNMAP (the cache probes it itself)"""
+    release = platform.release().split(".")
+    return sys.platform.startswith("linux") and tuple(int("".join(filter(str.isdigit, x)) or 0) for x in release[:2]) >= (5, 7)
+
+
 class Cache:
     def __init__(self, path, n_slots, n_decoders=0, eviction=_lib.EVICT_LRU, rank_delta=0, pools=(0, 0, 0, 0),
-                 rate_read=0.0, prefetch=0, lookahead=0, fresh_pages=False):
-        """fresh_pages: slots in pages of their own, never touched (their first write faults)"""
+                 rate_read=0.0, prefetch=0, lookahead=0, fresh_pages=False, movable_pages=False):
+        """fresh_pages: slots in pages of their own, never touched (their first write faults); movable_pages
+        (with fresh_pages): the cache may move store pages into them (slot_pages_movable)"""
         lib = self.lib = _lib.lib()
         self.maps = []
         self.zf = zformat.ZipMoEFile(path)  # must outlive the cache
@@ -40,6 +49,7 @@ class Cache:
         params.rate_read = rate_read
         params.prefetch_experts = prefetch
         params.lookahead_experts = lookahead
+        params.slot_pages_movable = int(movable_pages and fresh_pages)
         params.set_layers(layers)
         self.slots = []
         for k, tensor in enumerate(layers[min(layers)]):

@@ -21,6 +21,9 @@ from zipmoe_py.plan_files import Costs
 from zipmoe_py.plan_math import round_to_subset_size
 
 from conftest import run, zipmoe_command
+from test_cache import kernel_moves_pages
+from test_format import make_moe_gguf
+from zipmoe_py import format as zformat
 from test_serve import PROMPTS, TOP_K, expert_geometry, load, logits_trace
 
 POOLS = ("F", "C", "S", "E")
@@ -312,8 +315,11 @@ def test_chat_stats_say_which_pools_and_why(zipmoe_gguf):
 
 
 @contextlib.contextmanager
-def rank_cache(path, n_slots: int = 40):
-    """A bare cache on path's MoE layers (rank eviction, host slots): (cache, handle, moe_layers)."""
+def rank_cache(path, n_slots: int = 40, movable_pages: bool = False):
+    """A bare cache on path's MoE layers (rank eviction, host slots): (cache, handle, moe_layers).
+    movable_pages: the slots in mappings of their own, which may take store pages."""
+    import mmap
+
     from zipmoe_py import format as zformat
 
     with zformat.ZipMoEFile(path) as zf:
@@ -323,11 +329,15 @@ def rank_cache(path, n_slots: int = 40):
     file = handle.ggml_zipmoe_file_open(str(path).encode(), 0, err, 1024)
     assert file, err.value
     one, _, _ = expert_geometry(path)
-    buffers = [ctypes.create_string_buffer(n_slots * one // 3 + 64) for _ in range(3)]
+    size = n_slots * one // 3 + 64
+    maps = [mmap.mmap(-1, size) for _ in range(3)] if movable_pages else []
+    buffers = [(ctypes.c_char * size).from_buffer(m) for m in maps] or \
+              [ctypes.create_string_buffer(size) for _ in range(3)]
     params = _lib.CacheParams()
     params.file, params.n_slots, params.eviction = file, n_slots, 4
+    params.slot_pages_movable = int(movable_pages)
     for k in range(3):
-        params.slot_data[k] = ctypes.cast(buffers[k], ctypes.c_void_p)
+        params.slot_data[k] = ctypes.addressof(buffers[k])
         params.slot_stride[k] = one // 3
     params.set_layers(moe_layers)
     cache = handle.ggml_zipmoe_cache_new(ctypes.byref(params), err, 1024)
@@ -338,6 +348,9 @@ def rank_cache(path, n_slots: int = 40):
         if cache:
             handle.ggml_zipmoe_cache_free(cache)
         handle.ggml_zipmoe_file_close(file)
+        del buffers  # the views before their maps
+        for m in maps:
+            m.close()
 
 
 def test_set_pools_names_what_is_wrong(zipmoe_gguf):
@@ -369,12 +382,12 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
                b"MoE layer in F (12)" in choice.why, choice.why
 
 
-def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(zipmoe_gguf):
+def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(zipmoe_gguf, tmp_path):
     """refill_s, rank by rank from the cache's pools to the chosen ones: an expert dropped beyond every new
     pool costs nothing up front (its next use is a miss, as the new pools' makespan counts it); one that
     changes pool is read whole on its next use, but from C to host slots, and, bound for F, decoded (from
-    C by the change); slots past those in use are written for the first time at the touch rate. The
-    re-plan weighs it against the expected gain."""
+    C by the change); slots past those in use are written for the first time at the touch rate, but for
+    the pages the stores give up, where the slots take them. The re-plan weighs it against the expected gain."""
     path = zipmoe_gguf("qwen2moe")
     one, n_expert, _ = expert_geometry(path)
     touch = _lib.default_rate(_lib.RATE_TOUCH)
@@ -411,6 +424,25 @@ def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(
         # from the plan's own pools: nothing changes
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, 0, 0, 0), n_slots, 0) == 0
         assert plan(1e9)[2] == 0.0
+
+    # slots that take the pages of the entries the stores give up, whole 2 MiB blocks (experts of 2 MiB
+    # tensors): from every expert in C to one F pool, the new slots' first writes are those C's entries
+    # spare not, each a block less than its size
+    src = make_moe_gguf(tmp_path / "big.gguf", shape=(1024, 1024, 8))
+    path = tmp_path / "big.zipmoe.gguf"
+    zformat.repack(src, path, shards=3)
+    one, n_expert, _ = expert_geometry(path)
+    with rank_cache(path, movable_pages=True) as (cache, handle, moe_layers):
+        layers = len(moe_layers)
+        pools, n_slots, _ = plan(1e9)
+        assert pools == [0, 0, 0, 0] and n_slots > 8  # one F pool, n_slots // layers per layer
+        assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
+        entry_c = ctypes.c_size_t()
+        handle.ggml_zipmoe_cache_pool_entries(cache, 1, ctypes.byref(entry_c))
+        spared = n_expert * layers * (entry_c.value - (2 << 20)) if kernel_moves_pages() else 0
+        assert spared > 0 or not kernel_moves_pages()
+        touched = max(0, (n_slots - 8) * one - spared)  # none here: C gives up more than the new slots take
+        assert plan(1e9)[2] == 0.0 + float(n_slots // layers * one) * layers / (1e9 * 2) + touched / (touch * 2)
 
 
 def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):

@@ -19,7 +19,7 @@ from zipmoe_py import _lib, codec
 from zipmoe_py.cli import _time_account
 from zipmoe_py import format as zformat
 
-from test_cache import Cache, assert_resident, corrupt_chunk
+from test_cache import Cache, assert_resident, corrupt_chunk, kernel_moves_pages
 from test_format import make_moe_gguf
 
 
@@ -213,6 +213,58 @@ def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_the
             assert d["c_hits"] == 4 and read == 0, d
         cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
         assert cache.stats()["migrate_experts"] == cache.stats()["migrate_ns"] == 0
+
+
+@pytest.fixture(scope="module")
+def page_model(tmp_path_factory):
+    """experts of 2 MiB tensors plus a row: a slot's tensor holds about one 2 MiB block, and a block may
+    straddle two slots"""
+    tmp = tmp_path_factory.mktemp("pages")
+    src = make_moe_gguf(tmp / "src.gguf", shape=(1024, 1025, 8))
+    path = tmp / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    with zformat.ZipMoEFile(path) as zf:
+        experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
+    return path, experts
+
+
+@pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])
+@pytest.mark.parametrize("pools, n_slots, moved, c_after", MIGRATIONS, ids=["F2C4", "one-F-pool"])
+def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(page_model, pools, n_slots, moved,
+                                                                                 c_after, movable):
+    """Slots in a mapping of their own (slot_pages_movable): the change's new slots (4 to 6, empty) take
+    the pages of the C entries it gives up, every whole 2 MiB block within them (as huge pages, which a
+    move of less would split), instead of faulting new ones; the experts decoded over them, and C's kept
+    entries, stay bit-exact. Slots the cache may not move pages into (malloc'd memory, say) move none."""
+    path, experts = page_model
+    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=movable)
+    try:
+        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
+        for layer in (0, 1):
+            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
+            read_by(cache, layer, [[1, 0, 2]])
+        before = cache.stats()
+        assert set_pools_migrating(cache, pools, n_slots, 2) == len(moved)
+        block = 2 << 20
+        whole = 0  # the whole blocks within slots 4 to 6, kind by kind
+        for slots in cache.slots:
+            base, stride = slots.ctypes.data, slots.strides[0]
+            lo, hi = -(-(base + 4 * stride) // block) * block, (base + 7 * stride) // block * block
+            whole += max(0, hi - lo)
+        assert whole >= 6 * block  # three slots of 2 MiB and a row hold two or three blocks a kind
+        expected = whole if movable and kernel_moves_pages() else 0
+        assert cache.stats()["moved_page_bytes"] - before["moved_page_bytes"] == expected
+        if expected:
+            assert f"{expected / 1e6:.1f} MB of the stores' pages moved into their slots" in _time_account(cache.stats(), None)
+        read, d = read_by(cache, 0, [moved], experts)  # decoded over the moved pages: exact
+        assert (d["expert_hits"], d["expert_misses"], read) == (len(moved), 0, 0), d
+        if c_after:  # C's entries kept past the pages it gave up: exact
+            read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
+            assert d["c_hits"] == 4 and read == 0, d
+        read, d = read_by(cache, 1, [[5, 6, 7]], experts)  # filled later, into the slots left: exact
+        assert read > 0 or d["c_hits"] > 0, d
+    finally:
+        cache.close()
 
 
 def test_slots_stay_bit_exact_across_re_plans(make, model):

@@ -62,9 +62,10 @@ class Serving:
         self.lib.ggml_zipmoe_serving_get_info(self.handle, ctypes.byref(info))
         return info
 
-    def make_cache(self, rate_read=0.0, rate_decode=0.0) -> None:
+    def make_cache(self, rate_read=0.0, rate_decode=0.0, movable_pages=True) -> None:
         """reserves the host slots and makes the cache on them, as the loader does (rates given: plans
-        that do not follow this machine's)"""
+        that do not follow this machine's; movable_pages: the slots, the serving's own mapping, may take
+        store pages, as the loader lets them)"""
         data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()
         assert self.lib.ggml_zipmoe_serving_reserve_host(self.handle, data, stride, self.err, len(self.err)) == 0
         cp = self.cache_params = _lib.CacheParams()
@@ -73,6 +74,7 @@ class Serving:
         cp.n_layer, cp.layer_tensors = self.params.n_layer, self.table
         cp.slot_data[:], cp.slot_stride[:] = list(data), list(stride)
         cp.rate_read, cp.rate_decode = rate_read, rate_decode
+        cp.slot_pages_movable = int(movable_pages)
         self.cache = self.lib.ggml_zipmoe_cache_new(ctypes.byref(cp), self.err, len(self.err))
         assert self.cache, self.error
         status = self.lib.ggml_zipmoe_serving_set_cache(self.handle, self.cache, 0, self.err, len(self.err))
@@ -351,10 +353,11 @@ def test_short_of_every_compressed_expert_each_is_kept_compressed_in_c_or_as_its
 def test_a_change_declined_for_its_cost_is_planned_again_where_it_would_repay(serving):
     """A re-plan that declines a change only because it would not repay within the steps seen plans again
     once they reach the steps it would repay in (a ski rental's break-even), not at twice them; the
-    change, from every expert in C, then decodes the experts F takes from their C entries."""
+    change, from every expert in C, then decodes the experts F takes from their C entries. Slots that take
+    no store pages: the new slots' first writes are part of the cost."""
     inclusive = lowest_budget(serving, lambda why: why.startswith("every compressed expert fits"))
     s = serving(budget=inclusive, replan_tokens=4)
-    s.make_cache(rate_read=1e9, rate_decode=1e9)  # given rates (touch: the default): plans that do not vary
+    s.make_cache(rate_read=1e9, rate_decode=1e9, movable_pages=False)  # given rates (touch: the default)
     assert s.resize()[0] == 0 and s.plan().pools[1] == N_EXPERT
     layers = s.zf.moe_layers()
     for step in range(12):

@@ -42,7 +42,7 @@ class CacheStats(ctypes.Structure):
                                                      "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
                                                      "graph_ns", "graphs", "preload_experts", "preload_bytes_read",
                                                      "populate_bytes", "populate_ns", "migrate_experts",
-                                                     "migrate_ns")]
+                                                     "migrate_ns", "moved_page_bytes")]
 
 
 class BuddyParams(ctypes.Structure):
@@ -94,7 +94,8 @@ class CacheParams(ctypes.Structure):
                 ("rate_decode", ctypes.c_double), ("rate_compute", ctypes.c_double), ("n_layer", ctypes.c_int32),
                 ("layer_tensors", ctypes.POINTER(ctypes.c_int32)), ("prefetch_experts", ctypes.c_int32),
                 ("slot_memory", ctypes.c_int32), ("slot_fill", ctypes.c_void_p), ("slot_fill_data", ctypes.c_void_p),
-                ("slot_write", ctypes.c_void_p), ("slot_sync", ctypes.c_void_p), ("lookahead_experts", ctypes.c_int32)]
+                ("slot_write", ctypes.c_void_p), ("slot_sync", ctypes.c_void_p), ("lookahead_experts", ctypes.c_int32),
+                ("slot_pages_movable", ctypes.c_int32)]
 
     def set_layers(self, moe_layers: Mapping[int, Sequence[int]]) -> None:
         """n_layer and layer_tensors from {layer: (gate, up, down) tensor indexes} (ZipMoEFile.moe_layers()),

@@ -358,6 +358,11 @@ struct ggml_zipmoe_cache_params {
     // experts take more (a prompt, several sequences) runs in passes, whose ids are all known at the
     // first: what the next pass lacks is read while the disk would otherwise wait
     int32_t lookahead_experts;
+    // nonzero: host slot_data lie in a private anonymous mapping (mmap) of the caller's, which it unmaps
+    // whole. A change of pools may then move the pages of the store entries it gives up into the slots it
+    // fills (Linux 5.7+), instead of giving them back while those slots fault new pages in. 0 for memory
+    // from malloc, or a buffer someone else maps
+    int32_t slot_pages_movable;
 };
 
 struct ggml_zipmoe_cache_stats {
@@ -397,6 +402,8 @@ struct ggml_zipmoe_cache_stats {
                                   //   machine it shares the cores with the graph threads)
     uint64_t migrate_experts;     // experts a change of pools decoded from C into F (set_pools_migrating;
     uint64_t migrate_ns;          //   in no fetch counter above), and the wall time of those changes
+    uint64_t moved_page_bytes;    // store pages such changes moved into the slots they filled (slot_pages_movable):
+                                  //   first writes those slots did not make
 };
 
 struct ggml_zipmoe_cache;

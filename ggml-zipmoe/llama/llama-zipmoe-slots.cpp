@@ -109,6 +109,7 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
         ggml_zipmoe_serving_get_info(serving, &info);
         const size_t bytes = (size_t) ((char *) data[2] - (char *) data[0]) + (size_t) info.capacity * stride[2];
         buf = ggml_backend_cpu_buffer_from_ptr(data[0], bytes);
+        slots_in_own_mapping = true; // the serving's mmap: a change of pools may move pages into it
     } else {
         // memory of the buffer type itself (committed where a slot is written, as malloc's large blocks are)
         const size_t page = 4096;

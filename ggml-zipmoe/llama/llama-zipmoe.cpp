@@ -303,6 +303,7 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
     // pass's experts as this one decodes and computes: one token's worth, of the working slots' pass
     cp.lookahead_experts = n_expert_used;
     cp.slot_memory      = cuda_slots ? GGML_ZIPMOE_SLOTS_CUDA : on_device ? GGML_ZIPMOE_SLOTS_DEVICE : GGML_ZIPMOE_SLOTS_HOST;
+    cp.slot_pages_movable = slots_in_own_mapping;
     char err[1024];
     cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
     if (cache == nullptr) {
@@ -439,7 +440,7 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
                    "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C to F "
-                   "%llu experts in %.1f ms\n",
+                   "%llu experts in %.1f ms, %.1f MB of the stores' pages into their slots\n",
                    __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
@@ -450,7 +451,7 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    (unsigned long long) s.decode_faults, (unsigned long long) s.graphs, s.graph_ns / 1e6,
                    s.h2d_bytes / 1e6, (unsigned long long) s.preload_experts, s.preload_bytes_read / 1e6,
                    s.populate_bytes / 1e6, s.populate_ns / 1e6, (unsigned long long) s.migrate_experts,
-                   s.migrate_ns / 1e6);
+                   s.migrate_ns / 1e6, s.moved_page_bytes / 1e6);
     try {
         resize(nullptr);
     } catch (const std::exception & e) {

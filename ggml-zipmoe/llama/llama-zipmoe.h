@@ -301,6 +301,7 @@ private:
     // slots in a device's memory: all allocated when the model loads, all in use (no host memory sizing)
     bool           on_device    = false;
     bool           cuda_slots   = false;   // ZipMoE's CUDA kernels recover into them; else slot_write
+    bool           slots_in_own_mapping = false; // host slots in the serving's mmap (ggml_zipmoe_cache_params.slot_pages_movable)
     ggml_backend_t slot_backend = nullptr; // slot_write's, where the device's backend sets asynchronously
     std::mutex     slot_mutex;             // slot_write through a buffer: one at a time
     int32_t        zero_slot    = -1; // the first zero slot

@@ -145,6 +145,8 @@ struct zipmoe_slots {
     uint8_t *  marked;     // [capacity] marking algorithm's marks
     uint8_t *  transient;  // [capacity] not in the F pool: evicted first (RANK dispatch)
     uint64_t * pinned;     // [capacity] serial of the last call that needs it
+    int        take_pages; // host slots in the caller's own mapping (ggml_zipmoe_cache_params.slot_pages_movable),
+                           // and a kernel that moves pages: they may take a given-up store entry's
 };
 
 // the eviction policy's state (zipmoe-residency.c)
@@ -164,6 +166,21 @@ struct zipmoe_policy {
     pthread_mutex_t score_lock;
 };
 
+// Pages move from the stores into slots in aligned blocks of a huge page (2 MiB on x86-64 and most
+// arm64 kernels): a move of less splits the huge pages on both sides, and 3 GB mapped in 4 KiB pieces
+// read at 12-26 GB/s against 27 in huge pages, moved 8x slower (a sighting, BENCHMARKS "Pages moved
+// from the stores into the slots"). A store's range gives the blocks within it; the rest goes back.
+#define ZIPMOE_MOVE_BLOCK ((size_t) 2 << 20)
+
+// slots [first, end) that a change of pools fills, empty when it starts: the store entries it gives up
+// move their pages there in blocks (zipmoe_sink_pages) instead of giving them back to the system, and
+// the slots skip the faults and zeroing of a first write. at[k]: the next block to fill among the
+// kind-k slots. Off (end 0) outside a change, and where the slots cannot take pages
+struct zipmoe_page_sink {
+    int32_t   first, end;
+    uint8_t * at[3];
+};
+
 // the pools: the active set in hierarchy order, thresholds tau_p, F's capacity in slots, the stores
 struct zipmoe_pools {
     int32_t             n_active;
@@ -174,6 +191,7 @@ struct zipmoe_pools {
     int                 migrating;    // a change of pools keeps C's entries of experts bound for F, in no slot, until
                                       // they are decoded into slots (zipmoe-migrate.c)
     struct zipmoe_store store[4];     // by pool; F's is unused
+    struct zipmoe_page_sink sink;
     int8_t *            key_pool;     // [n_keys] store holding the expert (C, S, E), or NO_POOL
     int32_t *           key_entry;    // [n_keys]
 };
@@ -282,7 +300,7 @@ struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
         fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
         decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read, populate_bytes, populate_ns,
-        migrate_experts, migrate_ns;
+        migrate_experts, migrate_ns, moved_page_bytes;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
@@ -422,8 +440,16 @@ uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entr
 void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
 // an expert the pools (while migrating) send to F that C holds and no slot does
 int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
-// the whole pages within entry of store p given back to the system (it was forgotten: nothing reads them)
-void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t entry);
+// the whole pages within entries [first, first + n) of store p, forgotten (nothing reads them): into the
+// slots a change of pools fills, else given back to the system (zipmoe_sink_pages)
+void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n);
+// the slots [first, end), empty, take the pages that the stores give up until zipmoe_sink_close (end <=
+// first: none do)
+void     zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end);
+void     zipmoe_sink_close(struct ggml_zipmoe_cache * c);
+// the whole pages of [addr, addr + size), memory nothing reads any more: its blocks moved into the slots
+// the change in progress fills (c->pools.sink), where any are left, and the rest given back to the system
+void     zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size);
 // expert key, kept in E's e_entry, takes C's c_entry: C's victim keeps its E-chunks in e_entry
 void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry,
                                     int64_t victim);

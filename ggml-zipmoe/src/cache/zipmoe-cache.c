@@ -378,8 +378,9 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
         c->slots.data[k]   = (uint8_t *) p->slot_data[k];
         c->slots.stride[k] = p->slot_stride[k];
     }
-    c->slots.fill      = p->slot_fill;
-    c->slots.fill_data = p->slot_fill_data;
+    c->slots.fill       = p->slot_fill;
+    c->slots.fill_data  = p->slot_fill_data;
+    c->slots.take_pages = p->slot_pages_movable && p->slot_memory == GGML_ZIPMOE_SLOTS_HOST && zipmoe_can_move_pages();
     char msg[1024] = "ggml_zipmoe_cache_new: out of memory";
     int status = map_layers(c, p, msg, sizeof(msg));
     if (status == GGML_ZIPMOE_OK) {
@@ -508,6 +509,7 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     // the stores keep what still fits them (set_up_pools resizes them under the new thresholds);
     // experts in the slots given up are forgotten
     forget_slots_from(c, n_slots);
+    const int32_t old_used = c->slots.n_used;
     for (int32_t s = 0; s < c->slots.capacity; s++) {
         c->slots.pinned[s]    = 0;
         c->slots.marked[s]    = 0;
@@ -517,9 +519,14 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     c->pools.n_active  = 0;
     c->pools.inclusive = 0;
     c->pools.migrating = migrating && (n_pools == 0 || capacity[GGML_ZIPMOE_POOL_F] > 0); // an F that takes experts
+    // the slots past those in use so far, empty, take the pages of the entries the stores give up (the
+    // migration closes the sink once C has its new size)
+    const int sink = c->pools.migrating && c->slots.take_pages && zipmoe_cache_slots_in_host(c);
+    zipmoe_sink_open(c, old_used, sink ? n_slots : 0);
     char msg[1024];
     int status = set_up_pools(c, capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
     if (status != GGML_ZIPMOE_OK) {
+        zipmoe_sink_close(c);
         // the stores could not be made: one F pool of every slot, as before any pools
         const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
         c->pools.n_active = 0;

@@ -129,7 +129,21 @@ static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, i
 // (its next use is a miss, as the new pools' makespan counts it); one that changes pool is read
 // (fill_bytes) on its next use and, bound for F, decoded: then, or by the change for those C holds
 // (ggml_zipmoe_cache_set_pools_migrating), on n_threads. Slots past those in use are written for the
-// first time (page faults and zeroing, at the touch rate) by n_threads as well
+// first time (page faults and zeroing, at the touch rate) by n_threads as well, less the pages that the
+// entries the stores give up move into them where slots take pages (given_up_bytes)
+static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4]) {
+    double bytes = 0;
+    for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+        const struct zipmoe_store * s = &c->pools.store[p];
+        const int32_t kept = next[p] * c->layout.n_served;
+        // whole huge-page blocks move: an entry alone holds a block less than its size (runs of neighbours
+        // hold more), and the last layer's migrants give theirs once their slots are written
+        const double blocks = s->entry_size > ZIPMOE_MOVE_BLOCK ? (double) (s->entry_size - ZIPMOE_MOVE_BLOCK) : 0;
+        bytes += s->n_entries > kept ? (double) (s->n_entries - kept) * blocks : 0;
+    }
+    return c->slots.take_pages ? bytes : 0;
+}
+
 static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read, double decode,
                         int32_t n_threads, struct ggml_zipmoe_default_pools * out) {
     const int32_t L = c->layout.n_served, N = c->layout.max_expert;
@@ -151,8 +165,9 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
     }
     const int32_t new_slots = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
     const double  touch     = ggml_zipmoe_cache_rate(c, GGML_ZIPMOE_RATE_TOUCH);
+    const double  touched   = new_slots * X > given_up_bytes(c, next) ? new_slots * X - given_up_bytes(c, next) : 0;
     out->refill_s = (read > 0 ? read_bytes * L / read : 0) + (decode > 0 ? decoded * L / (decode * n_threads) : 0) +
-                    (touch > 0 ? new_slots * X / (touch * n_threads) : 0);
+                    (touch > 0 ? touched / (touch * n_threads) : 0);
 }
 
 enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };

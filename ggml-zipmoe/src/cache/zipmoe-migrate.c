@@ -7,7 +7,9 @@
 //
 // Memory stays within the pools': C first shrinks to what the new pools keep plus the experts bound
 // for F; each of those entries' pages is given back once its expert is in a slot; then C shrinks to
-// its new size.
+// its new size. Where the slots can take pages (the caller's own mapping, Linux), what the stores give
+// up moves into the slots the change fills, ahead of the decoding threads' writes (zipmoe_sink_pages):
+// those skip a first write's faults and zeroing, which took most of the change's time on the bench VM.
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -25,6 +27,22 @@ static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t *
         }
     }
     return n;
+}
+
+static int by_entry(const void * a, const void * b) {
+    const int32_t x = *(const int32_t *) a, y = *(const int32_t *) b;
+    return (x > y) - (x < y);
+}
+
+// C's entries given back, each run of neighbours in one range: the huge-page blocks within a run move
+// whole (zipmoe_sink_pages), where an entry alone might hold none
+static void release_runs(struct ggml_zipmoe_cache * c, int32_t * entries, int32_t n) {
+    qsort(entries, (size_t) n, sizeof(int32_t), by_entry);
+    for (int32_t i = 0, j; i < n; i = j) {
+        for (j = i + 1; j < n && entries[j] == entries[j - 1] + 1; j++) {
+        }
+        zipmoe_store_release(c, GGML_ZIPMOE_POOL_C, entries[i], j - i);
+    }
 }
 
 // each served layer's migrants fetched (C hits: decoded from their entries, kept in F after use, their
@@ -46,13 +64,15 @@ static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int *
         }
         *status = zipmoe_cache_fetch_on_threads(c, l, ids, n_layer, n_threads);
         pthread_mutex_lock(&c->lock);
+        int32_t n_free = 0;
         for (int32_t i = 0; i < n_layer; i++) {
             const int64_t key = (int64_t) l * c->layout.max_expert + ids[i];
             moved += c->slots.of_key[key] >= 0;
             if (c->pools.store[GGML_ZIPMOE_POOL_C].entry_key[entries[i]] < 0) {
-                zipmoe_store_release(c, GGML_ZIPMOE_POOL_C, entries[i]);
+                entries[n_free++] = entries[i];
             }
         }
+        release_runs(c, entries, n_free);
         pthread_mutex_unlock(&c->lock);
     }
     free(ids);
@@ -72,7 +92,7 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     const int migrating = n_threads > 0 && zipmoe_cache_slots_in_host(c);
     int status = zipmoe_cache_change_pools(c, capacity, n_slots, inclusive, migrating);
     if (status != GGML_ZIPMOE_OK || !c->pools.migrating) {
-        return status;
+        return status; // no sink is left on: change_pools opens one only for a migration it made
     }
     n_threads = n_threads < ZIPMOE_MAX_THREADS ? n_threads : ZIPMOE_MAX_THREADS;
     // what a fetch counts, kept as it was: a migration is the change's, not a graph's (its own counters)
@@ -90,6 +110,7 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     c->pools.migrating = 0;
     char msg[1024];
     status = zipmoe_cache_resize_stores(c, capacity, c->layout.max_e_bytes, msg, sizeof(msg));
+    zipmoe_sink_close(c);
     pthread_mutex_unlock(&c->lock);
     atomic_fetch_add(&c->stats.migrate_experts, (uint64_t) moved);
     atomic_fetch_add(&c->stats.migrate_ns, zipmoe_now_ns() - t0);

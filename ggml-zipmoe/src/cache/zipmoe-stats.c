@@ -36,6 +36,7 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->populate_ns        = atomic_load(&c->stats.populate_ns);
     s->migrate_experts    = atomic_load(&c->stats.migrate_experts);
     s->migrate_ns         = atomic_load(&c->stats.migrate_ns);
+    s->moved_page_bytes   = atomic_load(&c->stats.moved_page_bytes);
 }
 
 // the counters a fetch adds to, in struct zipmoe_fetch_counts order
@@ -100,7 +101,7 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
         &c->stats.plan_ns, &c->stats.fetch_work_ns, &c->stats.read_wait_ns, &c->stats.finish_wait_ns,
         &c->stats.decode_faults, &c->stats.graph_ns, &c->stats.graphs, &c->stats.preload_experts,
         &c->stats.preload_bytes_read, &c->stats.populate_bytes, &c->stats.populate_ns, &c->stats.migrate_experts,
-        &c->stats.migrate_ns,
+        &c->stats.migrate_ns, &c->stats.moved_page_bytes,
     };
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         atomic_store(counters[i], 0);

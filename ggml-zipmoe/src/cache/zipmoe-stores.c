@@ -2,7 +2,8 @@
 //
 // Fixed-size entries in one block per store, shared by every served layer; rank dispatch (the
 // pool an expert goes to after its use, paper 3.4), the entry a new expert takes, what a store
-// keeps when a re-plan resizes it, and the pages of a grown store faulted in on a helper thread.
+// keeps when a re-plan resizes it, where the pages of the entries it gives up go, and the pages of a
+// grown store faulted in on a helper thread.
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -129,9 +130,89 @@ int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
            zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
 }
 
-void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
+void zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end) {
+    struct zipmoe_page_sink * k = &c->pools.sink;
+    const uintptr_t block = ZIPMOE_MOVE_BLOCK;
+    k->first = first;
+    k->end   = end > first ? end : 0;
+    for (int j = 0; j < 3; j++) {
+        const uintptr_t a = (uintptr_t) (c->slots.data[j] + (size_t) first * c->slots.stride[j]);
+        k->at[j] = (uint8_t *) ((a + block - 1) & ~(block - 1));
+    }
+}
+
+void zipmoe_sink_close(struct ggml_zipmoe_cache * c) {
+    c->pools.sink.end = 0;
+}
+
+// the sink's next block to fill, *dst, in the slots of kind *kind: of the kinds with blocks left, the one
+// furthest behind in slots (a slot's three tensors fill alike), its next block over slots all empty; 0
+// once none is left
+static int sink_target(struct ggml_zipmoe_cache * c, uint8_t ** dst, int * kind) {
+    struct zipmoe_page_sink * k = &c->pools.sink;
+    const uintptr_t block = ZIPMOE_MOVE_BLOCK;
+    for (;;) {
+        int    best     = -1;
+        double best_pos = 0;
+        for (int j = 0; j < 3; j++) {
+            const uintptr_t base = (uintptr_t) c->slots.data[j], stride = c->slots.stride[j];
+            if ((uintptr_t) k->at[j] + block <= base + (uintptr_t) k->end * stride) {
+                const double pos = (double) ((uintptr_t) k->at[j] - base) / (double) stride;
+                if (best < 0 || pos < best_pos) {
+                    best     = j;
+                    best_pos = pos;
+                }
+            }
+        }
+        if (best < 0) {
+            return 0;
+        }
+        const uintptr_t base = (uintptr_t) c->slots.data[best], stride = c->slots.stride[best];
+        const uintptr_t at   = (uintptr_t) k->at[best];
+        int empty = 1;
+        for (uintptr_t s = (at - base) / stride; s <= (at + block - 1 - base) / stride && empty; s++) {
+            empty = c->slots.key[s] < 0;
+        }
+        if (empty) {
+            *dst  = k->at[best];
+            *kind = best;
+            return 1;
+        }
+        k->at[best] += block; // a slot written since holds an expert: passed over
+    }
+}
+
+void zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size) {
+    const uintptr_t page = 4096, block = ZIPMOE_MOVE_BLOCK;
+    const uintptr_t lo = ((uintptr_t) addr + page - 1) & ~(page - 1), hi = ((uintptr_t) addr + size) & ~(page - 1);
+    if (hi <= lo) {
+        return;
+    }
+    // [first, to): the blocks moved; what lies around them goes back
+    const uintptr_t first = (lo + block - 1) & ~(block - 1);
+    uintptr_t       to    = first;
+    uint8_t *       dst;
+    int             kind;
+    while (c->pools.sink.end > 0 && to + block <= hi && sink_target(c, &dst, &kind)) {
+        if (zipmoe_move_pages((void *) to, dst, block) != block) {
+            zipmoe_sink_close(c); // refused (nothing moved): the rest is given back, as without a sink
+            break;
+        }
+        c->pools.sink.at[kind] += block;
+        to += block;
+        atomic_fetch_add(&c->stats.moved_page_bytes, (uint64_t) block);
+    }
+    if (to == first) {
+        zipmoe_release_pages((void *) lo, (size_t) (hi - lo));
+        return;
+    }
+    zipmoe_release_pages((void *) lo, (size_t) (first - lo));
+    zipmoe_release_pages((void *) to, (size_t) (hi - to));
+}
+
+void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n) {
     const struct zipmoe_store * s = &c->pools.store[p];
-    zipmoe_release_pages(s->mem + (size_t) entry * s->entry_size, s->entry_size);
+    zipmoe_sink_pages(c, s->mem + (size_t) first * s->entry_size, (size_t) n * s->entry_size);
 }
 
 // a kept entry's claim to stay when its store shrinks: first the experts a migration decodes from
@@ -163,6 +244,9 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
         for (int32_t i = 0; i < s->n_entries; i++) {
             zipmoe_store_forget(c, p, i);
         }
+        if (c->pools.sink.end > 0) {
+            zipmoe_store_release(c, p, 0, s->n_entries); // to a change's slots; else they go with the store
+        }
         return GGML_ZIPMOE_OK;
     }
     struct entry_claim * claims = (struct entry_claim *) malloc(sizeof(*claims) * (size_t) (s->n_entries + 1));
@@ -188,19 +272,19 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
     int32_t hole = 0;
     for (int32_t i = n_new; i < s->n_entries; i++) {
         const int64_t key = s->entry_key[i];
-        if (key < 0) {
-            continue;
+        if (key >= 0) {
+            while (s->entry_key[hole] >= 0) {
+                hole++; // fewer than n_new entries are held, so a hole below n_new is found
+            }
+            memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+            s->entry_key[hole]      = key;
+            s->entry_last_use[hole] = s->entry_last_use[i];
+            s->entry_key[i]         = -1;
+            c->pools.key_entry[key] = hole;
         }
-        while (s->entry_key[hole] >= 0) {
-            hole++; // fewer than n_new entries are held, so a hole below n_new is found
-        }
-        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
-        zipmoe_store_release(c, p, i); // the copy is in; the tail goes at the realloc, this one's pages now
-        s->entry_key[hole]      = key;
-        s->entry_last_use[hole] = s->entry_last_use[i];
-        s->entry_key[i]         = -1;
-        c->pools.key_entry[key] = hole;
     }
+    // the tail goes at the realloc: its pages now, in one range (whole blocks), to a change's slots first
+    zipmoe_store_release(c, p, n_new, s->n_entries - n_new);
     return GGML_ZIPMOE_OK;
 }
 

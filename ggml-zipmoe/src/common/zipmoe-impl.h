@@ -42,6 +42,12 @@ int    zipmoe_huff0_decompress(void * state, void * dst, size_t dst_size, const 
 void zipmoe_advise_huge_pages(void * addr, size_t size);
 // the whole pages within [addr, addr + size) given back to the system (MADV_DONTNEED: read again as zeros)
 void zipmoe_release_pages(void * addr, size_t size);
+// whether zipmoe_move_pages can move pages here (Linux 5.7+, probed once)
+int zipmoe_can_move_pages(void);
+// the pages of [src, src + size) moved to dst, replacing what was mapped there; src stays mapped, empty
+// (read again as zeros). Page-aligned src, dst and size, in private anonymous memory. Returns size, or 0
+// where nothing moved (the kernel refused): the caller then gives src's pages back itself
+size_t zipmoe_move_pages(void * src, void * dst, size_t size);
 
 // XXH64 with seed 0 (zstd's bundled xxHash)
 uint64_t zipmoe_xxh64(const void * data, size_t n);

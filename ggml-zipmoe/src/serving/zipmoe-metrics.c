@@ -71,6 +71,8 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
         { "populate_bytes_total", "Store pages a helper thread faulted in ahead of their first write", s.populate_bytes },
         { "migrated_experts_total", "Experts a change of pools decoded from C into F instead of reading them again",
                                     s.migrate_experts },
+        { "moved_page_bytes_total", "Store pages a change of pools moved into the slots it filled (no first write)",
+                                    s.moved_page_bytes },
         { "substitutions_total", "LOSSY: selections a substitution policy replaced (0 unless a lossy mode is on)",
                                  s.substitutions },
     };

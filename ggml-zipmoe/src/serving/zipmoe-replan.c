@@ -263,12 +263,14 @@ static int replan(struct ggml_zipmoe_serving * s) {
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
                        "layer, %d slots, expecting %.2f against %.2f ms per layer with the pools before, %llu experts "
-                       "moved from C to F in %.2f s: %s", (unsigned long long) r->token_steps,
+                       "moved from C to F in %.2f s (%.1f MB of the stores' pages moved into the slots): %s",
+                       (unsigned long long) r->token_steps,
                        k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
                        choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,
                        expected * 1e3, choice.current_makespan_s * 1e3,
                        (unsigned long long) (moved.migrate_experts - st.migrate_experts),
-                       (moved.migrate_ns - st.migrate_ns) / 1e9, choice.why);
+                       (moved.migrate_ns - st.migrate_ns) / 1e9, (moved.moved_page_bytes - st.moved_page_bytes) / 1e6,
+                       choice.why);
     return 1;
 }
 
