@@ -23,14 +23,20 @@ from test_cache import Cache, assert_resident, corrupt_chunk, kernel_moves_pages
 from test_format import make_moe_gguf
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pools")
-    src = make_moe_gguf(tmp / "src.gguf", shape=(67, 45, 8))
+def repacked_model(tmp, shape):
+    """a ZipMoE file of make_moe_gguf's layers in this shape, and its experts' BF16 values by (tensor, expert)"""
+    src = make_moe_gguf(tmp / "src.gguf", shape=shape)
     path = tmp / "z.gguf"
     zformat.repack(src, path, shards=3)
     with zformat.ZipMoEFile(path) as zf:
         experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
+    return path, experts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path, experts = repacked_model(tmp_path_factory.mktemp("pools"), (67, 45, 8))
+    with zformat.ZipMoEFile(path) as zf:
         sizes = {}
         for (layer, tensors), e in itertools.product(zf.moe_layers().items(), range(8)):
             refs = [zf.chunks(zf.tensors[t], e) for t in tensors]
@@ -219,13 +225,7 @@ def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_the
 def page_model(tmp_path_factory):
     """experts of 2 MiB tensors plus a row: a slot's tensor holds about one 2 MiB block, and a block may
     straddle two slots"""
-    tmp = tmp_path_factory.mktemp("pages")
-    src = make_moe_gguf(tmp / "src.gguf", shape=(1024, 1025, 8))
-    path = tmp / "z.gguf"
-    zformat.repack(src, path, shards=3)
-    with zformat.ZipMoEFile(path) as zf:
-        experts = {(t, e): zf.read_expert(t, e) for t in zf.tensors for e in range(zf.shape(t)[2])}
-    return path, experts
+    return repacked_model(tmp_path_factory.mktemp("pages"), (1024, 1025, 8))
 
 
 @pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])

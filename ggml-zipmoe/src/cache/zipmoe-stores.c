@@ -183,12 +183,8 @@ static int sink_target(struct ggml_zipmoe_cache * c, uint8_t ** dst, int * kind)
 }
 
 void zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size) {
-    const uintptr_t page = 4096, block = ZIPMOE_MOVE_BLOCK;
-    const uintptr_t lo = ((uintptr_t) addr + page - 1) & ~(page - 1), hi = ((uintptr_t) addr + size) & ~(page - 1);
-    if (hi <= lo) {
-        return;
-    }
-    // [first, to): the blocks moved; what lies around them goes back
+    const uintptr_t block = ZIPMOE_MOVE_BLOCK, lo = (uintptr_t) addr, hi = lo + size;
+    // [first, to): the blocks moved; the whole pages around them go back
     const uintptr_t first = (lo + block - 1) & ~(block - 1);
     uintptr_t       to    = first;
     uint8_t *       dst;
@@ -272,16 +268,17 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
     int32_t hole = 0;
     for (int32_t i = n_new; i < s->n_entries; i++) {
         const int64_t key = s->entry_key[i];
-        if (key >= 0) {
-            while (s->entry_key[hole] >= 0) {
-                hole++; // fewer than n_new entries are held, so a hole below n_new is found
-            }
-            memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
-            s->entry_key[hole]      = key;
-            s->entry_last_use[hole] = s->entry_last_use[i];
-            s->entry_key[i]         = -1;
-            c->pools.key_entry[key] = hole;
+        if (key < 0) {
+            continue;
         }
+        while (s->entry_key[hole] >= 0) {
+            hole++; // fewer than n_new entries are held, so a hole below n_new is found
+        }
+        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+        s->entry_key[hole]      = key;
+        s->entry_last_use[hole] = s->entry_last_use[i];
+        s->entry_key[i]         = -1;
+        c->pools.key_entry[key] = hole;
     }
     // the tail goes at the realloc: its pages now, in one range (whole blocks), to a change's slots first
     zipmoe_store_release(c, p, n_new, s->n_entries - n_new);
