@@ -296,6 +296,7 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
     defaults = {name: _lib.default_rate(r) for name, r in (("read", _lib.RATE_READ), ("decode", _lib.RATE_DECODE),
                                                            ("compute", _lib.RATE_COMPUTE), ("touch", _lib.RATE_TOUCH))}
     assert cache.stats()["rates"] == defaults  # nothing measured yet
+    assert set(cache.stats()["rate_origins"].values()) == {"default"}
     bf16 = 2 * 67 * 45 * 3  # one expert's three tensors, BF16 bytes
     before, faulted, clean = cache.stats(), 0, 0
     read, decode = defaults["read"], defaults["decode"]
@@ -316,6 +317,8 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
             clean += 1
         assert after["rates"] == {"read": read, "decode": decode, "compute": defaults["compute"],
                                   "touch": defaults["touch"]}, i  # first writes: never measured
+        assert after["rate_origins"] == {"read": "measured", "decode": "measured" if clean else "default",
+                                         "compute": "default", "touch": "default"}, i
         before = after
     assert faulted >= 1 and clean >= 2  # the fresh slots' pages faulted; fetches into them again measured
     # a rate given in the params stays as given
@@ -324,6 +327,8 @@ def test_the_cost_model_measures_reads_and_decodes_unless_given(setup):
         assert given.fetch(0, [ids])[0] == 0
     rates = given.stats()["rates"]
     assert rates["read"] == 5e8 and rates["decode"] != defaults["decode"]
+    assert given.stats()["rate_origins"]["read"] == "given"
+    assert given.lib.ggml_zipmoe_cache_rate_origin(given.handle, 9) == given.lib.ggml_zipmoe_cache_rate_origin(None, 0) == -1
 
 
 def test_several_threads_fill_the_same_slots_as_one(setup):

@@ -77,6 +77,12 @@ def test_a_models_graphs_are_counted_and_the_cli_reports_the_account(zipmoe_gguf
     rates = next(line for line in chat.stderr.splitlines() if line.startswith("[stats] scheduler's cost model"))
     touch = _lib.default_rate(_lib.RATE_TOUCH) / 1e9
     assert f"first writes of new memory {touch:.2f} GB/s per thread (the default: not measured)" in rates, rates
+    # each rate says where it comes from: the reads this run made measured the read rate; compute is never
+    # measured, nor given here
+    compute = _lib.default_rate(_lib.RATE_COMPUTE) / 1e9
+    assert " GB/s (measured), decode " in rates and f"compute {compute:.2f} GB/s (the default: not measured)" in rates
+    assert s["rate_origins"]["read"] == "measured" and s["rate_origins"]["touch"] == "default", s["rate_origins"]
+    assert s["rate_origins"]["compute"] == "default" and s["rate_origins"]["decode"] in ("default", "measured")
 
 
 def _kernel_populates() -> bool:

@@ -23,6 +23,7 @@ FORMAT_VERSION, CHUNK_ALIGNMENT = 2, 4096  # the newest version the library read
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK, EVICT_SCORE = range(6)
 # enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
 RATE_READ, RATE_DECODE, RATE_COMPUTE, RATE_TOUCH = range(4)
+RATE_ORIGINS = ("given", "default", "measured")  # enum ggml_zipmoe_rate_origin
 # enum ggml_zipmoe_open_flags
 OPEN_DIRECT, OPEN_DIRECT_IF_SUPPORTED = 1, 2
 
@@ -245,6 +246,7 @@ _PROTOTYPES = {
                                                     ctypes.c_int64, ctypes.c_void_p]),
     "ggml_zipmoe_default_rate": (ctypes.c_double, [ctypes.c_int]),
     "ggml_zipmoe_cache_rate": (ctypes.c_double, [ctypes.c_void_p, ctypes.c_int]),
+    "ggml_zipmoe_cache_rate_origin": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
     "ggml_zipmoe_file_open": (ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_file_close": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_file_path": (ctypes.c_char_p, [ctypes.c_void_p]),
@@ -506,9 +508,10 @@ def cache_stats(cache) -> dict:
     out["prefetch_recall"] = prefetch_recall(cache)
     out["substitution"] = substitution(cache, stats)  # "lossy": True whenever a policy replaces experts
     # the scheduler's cost model now (bytes/s): measured on this machine unless given
-    out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate)
-                    for name, rate in (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE),
-                                       ("touch", RATE_TOUCH))}
+    rates = (("read", RATE_READ), ("decode", RATE_DECODE), ("compute", RATE_COMPUTE), ("touch", RATE_TOUCH))
+    out["rates"] = {name: lib().ggml_zipmoe_cache_rate(cache, rate) for name, rate in rates}
+    # where each comes from: "given", "default" (not measured) or "measured"
+    out["rate_origins"] = {name: RATE_ORIGINS[lib().ggml_zipmoe_cache_rate_origin(cache, rate)] for name, rate in rates}
     return out
 
 

@@ -130,13 +130,14 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
         per_layer = ", ".join(f"{layer}: {r['recall']:.2f}" for layer, r in recall["layers"].items())
         print(f"[stats] prefetch recall (experts the next-layer prediction named, of those chosen): "
               f"{recall['recall']:.2f} over all layers; by layer {per_layer}", file=sys.stderr)
-    rates = now.get("rates")
+    rates, origins = now.get("rates"), now.get("rate_origins") or {}
     if rates:
-        print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s, decode {rates['decode'] / 1e9:.2f} "
-              f"GB/s per thread (measured by the runtime unless given), compute {rates['compute'] / 1e9:.2f} GB/s "
-              f"(the default unless given: not measured), first writes of new memory {rates['touch'] / 1e9:.2f} GB/s "
-              "per thread (the default: not measured)",
-              file=sys.stderr)
+        said = {"given": "given", "default": "the default: not measured", "measured": "measured"}
+        origin = {name: said.get(origins.get(name), "?") for name in rates}
+        print(f"[stats] scheduler's cost model: read {rates['read'] / 1e9:.2f} GB/s ({origin['read']}), decode "
+              f"{rates['decode'] / 1e9:.2f} GB/s per thread ({origin['decode']}), compute {rates['compute'] / 1e9:.2f} "
+              f"GB/s ({origin['compute']}), first writes of new memory {rates['touch'] / 1e9:.2f} GB/s per thread "
+              f"({origin['touch']})", file=sys.stderr)
     plan = now.get("memory")
     if plan:
         gib = 1 << 30

@@ -550,6 +550,14 @@ GGML_ZIPMOE_API size_t       ggml_zipmoe_cache_format_metrics(const struct ggml_
 // time them); touch is the default. 0 if cache is NULL or rate unknown.
 GGML_ZIPMOE_API double       ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * cache, int rate);
 
+// where that rate comes from now: -1 if cache is NULL or rate unknown
+enum ggml_zipmoe_rate_origin {
+    GGML_ZIPMOE_RATE_GIVEN    = 0, // the params'
+    GGML_ZIPMOE_RATE_DEFAULT  = 1, // the built-in default (ggml_zipmoe_default_rate): not measured (yet)
+    GGML_ZIPMOE_RATE_MEASURED = 2, // this cache's own fetches
+};
+GGML_ZIPMOE_API int          ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * cache, int rate);
+
 // Prefetch (SMoE §5.2's top-score prediction, lossless): the caller predicts the experts of a layer
 // before its router runs (its gate applied to an earlier hidden state) and hands them here; the I/O
 // thread reads the chunks the cache lacks for them into a prefetch buffer when it has no fetch's

@@ -54,7 +54,6 @@
 enum { STAGE_FREE = 0, STAGE_BUSY = 1 };
 
 // where a rate of the cost model comes from
-enum { RATE_GIVEN = 0, RATE_DEFAULT = 1, RATE_MEASURED = 2 };
 
 // the shard operations of the decompression list
 enum { OP_TODO = 0, OP_CLAIMED = 1, OP_DECODED = 2, OP_DONE = 3 };
@@ -218,7 +217,8 @@ struct zipmoe_plan {
     // rates not given in the params follow this machine (zipmoe-fetch.c: calibrate): running
     // averages of the fetches' own reads and decodes (decodes without page faults); the counters as
     // of the last update
-    int                             measure_read, measure_decode; // RATE_GIVEN, RATE_DEFAULT or RATE_MEASURED
+    int                             measure_read, measure_decode; // enum ggml_zipmoe_rate_origin
+    int                             compute_given;                // rate_compute is the params' (never measured)
     uint64_t                        seen_bytes_read, seen_io_ns, seen_decode_ns, seen_decode_faults;
 };
 

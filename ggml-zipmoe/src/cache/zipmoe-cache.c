@@ -43,6 +43,20 @@ double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
     }
 }
 
+int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
+    if (c == NULL) {
+        return -1;
+    }
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
+        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
+        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
+                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
+        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
+        default:                       return -1;
+    }
+}
+
 double ggml_zipmoe_default_rate(int rate) {
     switch (rate) {
         case GGML_ZIPMOE_RATE_READ:    return ZIPMOE_READ_BYTES_PER_S;
@@ -371,8 +385,9 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->plan.rate_read     = p->rate_read > 0 ? p->rate_read : ZIPMOE_READ_BYTES_PER_S;
     c->plan.rate_decode   = p->rate_decode > 0 ? p->rate_decode : ZIPMOE_DECODE_BYTES_PER_S;
     c->plan.rate_compute  = p->rate_compute > 0 ? p->rate_compute : ZIPMOE_COMPUTE_BYTES_PER_S;
-    c->plan.measure_read   = p->rate_read > 0 ? RATE_GIVEN : RATE_DEFAULT;
-    c->plan.measure_decode = p->rate_decode > 0 ? RATE_GIVEN : RATE_DEFAULT;
+    c->plan.measure_read   = p->rate_read > 0 ? GGML_ZIPMOE_RATE_GIVEN : GGML_ZIPMOE_RATE_DEFAULT;
+    c->plan.measure_decode = p->rate_decode > 0 ? GGML_ZIPMOE_RATE_GIVEN : GGML_ZIPMOE_RATE_DEFAULT;
+    c->plan.compute_given  = p->rate_compute > 0;
     c->plan.sched_threads = c->n_decoders > 0 ? c->n_decoders : 1;
     for (int k = 0; k < 3; k++) {
         c->slots.data[k]   = (uint8_t *) p->slot_data[k];

@@ -271,12 +271,12 @@ static uint64_t work_tasks(struct ggml_zipmoe_cache * c, int ith) {
 // a running average that a new measurement moves by a quarter: one slow read (another process on
 // the disk) does not swing the schedule, a lasting change of speed shows within a few fetches
 static void update_rate(double * rate, int * measure, double bytes, uint64_t ns) {
-    if (*measure == RATE_GIVEN || bytes <= 0 || ns == 0) {
+    if (*measure == GGML_ZIPMOE_RATE_GIVEN || bytes <= 0 || ns == 0) {
         return;
     }
     const double now = bytes * 1e9 / (double) ns;
-    *rate    = *measure == RATE_MEASURED ? 0.75 * *rate + 0.25 * now : now; // the first replaces the default
-    *measure = RATE_MEASURED;
+    *rate    = *measure == GGML_ZIPMOE_RATE_MEASURED ? 0.75 * *rate + 0.25 * now : now; // the first replaces the default
+    *measure = GGML_ZIPMOE_RATE_MEASURED;
 }
 
 // the cost model follows this machine (rates the params did not give): read rate from the I/O
@@ -299,7 +299,7 @@ static void calibrate(struct ggml_zipmoe_cache * c, int succeeded) {
     }
     update_rate(&c->plan.rate_read, &c->plan.measure_read, (double) (bytes - c->plan.seen_bytes_read),
                 io_ns - c->plan.seen_io_ns);
-    if (c->plan.measure_decode != RATE_GIVEN && clean) {
+    if (c->plan.measure_decode != GGML_ZIPMOE_RATE_GIVEN && clean) {
         double out = 0;
         for (int i = 0; i < c->plan.n_tasks; i++) {
             out += (double) c->file->tensors[c->plan.tasks[i].tensor].bytes;
