@@ -10,8 +10,9 @@
 //
 // A fetch is split in two graph ops so that reading overlaps the graph's other work: begin plans
 // (zipmoe-residency.c) and starts the reads, end decodes and recovers (zipmoe-fetch.c). This file
-// holds the cache's lifecycle, its public queries and the multi-pass merge (statistics:
-// zipmoe-stats.c; preload: zipmoe-preload.c); zipmoe-cache-impl.h maps the cache's state to the files.
+// holds the cache's lifecycle, its public queries and the multi-pass merge (statistics and the cost
+// model's rates: zipmoe-stats.c; preload: zipmoe-preload.c); zipmoe-cache-impl.h maps the cache's
+// state to the files.
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -20,52 +21,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-// default rates of the scheduler's cost model (ggml_zipmoe_default_rate; the planner reads them)
-#define ZIPMOE_READ_BYTES_PER_S    1.4e9  // O_DIRECT reads
-#define ZIPMOE_DECODE_BYTES_PER_S  3.2e9  // decode + recover, BF16 output bytes per thread
-#define ZIPMOE_COMPUTE_BYTES_PER_S 1.0e10 // expert products, BF16 weight bytes per token
-// first writes of anonymous memory per thread: 0.8-2.0 GB/s in 4 KiB pages on the bench VM, and ~1.9 in
-// a migration's new slots (BENCHMARKS, "A change taken when it repays"). Not measured: the stores'
-// populate, the one timed first write, ran at 0.6 GB/s beside the load's threads
-#define ZIPMOE_TOUCH_BYTES_PER_S   1.5e9
-
-double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return 0.0;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.rate_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.rate_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.rate_compute;
-        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
-        default:                       return 0.0;
-    }
-}
-
-int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return -1;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
-                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
-        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
-        default:                       return -1;
-    }
-}
-
-double ggml_zipmoe_default_rate(int rate) {
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return ZIPMOE_READ_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_DECODE:  return ZIPMOE_DECODE_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_COMPUTE: return ZIPMOE_COMPUTE_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
-        default:                       return 0.0;
-    }
-}
 
 static void set_error(char * err, size_t err_size, const char * msg) {
     if (err != NULL && err_size > 0) {
@@ -382,9 +337,9 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     c->policy.eviction   = p->eviction;
     c->policy.rng        = 0x9E3779B97F4A7C15ull;
     c->n_decoders        = p->n_decoders > 0 ? p->n_decoders : 0;
-    c->plan.rate_read     = p->rate_read > 0 ? p->rate_read : ZIPMOE_READ_BYTES_PER_S;
-    c->plan.rate_decode   = p->rate_decode > 0 ? p->rate_decode : ZIPMOE_DECODE_BYTES_PER_S;
-    c->plan.rate_compute  = p->rate_compute > 0 ? p->rate_compute : ZIPMOE_COMPUTE_BYTES_PER_S;
+    c->plan.rate_read     = p->rate_read > 0 ? p->rate_read : ggml_zipmoe_default_rate(GGML_ZIPMOE_RATE_READ);
+    c->plan.rate_decode   = p->rate_decode > 0 ? p->rate_decode : ggml_zipmoe_default_rate(GGML_ZIPMOE_RATE_DECODE);
+    c->plan.rate_compute  = p->rate_compute > 0 ? p->rate_compute : ggml_zipmoe_default_rate(GGML_ZIPMOE_RATE_COMPUTE);
     c->plan.measure_read   = p->rate_read > 0 ? GGML_ZIPMOE_RATE_GIVEN : GGML_ZIPMOE_RATE_DEFAULT;
     c->plan.measure_decode = p->rate_decode > 0 ? GGML_ZIPMOE_RATE_GIVEN : GGML_ZIPMOE_RATE_DEFAULT;
     c->plan.compute_given  = p->rate_compute > 0;
