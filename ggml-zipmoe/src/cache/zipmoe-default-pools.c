@@ -131,7 +131,15 @@ static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, i
 // (ggml_zipmoe_cache_set_pools_migrating), on n_threads. Slots past those in use are written for the
 // first time (page faults and zeroing, at the touch rate) by n_threads as well, less the pages that the
 // entries the stores give up move into them where slots take pages (given_up_bytes)
-static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4]) {
+static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4],
+                             const int32_t capacity[4]) {
+    // the pages move where the change migrates (an F that takes experts, or one F pool) into host slots
+    // that take them (zipmoe_cache_change_pools opens the sink)
+    const int migrates = capacity[GGML_ZIPMOE_POOL_F] > 0 ||
+                         capacity[GGML_ZIPMOE_POOL_C] + capacity[GGML_ZIPMOE_POOL_S] + capacity[GGML_ZIPMOE_POOL_E] == 0;
+    if (!c->slots.take_pages || !zipmoe_cache_slots_in_host(c) || !migrates) {
+        return 0;
+    }
     double bytes = 0;
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
         const struct zipmoe_store * s = &c->pools.store[p];
@@ -141,7 +149,7 @@ static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t n
         const double blocks = s->entry_size > ZIPMOE_MOVE_BLOCK ? (double) (s->entry_size - ZIPMOE_MOVE_BLOCK) : 0;
         bytes += s->n_entries > kept ? (double) (s->n_entries - kept) * blocks : 0;
     }
-    return c->slots.take_pages ? bytes : 0;
+    return bytes;
 }
 
 static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read, double decode,
@@ -165,7 +173,8 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
     }
     const int32_t new_slots = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
     const double  touch     = ggml_zipmoe_cache_rate(c, GGML_ZIPMOE_RATE_TOUCH);
-    const double  touched   = new_slots * X > given_up_bytes(c, next) ? new_slots * X - given_up_bytes(c, next) : 0;
+    const double  spared    = given_up_bytes(c, next, out->capacity);
+    const double  touched   = new_slots * X > spared ? new_slots * X - spared : 0;
     out->refill_s = (read > 0 ? read_bytes * L / read : 0) + (decode > 0 ? decoded * L / (decode * n_threads) : 0) +
                     (touch > 0 ? touched / (touch * n_threads) : 0);
 }

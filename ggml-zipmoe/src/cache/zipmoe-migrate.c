@@ -108,9 +108,9 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     zipmoe_prefetch_pause(c, 1);
     pthread_mutex_lock(&c->lock);
     c->pools.migrating = 0;
+    zipmoe_sink_close(c); // the slots are written: what C gives up now goes back
     char msg[1024];
     status = zipmoe_cache_resize_stores(c, capacity, c->layout.max_e_bytes, msg, sizeof(msg));
-    zipmoe_sink_close(c);
     pthread_mutex_unlock(&c->lock);
     atomic_fetch_add(&c->stats.migrate_experts, (uint64_t) moved);
     atomic_fetch_add(&c->stats.migrate_ns, zipmoe_now_ns() - t0);

@@ -4,7 +4,8 @@
 // (serving/zipmoe-replan.c) and zipmoe-plan all run it; selection probabilities are fitted to a
 // profile with the modified IPF (ggml_zipmoe_plan_fit) or, with none, taken from a built-in uniform
 // profile (q_r = k / N: every expert equally likely, the worst case for a cache). tests/planner.py
-// is the reference in Python; tests/test_default_pools.py holds the two to the same choices.
+// is the reference in Python; tests/test_default_pools.py holds the two to the same choices. The
+// rates its costs take (ggml_zipmoe_cache_rate: given, default or measured) are defined here too.
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -12,6 +13,52 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+// default rates of the scheduler's cost model (ggml_zipmoe_default_rate; the planner reads them)
+#define ZIPMOE_READ_BYTES_PER_S    1.4e9  // O_DIRECT reads
+#define ZIPMOE_DECODE_BYTES_PER_S  3.2e9  // decode + recover, BF16 output bytes per thread
+#define ZIPMOE_COMPUTE_BYTES_PER_S 1.0e10 // expert products, BF16 weight bytes per token
+// first writes of anonymous memory per thread: 0.8-2.0 GB/s in 4 KiB pages on the bench VM, and ~1.9 in
+// a migration's new slots (BENCHMARKS, "A change taken when it repays"). Not measured: the stores'
+// populate, the one timed first write, ran at 0.6 GB/s beside the load's threads
+#define ZIPMOE_TOUCH_BYTES_PER_S   1.5e9
+
+double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
+    if (c == NULL) {
+        return 0.0;
+    }
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return c->plan.rate_read;
+        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.rate_decode;
+        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.rate_compute;
+        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
+        default:                       return 0.0;
+    }
+}
+
+int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
+    if (c == NULL) {
+        return -1;
+    }
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
+        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
+        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
+                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
+        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
+        default:                       return -1;
+    }
+}
+
+double ggml_zipmoe_default_rate(int rate) {
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return ZIPMOE_READ_BYTES_PER_S;
+        case GGML_ZIPMOE_RATE_DECODE:  return ZIPMOE_DECODE_BYTES_PER_S;
+        case GGML_ZIPMOE_RATE_COMPUTE: return ZIPMOE_COMPUTE_BYTES_PER_S;
+        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
+        default:                       return 0.0;
+    }
+}
 
 // Algorithm 3: the makespan of a layer for the hit pattern h (h_F, h_C, h_S, h_E) of k selections
 static double makespan(const struct ggml_zipmoe_plan_params * p, const int32_t h[4]) {

@@ -1,56 +1,9 @@
 // Expert cache: its statistics (ggml_zipmoe_cache_get_stats and reset, the activations the
-// planner reads, the caller's graph time for the account of a token), and the rates of the
-// scheduler's cost model with where each comes from.
+// planner reads, the caller's graph time for the account of a token).
 
 #include "cache/zipmoe-cache-impl.h"
 
 #include <string.h>
-
-// default rates of the scheduler's cost model (ggml_zipmoe_default_rate; the planner reads them)
-#define ZIPMOE_READ_BYTES_PER_S    1.4e9  // O_DIRECT reads
-#define ZIPMOE_DECODE_BYTES_PER_S  3.2e9  // decode + recover, BF16 output bytes per thread
-#define ZIPMOE_COMPUTE_BYTES_PER_S 1.0e10 // expert products, BF16 weight bytes per token
-// first writes of anonymous memory per thread: 0.8-2.0 GB/s in 4 KiB pages on the bench VM, and ~1.9 in
-// a migration's new slots (BENCHMARKS, "A change taken when it repays"). Not measured: the stores'
-// populate, the one timed first write, ran at 0.6 GB/s beside the load's threads
-#define ZIPMOE_TOUCH_BYTES_PER_S   1.5e9
-
-double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return 0.0;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.rate_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.rate_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.rate_compute;
-        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
-        default:                       return 0.0;
-    }
-}
-
-int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return -1;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
-                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
-        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
-        default:                       return -1;
-    }
-}
-
-double ggml_zipmoe_default_rate(int rate) {
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return ZIPMOE_READ_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_DECODE:  return ZIPMOE_DECODE_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_COMPUTE: return ZIPMOE_COMPUTE_BYTES_PER_S;
-        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
-        default:                       return 0.0;
-    }
-}
 
 void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml_zipmoe_cache_stats * s) {
     s->fetch_calls   = atomic_load(&c->stats.fetch_calls);

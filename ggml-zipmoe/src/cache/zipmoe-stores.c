@@ -133,77 +133,94 @@ int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
 void zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end) {
     struct zipmoe_page_sink * k = &c->pools.sink;
     const uintptr_t block = ZIPMOE_MOVE_BLOCK;
-    k->first = first;
-    k->end   = end > first ? end : 0;
+    size_t blocks = 0;
     for (int j = 0; j < 3; j++) {
         const uintptr_t a = (uintptr_t) (c->slots.data[j] + (size_t) first * c->slots.stride[j]);
         k->at[j] = (uint8_t *) ((a + block - 1) & ~(block - 1));
+        blocks += end > first ? (size_t) (end - first) * c->slots.stride[j] / block : 0;
     }
+    // each block moved may be a mapping of its own: never near the process's limit on their count
+    const int64_t headroom = blocks > 0 ? zipmoe_map_headroom() : -1;
+    k->first = first;
+    k->end   = end > first && (headroom < 0 || (size_t) headroom >= 2 * blocks + 4096) ? end : 0;
 }
 
 void zipmoe_sink_close(struct ggml_zipmoe_cache * c) {
     c->pools.sink.end = 0;
 }
 
-// the sink's next block to fill, *dst, in the slots of kind *kind: of the kinds with blocks left, the one
-// furthest behind in slots (a slot's three tensors fill alike), its next block over slots all empty; 0
-// once none is left
-static int sink_target(struct ggml_zipmoe_cache * c, uint8_t ** dst, int * kind) {
+// whether kind j has a block left over slots all empty, passing over those on slots written since
+// (k->at[j] then on it)
+static int next_block(struct ggml_zipmoe_cache * c, int j) {
     struct zipmoe_page_sink * k = &c->pools.sink;
-    const uintptr_t block = ZIPMOE_MOVE_BLOCK;
-    for (;;) {
-        int    best     = -1;
-        double best_pos = 0;
-        for (int j = 0; j < 3; j++) {
-            const uintptr_t base = (uintptr_t) c->slots.data[j], stride = c->slots.stride[j];
-            if ((uintptr_t) k->at[j] + block <= base + (uintptr_t) k->end * stride) {
-                const double pos = (double) ((uintptr_t) k->at[j] - base) / (double) stride;
-                if (best < 0 || pos < best_pos) {
-                    best     = j;
-                    best_pos = pos;
-                }
-            }
-        }
-        if (best < 0) {
+    const uintptr_t block = ZIPMOE_MOVE_BLOCK, base = (uintptr_t) c->slots.data[j], stride = c->slots.stride[j];
+    for (;; k->at[j] += block) {
+        const uintptr_t at = (uintptr_t) k->at[j];
+        if (at + block > base + (uintptr_t) k->end * stride) {
             return 0;
         }
-        const uintptr_t base = (uintptr_t) c->slots.data[best], stride = c->slots.stride[best];
-        const uintptr_t at   = (uintptr_t) k->at[best];
         int empty = 1;
         for (uintptr_t s = (at - base) / stride; s <= (at + block - 1 - base) / stride && empty; s++) {
             empty = c->slots.key[s] < 0;
         }
         if (empty) {
-            *dst  = k->at[best];
-            *kind = best;
             return 1;
         }
-        k->at[best] += block; // a slot written since holds an expert: passed over
     }
+}
+
+// the sink's next block to fill, *dst, in the slots of kind *kind: the kind the run's last block went to
+// (*kind, -1: none) while it is at most 4 slots ahead, so that a run's blocks land side by side and make
+// one mapping; else the kind furthest behind in slots (a slot's three tensors fill alike). 0 once none
+// is left
+static int sink_target(struct ggml_zipmoe_cache * c, uint8_t ** dst, int * kind) {
+    struct zipmoe_page_sink * k = &c->pools.sink;
+    double pos[3];
+    int    behind = -1;
+    for (int j = 0; j < 3; j++) {
+        if (next_block(c, j)) {
+            pos[j] = (double) ((uintptr_t) k->at[j] - (uintptr_t) c->slots.data[j]) / (double) c->slots.stride[j];
+            behind = behind < 0 || pos[j] < pos[behind] ? j : behind;
+        } else {
+            pos[j] = -1;
+        }
+    }
+    if (behind < 0) {
+        return 0;
+    }
+    *kind = *kind >= 0 && pos[*kind] >= 0 && pos[*kind] <= pos[behind] + 4 ? *kind : behind;
+    *dst  = k->at[*kind];
+    return 1;
 }
 
 void zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size) {
     const uintptr_t block = ZIPMOE_MOVE_BLOCK, lo = (uintptr_t) addr, hi = lo + size;
-    // [first, to): the blocks moved; the whole pages around them go back
     const uintptr_t first = (lo + block - 1) & ~(block - 1);
-    uintptr_t       to    = first;
-    uint8_t *       dst;
-    int             kind;
-    while (c->pools.sink.end > 0 && to + block <= hi && sink_target(c, &dst, &kind)) {
-        if (zipmoe_move_pages((void *) to, dst, block) != block) {
+    uintptr_t       at    = first;
+    int             kind  = -1;
+    // block by block: [first, at) moved or given back; the whole pages around go back after
+    for (; c->pools.sink.end > 0 && at + block <= hi; at += block) {
+        uint8_t * dst;
+        if (!zipmoe_pages_resident((void *) at, block)) {
+            zipmoe_release_pages((void *) at, block); // nothing there to move (given back before, or never written)
+            continue;
+        }
+        if (!sink_target(c, &dst, &kind)) {
+            break;
+        }
+        if (zipmoe_move_pages((void *) at, dst, block) != block) {
             zipmoe_sink_close(c); // refused (nothing moved): the rest is given back, as without a sink
             break;
         }
         c->pools.sink.at[kind] += block;
-        to += block;
         atomic_fetch_add(&c->stats.moved_page_bytes, (uint64_t) block);
     }
-    if (to == first) {
+    if (at == first) {
         zipmoe_release_pages((void *) lo, (size_t) (hi - lo));
         return;
     }
     zipmoe_release_pages((void *) lo, (size_t) (first - lo));
-    zipmoe_release_pages((void *) to, (size_t) (hi - to));
+    zipmoe_release_pages((void *) at, (size_t) (hi - at));
 }
 
 void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n) {

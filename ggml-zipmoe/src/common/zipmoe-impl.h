@@ -46,8 +46,12 @@ void zipmoe_release_pages(void * addr, size_t size);
 int zipmoe_can_move_pages(void);
 // the pages of [src, src + size) moved to dst, replacing what was mapped there; src stays mapped, empty
 // (read again as zeros). Page-aligned src, dst and size, in private anonymous memory. Returns size, or 0
-// where nothing moved (the kernel refused): the caller then gives src's pages back itself
+// where nothing moved (the kernel refused; dst is then mapped, empty): the caller gives src's pages back
 size_t zipmoe_move_pages(void * src, void * dst, size_t size);
+// whether every page of [addr, addr + size) is in memory (page-aligned; 0 where unknown)
+int zipmoe_pages_resident(void * addr, size_t size);
+// memory mappings this process may still make (vm.max_map_count less those it has); -1 where unknown
+int64_t zipmoe_map_headroom(void);
 
 // XXH64 with seed 0 (zstd's bundled xxHash)
 uint64_t zipmoe_xxh64(const void * data, size_t n);

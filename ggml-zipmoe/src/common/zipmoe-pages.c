@@ -17,7 +17,10 @@
 
 #include "common/zipmoe-impl.h"
 
+#include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -49,7 +52,12 @@ void zipmoe_release_pages(void * addr, size_t size) {
     }
 }
 
-#if defined(__linux__) && defined(MREMAP_DONTUNMAP)
+#if defined(__linux__)
+#define ZIPMOE_MOVES_PAGES 1
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4 // <linux/mman.h>; glibc's headers have it from 2.32
+#endif
+
 // one page written, moved with MREMAP_DONTUNMAP: 1 where the kernel does it as documented (Linux 5.7+
 // for private anonymous memory), 0 where it refuses (older kernels, seccomp filters)
 static int probe_move(void) {
@@ -69,7 +77,7 @@ static int probe_move(void) {
 #endif
 
 int zipmoe_can_move_pages(void) {
-#if defined(__linux__) && defined(MREMAP_DONTUNMAP)
+#if defined(ZIPMOE_MOVES_PAGES)
     static int known = -1; // a race probes twice, with one answer
     if (__atomic_load_n(&known, __ATOMIC_RELAXED) < 0) {
         __atomic_store_n(&known, probe_move(), __ATOMIC_RELAXED);
@@ -80,17 +88,95 @@ int zipmoe_can_move_pages(void) {
 #endif
 }
 
+int64_t zipmoe_map_headroom(void) {
+#if defined(ZIPMOE_MOVES_PAGES)
+    FILE * f = fopen("/proc/sys/vm/max_map_count", "r");
+    long long limit = -1;
+    if (f == NULL || fscanf(f, "%lld", &limit) != 1) {
+        limit = -1;
+    }
+    if (f != NULL) {
+        fclose(f);
+    }
+    FILE * maps = fopen("/proc/self/maps", "r");
+    if (limit < 0 || maps == NULL) {
+        if (maps != NULL) {
+            fclose(maps);
+        }
+        return -1;
+    }
+    long long n = 0;
+    for (int ch; (ch = fgetc(maps)) != EOF;) {
+        n += ch == '\n';
+    }
+    fclose(maps);
+    return limit - n;
+#else
+    return -1;
+#endif
+}
+
+int zipmoe_pages_resident(void * addr, size_t size) {
+#if defined(ZIPMOE_MOVES_PAGES)
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    unsigned char in[1024];
+    if (((uintptr_t) addr | size) & (page - 1) || size / page > sizeof(in) || mincore(addr, size, in) != 0) {
+        return 0;
+    }
+    for (size_t i = 0; i < size / page; i++) {
+        if (!(in[i] & 1)) {
+            return 0;
+        }
+    }
+    return 1;
+#else
+    (void) addr;
+    (void) size;
+    return 0;
+#endif
+}
+
+#if defined(ZIPMOE_MOVES_PAGES)
+// whether all of [addr, addr + size) is mapped (mincore fails on a gap)
+static int still_mapped(void * addr, size_t size) {
+    unsigned char in[64];
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < size; off += sizeof(in) * page) {
+        const size_t n = size - off < sizeof(in) * page ? size - off : sizeof(in) * page;
+        if (mincore((uint8_t *) addr + off, n, in) != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+#endif
+
 size_t zipmoe_move_pages(void * src, void * dst, size_t size) {
-#if defined(__linux__) && defined(MREMAP_DONTUNMAP)
+#if defined(ZIPMOE_MOVES_PAGES)
     const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
     if (((uintptr_t) src | (uintptr_t) dst | size) & (page - 1) || size == 0 || !zipmoe_can_move_pages()) {
         return 0;
     }
     // DONTUNMAP leaves src mapped and empty (read again as zeros): the memory around it stays whole
-    if (mremap(src, size, size, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst) != dst) {
-        return 0;
+    if (mremap(src, size, size, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst) == dst) {
+        return size;
     }
-    return size;
+    // refused: the kernel may have taken dst down first (a map count at its limit, strict overcommit).
+    // Mapped again, empty; never over a mapping someone made there meanwhile
+#if defined(MAP_FIXED_NOREPLACE)
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE;
+    void * again = mmap(dst, size, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (again == dst) {
+        zipmoe_advise_huge_pages(dst, size);
+    } else if (again == MAP_FAILED && errno == EEXIST && still_mapped(dst, size)) {
+        // the refusal came before the kernel took it down
+    } else {
+        fprintf(stderr, "ggml-zipmoe: fatal: %zu bytes of expert slots at %p are gone after a refused page move\n",
+                size, dst);
+        abort();
+    }
+#endif
+    return 0;
 #else
     (void) src;
     (void) dst;
