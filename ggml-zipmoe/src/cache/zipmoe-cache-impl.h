@@ -326,6 +326,8 @@ struct ggml_zipmoe_cache {
     atomic_int      status;      // the open fetch's first failure
     int32_t         n_decoders;  // graph threads that decode (0: all)
     int             preloading;  // fetches of a preload or a migration: no activation counted
+    int             slots_lost;  // a refused page move left slot memory unmapped (zipmoe_sink_pages): no fetch
+    char            slots_lost_why[256];
     char            error[1024];
 };
 

@@ -365,6 +365,9 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
     int status = GGML_ZIPMOE_ERR_ARG;
     if (!zipmoe_layer_served(c, layer) || pass < 0 || ids == NULL || slot_ids == NULL) {
         snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_fetch: layer %d is not served or bad arguments", layer);
+    } else if (c->slots_lost) {
+        snprintf(c->error, sizeof(c->error), "%s", c->slots_lost_why);
+        status = GGML_ZIPMOE_ERR_NOMEM;
     } else {
         c->error[0] = '\0';
         // the I/O thread is this fetch's: a prefetch's reads stop after the one in progress

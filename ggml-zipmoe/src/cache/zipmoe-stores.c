@@ -208,8 +208,16 @@ void zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size
         if (!sink_target(c, &dst, &kind)) {
             break;
         }
-        if (zipmoe_move_pages((void *) at, dst, block) != block) {
+        const size_t moved = zipmoe_move_pages((void *) at, dst, block);
+        if (moved != block) {
             zipmoe_sink_close(c); // refused (nothing moved): the rest is given back, as without a sink
+            if (moved == ZIPMOE_MOVE_LOST) {
+                // slot memory gone (the map count or overcommit at its limit): every fetch fails from now on
+                c->slots_lost = 1;
+                snprintf(c->slots_lost_why, sizeof(c->slots_lost_why), "expert cache: %zu bytes of slot memory at "
+                         "%p could not be mapped again after a refused page move (vm.max_map_count or strict "
+                         "overcommit at its limit): no expert can be fetched any more", (size_t) block, (void *) dst);
+            }
             break;
         }
         c->pools.sink.at[kind] += block;

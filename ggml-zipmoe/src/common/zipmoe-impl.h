@@ -46,7 +46,9 @@ void zipmoe_release_pages(void * addr, size_t size);
 int zipmoe_can_move_pages(void);
 // the pages of [src, src + size) moved to dst, replacing what was mapped there; src stays mapped, empty
 // (read again as zeros). Page-aligned src, dst and size, in private anonymous memory. Returns size, or 0
-// where nothing moved (the kernel refused; dst is then mapped, empty): the caller gives src's pages back
+// where nothing moved (the kernel refused; dst is then mapped, empty): the caller gives src's pages back.
+// ZIPMOE_MOVE_LOST: refused after the kernel took dst down, and dst could not be mapped again
+#define ZIPMOE_MOVE_LOST ((size_t) -1)
 size_t zipmoe_move_pages(void * src, void * dst, size_t size);
 // whether every page of [addr, addr + size) is in memory (page-aligned; 0 where unknown)
 int zipmoe_pages_resident(void * addr, size_t size);

@@ -17,10 +17,8 @@
 
 #include "common/zipmoe-impl.h"
 
-#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -168,15 +166,14 @@ size_t zipmoe_move_pages(void * src, void * dst, size_t size) {
     void * again = mmap(dst, size, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (again == dst) {
         zipmoe_advise_huge_pages(dst, size);
-    } else if (again == MAP_FAILED && errno == EEXIST && still_mapped(dst, size)) {
-        // the refusal came before the kernel took it down
-    } else {
-        fprintf(stderr, "ggml-zipmoe: fatal: %zu bytes of expert slots at %p are gone after a refused page move\n",
-                size, dst);
-        abort();
+        return 0;
+    }
+    if (again != MAP_FAILED) {
+        munmap(again, size); // a kernel that took the address for a hint
     }
 #endif
-    return 0;
+    // still mapped: the refusal came before the kernel took dst down
+    return still_mapped(dst, size) ? 0 : ZIPMOE_MOVE_LOST;
 #else
     (void) src;
     (void) dst;
