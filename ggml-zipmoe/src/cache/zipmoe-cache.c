@@ -490,7 +490,7 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     c->pools.inclusive = 0;
     c->pools.migrating = migrating && (n_pools == 0 || capacity[GGML_ZIPMOE_POOL_F] > 0); // an F that takes experts
     // the slots past those in use so far, empty, take the pages of the entries the stores give up (the
-    // migration closes the sink once C has its new size)
+    // migration closes the sink once its experts are decoded, before C's last shrink)
     const int sink = c->pools.migrating && c->slots.take_pages && zipmoe_cache_slots_in_host(c);
     zipmoe_sink_open(c, old_used, sink ? n_slots : 0);
     char msg[1024];
