@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import platform
+import re
 import sys
 import threading
 import time
@@ -26,10 +27,15 @@ from zipmoe_py import format as zformat
 from test_format import make_moe_gguf
 
 
+def linux_at_least(version: tuple[int, int]) -> bool:
+    """this is Linux at least major.minor"""
+    found = re.match(r"(\d+)\.(\d+)", platform.release())
+    return sys.platform.startswith("linux") and found is not None and tuple(map(int, found.groups())) >= version
+
+
 def kernel_moves_pages() -> bool:
     """Linux 5.7+ moves private anonymous pages with MREMAP_DONTUNMAP (the cache probes it itself)"""
-    release = platform.release().split(".")
-    return sys.platform.startswith("linux") and tuple(int("".join(filter(str.isdigit, x)) or 0) for x in release[:2]) >= (5, 7)
+    return linux_at_least((5, 7))
 
 
 class Cache:

@@ -4,14 +4,12 @@ other threads; the graphs' whole time beside it; page faults while fetching. The
 from shared timestamps, so they add up to fetch_ns exactly."""
 from __future__ import annotations
 
-import os
-import re
 import time
 
 import numpy as np
 
 from conftest import run, zipmoe_command
-from test_cache import Cache
+from test_cache import Cache, linux_at_least
 from test_format import make_moe_gguf
 from test_serve import load
 from zipmoe_py import _lib
@@ -87,8 +85,7 @@ def test_a_models_graphs_are_counted_and_the_cli_reports_the_account(zipmoe_gguf
 
 def _kernel_populates() -> bool:
     """MADV_POPULATE_WRITE (Linux 5.14): without it the stores' pages are faulted in where first written"""
-    found = re.match(r"(\d+)\.(\d+)", os.uname().release)
-    return os.uname().sysname == "Linux" and found is not None and tuple(map(int, found.groups())) >= (5, 14)
+    return linux_at_least((5, 14))
 
 
 def test_the_stores_pages_faulted_in_ahead_are_counted(tmp_path):

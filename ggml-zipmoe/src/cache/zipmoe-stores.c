@@ -135,8 +135,8 @@ void zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end) 
     const uintptr_t block = ZIPMOE_MOVE_BLOCK;
     size_t blocks = 0;
     for (int j = 0; j < 3; j++) {
-        const uintptr_t a = (uintptr_t) (c->slots.data[j] + (size_t) first * c->slots.stride[j]);
-        k->at[j] = (uint8_t *) ((a + block - 1) & ~(block - 1));
+        const uintptr_t slot = (uintptr_t) (c->slots.data[j] + (size_t) first * c->slots.stride[j]);
+        k->at[j] = (uint8_t *) (uintptr_t) zipmoe_align_up(slot, block);
         blocks += end > first ? (size_t) (end - first) * c->slots.stride[j] / block : 0;
     }
     // each block moved may be a mapping of its own: never near the process's limit on their count
@@ -195,7 +195,7 @@ static int sink_target(struct ggml_zipmoe_cache * c, uint8_t ** dst, int * kind)
 
 void zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size) {
     const uintptr_t block = ZIPMOE_MOVE_BLOCK, lo = (uintptr_t) addr, hi = lo + size;
-    const uintptr_t first = (lo + block - 1) & ~(block - 1);
+    const uintptr_t first = (uintptr_t) zipmoe_align_up(lo, block);
     uintptr_t       at    = first;
     int             kind  = -1;
     // block by block: [first, at) moved or given back; the whole pages around go back after
