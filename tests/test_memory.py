@@ -246,7 +246,7 @@ def test_pools_that_do_not_fit_refuse_the_context_with_the_numbers(zipmoe_qwen):
     os.environ["ZIPMOE_MEM_LIMIT"] = "1M"
     try:
         # the ValueError llama-cpp-python raises, with the numbers though verbose=False
-        with pytest.raises(ValueError, match="cannot make a context for .*: the ZipMoE pools need .* only 0.00 GiB "
+        with pytest.raises(ValueError, match="cannot make a context for .*: the ZipMoE pools need .* only 0 bytes "
                                              "is left: available"):
             Llama(model_path=str(zipmoe_qwen), n_ctx=256, n_threads=2, verbose=False, zipmoe_pools="F=2,C=2")
     finally:
@@ -255,7 +255,7 @@ def test_pools_that_do_not_fit_refuse_the_context_with_the_numbers(zipmoe_qwen):
                 "--override-kv", "zipmoe.pool_f=int:2,zipmoe.pool_c=int:2"],
                env={**os.environ, "ZIPMOE_MEM_LIMIT": "1M"}, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
-    assert b"the ZipMoE pools need" in proc.stderr and b"only 0.00 GiB is left: available" in proc.stderr
+    assert b"the ZipMoE pools need" in proc.stderr and b"only 0 bytes is left: available" in proc.stderr
 
 
 def test_bad_memory_limits_are_named(zipmoe_qwen):
@@ -376,16 +376,23 @@ def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf
     assert completion(tiny_gguf("deepseek2"))[0] == trained
     zipmoe = zipmoe_gguf("deepseek2")
     assert completion(zipmoe)[0] == trained  # its 0.32 GiB KV cache fits beside every expert on this machine
-    said_re = re.compile(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) GiB\), not the trained "
-                         r"163840 \(([0-9.]+) GiB\): as upstream's fit, the context gets what the model leaves, at "
-                         r"least 4096 tokens, and here the model's experts \(([0-9.]+) GiB\) take all but ([0-9.]+) "
-                         r"GiB of the ([0-9.]+) GiB left beside the non-expert weights")
+    size = r"([0-9.]+ (?:bytes|KiB|MiB|GiB))"  # ggml_zipmoe_size_text
+    said_re = re.compile(rf"no context size given: (\d+) tokens \(a KV cache of {size}\), not the trained "
+                         rf"163840 \({size}\): as upstream's fit, the context gets what the model leaves, at "
+                         rf"least 4096 tokens, and here the model's experts \({size}\) take all but {size} "
+                         rf"of the {size} left beside the non-expert weights")
+    units = {"bytes": 0, "KiB": 10, "MiB": 20, "GiB": 30}
+
+    def gib(text):
+        number, unit = text.split()
+        return float(number) * 2 ** (units[unit] - 30)
+
     for limit_mib in (256, 48):  # the spare memory holds 100k tokens; under 4096
         limit = {"ZIPMOE_MEM_LIMIT": str(limit_mib << 20)}
         n_ctx, log = completion(zipmoe, env=limit)
         said = said_re.search(log)
         assert said and int(said.group(1)) == n_ctx, log[-3000:]
-        kv_gib, trained_gib, experts_gib, spare_gib, left_gib = (float(said.group(i)) for i in range(2, 7))
+        kv_gib, trained_gib, experts_gib, spare_gib, left_gib = (gib(said.group(i)) for i in range(2, 7))
         assert 4096 <= n_ctx < trained and n_ctx % 256 == 0
         assert abs(left_gib - experts_gib - spare_gib) <= 0.015 and spare_gib < trained_gib  # three roundings to 0.01
         per_token_gib = trained_gib / trained

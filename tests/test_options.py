@@ -4,6 +4,7 @@ and where it came from.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import subprocess
@@ -156,6 +157,23 @@ def test_option_names_are_the_c_librarys():
         options.zipmoe_overrides(eviction="x")
     with pytest.raises(ZipMoEError, match="zipmoe_pools: 'F=1,X=2' must name each of the pools F, C, S, E"):
         options.pool_overrides("F=1,X=2")
+
+
+def test_sizes_in_messages_keep_a_number_of_one_or_more_and_read_back_as_given():
+    """One formatter (ggml_zipmoe_size_text) for every message: the unit keeps the number at 1 or more, so
+    no budget reads "0.00 GiB", and the text parses back (as a SIZE option) to the size within its rounding."""
+    from zipmoe_py import _lib, options
+
+    said = {n: options.size_text(n) for n in (0, 1, 1023, 1024, 1536, (1 << 20) - 1, 1 << 20, 256 << 20,
+                                               (1 << 30) - 1, 1 << 30, 5 << 29, 3 << 40)}
+    assert said == {0: "0 bytes", 1: "1 byte", 1023: "1023 bytes", 1024: "1.0 KiB", 1536: "1.5 KiB",
+                    (1 << 20) - 1: "1024.0 KiB", 1 << 20: "1.0 MiB", 256 << 20: "256.0 MiB",
+                    (1 << 30) - 1: "1024.0 MiB", 1 << 30: "1.00 GiB", 5 << 29: "2.50 GiB", 3 << 40: "3072.00 GiB"}
+    for n, text in said.items():
+        if n >= 1024:
+            assert abs(options.parse_size(text.replace(" ", "")) - n) <= 0.0051 * n, text
+    buf = ctypes.create_string_buffer(4)  # a short buffer: cut, never overrun
+    assert _lib.lib().ggml_zipmoe_size_text(1 << 30, buf, len(buf)) == b"1.0"
 
 
 def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):

@@ -188,7 +188,7 @@ def test_the_slots_in_use_are_what_the_memory_left_holds_and_shrink_and_grow_wit
     # no room at all: the fewest, with a warning that names the sums
     assert s.resize(contexts=available) == (0, 1) and s.n_slots() == 2
     level, text = s.logs[-2]
-    assert level == 1 and text.startswith("memory is short for the ZipMoE expert cache: available 0.25 GiB (given)")
+    assert level == 1 and text.startswith("memory is short for the ZipMoE expert cache: available 256.0 MiB (given)")
     assert text.endswith("(a smaller context, -c or n_ctx, leaves more)")
     # a context freed with memory still short: said once, when the context was made, not again
     warned = len([1 for level, _ in s.logs if level == 1])
@@ -214,7 +214,7 @@ def test_given_pools_that_do_not_fit_fail_a_new_context_but_not_a_freed_one(serv
     s.make_cache()
     capacity = s.info().capacity
     assert s.resize(contexts=256 * MIB) == (_lib.ERR_ARG, 0)
-    assert s.error.startswith("the ZipMoE pools need") and "only 0.00 GiB is left: available 0.25 GiB" in s.error
+    assert s.error.startswith("the ZipMoE pools need") and "only 0 bytes is left: available 256.0 MiB" in s.error
     assert s.resize(contexts=256 * MIB, making=False)[0] == 0
     assert s.n_slots() == capacity and list(s.plan().pools) == [2, 2, 0, 0]
     assert s.plan().pools_why.startswith(b"the pools given")

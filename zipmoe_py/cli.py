@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import _lib
 from .errors import ZipMoEError
-from .options import chat_flag, python_options, zipmoe_overrides
+from .options import chat_flag, python_options, size_text, zipmoe_overrides
 
 HELP_TEXT = ("commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this; "
              "a message that starts with / is typed with //")
@@ -140,11 +140,11 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
               f"({origin['touch']})", file=sys.stderr)
     plan = now.get("memory")
     if plan:
-        gib = 1 << 30
-        print(f"[stats] memory: {plan['n_slots']} slots x {plan['expert_bytes'] / 2**20:.2f} MiB; available "
-              f"{plan['available'] / gib:.2f} GiB ({plan['source']}) - non-expert weights {plan['non_expert'] / gib:.2f} "
-              f"- {plan['n_contexts']} context(s) {plan['contexts'] / gib:.2f} - cache buffers "
-              f"{plan['cache_buffers'] / gib:.2f} - margin {plan['margin'] / gib:.2f} = {plan['fits'] / gib:.2f} GiB "
+        size = size_text
+        print(f"[stats] memory: {plan['n_slots']} slots x {size(plan['expert_bytes'])}; available "
+              f"{size(plan['available'])} ({plan['source']}) - non-expert weights {size(plan['non_expert'])} "
+              f"- {plan['n_contexts']} context(s) {size(plan['contexts'])} - cache buffers "
+              f"{size(plan['cache_buffers'])} - margin {size(plan['margin'])} = {size(plan['fits'])} "
               "for slots and stores", file=sys.stderr)
         pools = ", ".join(f"{name} {count}" for name, count in plan["pools"].items())
         pools = pools if any(plan["pools"].values()) else "one F pool"

@@ -139,6 +139,13 @@ def parse_size(value, what: str = "zipmoe_budget") -> int:
     return parse_value(find("budget"), value, what)
 
 
+def size_text(n_bytes: int) -> str:
+    """A size in words, as every ZipMoE message writes it ("1.25 GiB", "18.0 KiB"; ggml_zipmoe_size_text)."""
+    buf = ctypes.create_string_buffer(32)
+    _lib.lib().ggml_zipmoe_size_text(int(n_bytes), buf, len(buf))
+    return buf.value.decode()
+
+
 def pool_overrides(value, what: str = "zipmoe_pools") -> dict:
     """The KV overrides zipmoe.pool_f, pool_c, pool_s, pool_e from {"F": 4, "C": 8} or "F=4,C=8"
     (experts per MoE layer of the pools F, C, S, E)."""

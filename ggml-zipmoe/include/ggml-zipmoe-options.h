@@ -102,6 +102,11 @@ GGML_ZIPMOE_API const char * ggml_zipmoe_option_choice(int id, int k);
 // of the graph's threads)"), into buf (always NUL-terminated); the length it needs, or -1
 GGML_ZIPMOE_API int          ggml_zipmoe_option_expects(int id, char * buf, size_t size);
 
+// a size in words for a message, the inverse of a SIZE option's text: "1.25 GiB", "18.0 KiB", "512
+// bytes", in the unit that keeps the number at 1 or more, so that no size reads 0.00 GiB. Into buf
+// (always NUL-terminated, truncated to size); returns buf
+GGML_ZIPMOE_API const char * ggml_zipmoe_size_text(uint64_t bytes, char * buf, size_t size);
+
 // how a value was given: as text (an environment variable, a string override, Python's str()) or
 // typed (a KV override's int, float or bool)
 enum ggml_zipmoe_option_given {

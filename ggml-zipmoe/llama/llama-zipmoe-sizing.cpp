@@ -83,10 +83,10 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
     LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s), not the trained %u (%s): as "
                    "upstream's fit, the context gets what the model leaves, at least %u tokens, and here the model's "
                    "experts (%s) take all but %s of the %s left beside the non-expert weights; give -c / n_ctx for "
-                   "another\n", __func__, n, llama_zipmoe_gib((uint64_t) n * per_token).c_str(), n_train,
-                   llama_zipmoe_gib((uint64_t) n_train * per_token).c_str(), floor_ctx,
-                   llama_zipmoe_gib(info.all_experts).c_str(), llama_zipmoe_gib(spare).c_str(),
-                   llama_zipmoe_gib(left).c_str());
+                   "another\n", __func__, n, llama_zipmoe_size_text((uint64_t) n * per_token).c_str(), n_train,
+                   llama_zipmoe_size_text((uint64_t) n_train * per_token).c_str(), floor_ctx,
+                   llama_zipmoe_size_text(info.all_experts).c_str(), llama_zipmoe_size_text(spare).c_str(),
+                   llama_zipmoe_size_text(left).c_str());
     return n;
 }
 

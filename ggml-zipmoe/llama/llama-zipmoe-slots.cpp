@@ -37,8 +37,8 @@ void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
     buf = ggml_backend_buft_alloc_buffer(ggml_backend_dev_buffer_type(dev), off);
     if (buf == nullptr) {
         throw std::runtime_error(format("cannot allocate %s of %s memory for %d ZipMoE expert slots (%s free): give "
-                                        "a smaller zipmoe.budget or fewer GPU layers", llama_zipmoe_gib(off).c_str(),
-                                        ggml_backend_dev_name(dev), capacity, llama_zipmoe_gib(free_bytes).c_str()));
+                                        "a smaller zipmoe.budget or fewer GPU layers", llama_zipmoe_size_text(off).c_str(),
+                                        ggml_backend_dev_name(dev), capacity, llama_zipmoe_size_text(free_bytes).c_str()));
     }
     ggml_backend_buffer_clear(buf, 0); // the zero slots
     if (!cuda_slots && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0) {
@@ -122,7 +122,7 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
         buf = ggml_backend_buft_alloc_buffer(extra, off);
         if (buf == nullptr) {
             throw std::runtime_error(format("%s: cannot allocate %s of %s memory for %d ZipMoE expert slots: give a "
-                                            "smaller zipmoe.budget", fname.c_str(), llama_zipmoe_gib(off).c_str(),
+                                            "smaller zipmoe.budget", fname.c_str(), llama_zipmoe_size_text(off).c_str(),
                                             ggml_backend_buft_name(extra), info.capacity));
         }
         char * base = (char *) ggml_backend_buffer_get_base(buf);

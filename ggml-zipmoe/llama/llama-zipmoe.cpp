@@ -11,6 +11,7 @@
 #include "ggml-alloc.h"
 #include "ggml-cpp.h"
 #include "ggml-backend.h"
+#include "ggml-zipmoe-options.h"
 #include "gguf.h"
 
 #include <algorithm>
@@ -48,8 +49,9 @@ static std::vector<int32_t> layer_tensor_table(const ggml_zipmoe_file * file) {
 
 static constexpr double k_mib = 1024.0 * 1024.0;
 
-std::string llama_zipmoe_gib(uint64_t bytes) {
-    return format("%.2f GiB", bytes / (1024.0 * 1024.0 * 1024.0));
+std::string llama_zipmoe_size_text(uint64_t bytes) {
+    char buf[32];
+    return ggml_zipmoe_size_text(bytes, buf, sizeof(buf));
 }
 
 // ggml-zipmoe's messages, in llama.cpp's log

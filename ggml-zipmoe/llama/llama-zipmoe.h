@@ -56,8 +56,8 @@ struct llama_context;
 struct llama_hparams;
 struct llama_model;
 
-// "1.23 GiB", for the glue's messages
-std::string llama_zipmoe_gib(uint64_t bytes);
+// a size in words ("1.23 GiB", "18.0 KiB": ggml_zipmoe_size_text), for the glue's messages
+std::string llama_zipmoe_size_text(uint64_t bytes);
 
 // a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
 bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft);

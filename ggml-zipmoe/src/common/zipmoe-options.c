@@ -228,6 +228,22 @@ static bool trimmed_lower(const char * text, char * out, size_t size) {
     return true;
 }
 
+const char * ggml_zipmoe_size_text(uint64_t bytes, char * buf, size_t size) {
+    if (buf == NULL || size == 0) {
+        return buf;
+    }
+    if (bytes < 1024) {
+        snprintf(buf, size, "%llu byte%s", (unsigned long long) bytes, bytes == 1 ? "" : "s");
+    } else if (bytes < (1u << 20)) {
+        snprintf(buf, size, "%.1f KiB", ldexp((double) bytes, -10));
+    } else if (bytes < (1u << 30)) {
+        snprintf(buf, size, "%.1f MiB", ldexp((double) bytes, -20));
+    } else {
+        snprintf(buf, size, "%.2f GiB", ldexp((double) bytes, -30));
+    }
+    return buf;
+}
+
 // "4G", "512M", "1.5GiB", "123" (binary units); false if malformed or beyond int64
 static bool parse_size(const char * s, int64_t * out) {
     if (s[0] == '\0' || s[0] == '-' || s[0] == '+') {

@@ -3,6 +3,7 @@
 
 #include "serving/zipmoe-serving-impl.h"
 #include "common/zipmoe-impl.h"
+#include "ggml-zipmoe-options.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -27,13 +28,12 @@ void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const c
     s->log(level, text, s->log_data);
 }
 
-// "1.25 GiB" into one of a few rotating buffers, so that a message may hold several
-static const char * gib(uint64_t bytes) {
+// a size in words (ggml_zipmoe_size_text: "1.25 GiB", "18.0 KiB") in one of a few rotating buffers, so
+// that a message may hold several
+static const char * size_text(uint64_t bytes) {
     static _Thread_local char bufs[8][32];
     static _Thread_local int next;
-    char * b = bufs[next++ % 8];
-    snprintf(b, sizeof(bufs[0]), "%.2f GiB", bytes / ZIPMOE_GIB);
-    return b;
+    return ggml_zipmoe_size_text(bytes, bufs[next++ % 8], sizeof(bufs[0]));
 }
 
 static int32_t slots_for(const struct ggml_zipmoe_serving * s, uint64_t bytes) {
@@ -78,7 +78,7 @@ static void measure_memory(struct ggml_zipmoe_serving * s) {
     s->available = mem.available;
     if (mem.cgroup_version != 0 && mem.cgroup_limit != UINT64_MAX && mem.available < mem.mem_available) {
         snprintf(s->source, sizeof(s->source), "cgroup v%d %.160s: limit %s, %s in use", mem.cgroup_version,
-                 mem.cgroup_path, gib(mem.cgroup_limit), gib(mem.cgroup_used));
+                 mem.cgroup_path, size_text(mem.cgroup_limit), size_text(mem.cgroup_used));
     } else {
         snprintf(s->source, sizeof(s->source), "MemAvailable");
     }
@@ -87,7 +87,8 @@ static void measure_memory(struct ggml_zipmoe_serving * s) {
         const uint64_t left = s->p.mem_limit > rss ? s->p.mem_limit - rss : 0;
         if (left < s->available) {
             s->available = left;
-            snprintf(s->source, sizeof(s->source), "zipmoe.mem_limit %s, %s resident", gib(s->p.mem_limit), gib(rss));
+            snprintf(s->source, sizeof(s->source), "zipmoe.mem_limit %s, %s resident", size_text(s->p.mem_limit),
+                     size_text(rss));
         }
     }
     if (s->available == UINT64_MAX) {
@@ -239,7 +240,7 @@ int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const cha
         // an integrated GPU's memory is the host's: the process's limit (its cgroup, zipmoe.mem_limit)
         // bounds the slots too, where the device reports all the RAM free
         zipmoe_serving_log(s, 0, "%s shares the host's memory: %s of %s free counted (%s)", device,
-                           gib(s->available), gib(free_bytes), s->source);
+                           size_text(s->available), size_text(free_bytes), s->source);
         free_bytes = s->available;
     }
     const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
@@ -250,9 +251,9 @@ int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const cha
     } else if (!in->with_pools && in->capacity > fit) {
         const int32_t n = MAX(fit, fewest);
         zipmoe_serving_log(s, 1, "%s of %s does not fit in %s's %s free beside %s of other weights and "
-                           "buffers: %d slots (%s)", budget_name(s), gib(s->p.budget), device, gib(free_bytes),
-                           gib(reserve_bytes), n,
-                           gib((uint64_t) n * in->expert_bytes));
+                           "buffers: %d slots (%s)", budget_name(s), size_text(s->p.budget), device, size_text(free_bytes),
+                           size_text(reserve_bytes), n,
+                           size_text((uint64_t) n * in->expert_bytes));
         in->capacity = n;
     }
     s->on_gpu   = true;
@@ -306,24 +307,6 @@ void ggml_zipmoe_serving_adopt_host(struct ggml_zipmoe_serving * s, void * const
         s->slot_base[k] = (uint8_t *) data[k];
     }
     in->fewest = in->with_pools ? in->capacity : MIN(in->capacity, s->p.n_expert_used);
-}
-
-// "18.0 KiB": the unit that keeps the number at 1 or more (whole bytes below 1 KiB), so that no
-// size of a message reads 0.0
-static const char * size_text(uint64_t bytes) {
-    static _Thread_local char bufs[8][32];
-    static _Thread_local int next;
-    char * b = bufs[next++ % 8];
-    if (bytes < 1024) {
-        snprintf(b, sizeof(bufs[0]), "%llu bytes", (unsigned long long) bytes);
-    } else if (bytes < (1u << 20)) {
-        snprintf(b, sizeof(bufs[0]), "%.1f KiB", bytes / 1024.0);
-    } else if (bytes < (1u << 30)) {
-        snprintf(b, sizeof(bufs[0]), "%.1f MiB", bytes / ZIPMOE_MIB);
-    } else {
-        snprintf(b, sizeof(bufs[0]), "%.2f GiB", bytes / ZIPMOE_GIB);
-    }
-    return b;
 }
 
 // snprintf at *used into buf, kept within size
@@ -431,8 +414,8 @@ int ggml_zipmoe_serving_auto_pools_active(const struct ggml_zipmoe_serving * s) 
 // "available ... - ... = fits": the sums of a sizing, for its log lines and errors
 static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, char * buf, size_t size) {
     snprintf(buf, size, "available %s (%s) - non-expert weights %s - %d context(s) %s - ZipMoE buffers %s - margin %s "
-             "= %s", gib(pl->available), pl->source, gib(pl->non_expert), pl->n_contexts, gib(pl->contexts),
-             gib(pl->cache_buffers), gib(pl->margin), gib(pl->fits));
+             "= %s", size_text(pl->available), pl->source, size_text(pl->non_expert), pl->n_contexts,
+             size_text(pl->contexts), size_text(pl->cache_buffers), size_text(pl->margin), size_text(pl->fits));
 }
 
 // the slots that fit beside everything else, into s->plan (its sizing fields) and *n_out; logs when a
@@ -474,8 +457,8 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
         if (need > pl.fits && d->making) {
             snprintf(err, err_size, "the ZipMoE pools need %s of slots (%d F experts per layer x %d layers + %d working "
                      "slots) beside %s of stores, but only %s is left: %s. Give smaller zipmoe.pool_* / "
-                     "zipmoe.work_slots, a smaller context, or more memory", gib(need), s->p.pools[0],
-                     s->info.n_moe_layers, s->p.work_slots, gib(pl.cache_buffers), gib(pl.fits), sums);
+                     "zipmoe.work_slots, a smaller context, or more memory", size_text(need), s->p.pools[0],
+                     s->info.n_moe_layers, s->p.work_slots, size_text(pl.cache_buffers), size_text(pl.fits), sums);
             return GGML_ZIPMOE_ERR_ARG;
         }
     } else {
@@ -485,7 +468,7 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
                 n = MAX(MIN(capacity, pl.min_slots), fit);
                 if (d->making) { // a freed context leaves more room, or the same: said once
                     zipmoe_serving_log(s, 1, "%s of %s does not fit: %s; using %d slots (%s)", budget_name(s),
-                                       gib(s->p.budget), sums, n, gib((uint64_t) n * s->info.expert_bytes));
+                                       size_text(s->p.budget), sums, n, size_text((uint64_t) n * s->info.expert_bytes));
                 }
             }
         } else {
