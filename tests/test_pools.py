@@ -267,6 +267,39 @@ def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(
         cache.close()
 
 
+@pytest.mark.skipif(not kernel_moves_pages(), reason="page moves need Linux 5.7+ (MREMAP_DONTUNMAP)")
+@pytest.mark.parametrize("allowed, taken_down", [(0, True), (1, False), (2, True)],
+                         ids=["first-refused-block-taken-down", "second-refused", "third-refused-block-taken-down"])
+def test_a_page_move_the_kernel_refuses_leaves_the_moves_before_it_and_the_slots_exact(page_model, allowed,
+                                                                                      taken_down):
+    """A move the kernel refuses (its map count at the limit): the moves before it stand, the pages left
+    go back to the system as without moves, and the slots they would have filled are written in place.
+    Where the kernel took the slots' block down before refusing, the cache maps it again, empty: no
+    fetch fails, every expert stays bit-exact."""
+    path, experts = page_model
+    pools, n_slots, moved, _ = MIGRATIONS[1]  # C gives up all its entries: more blocks than are refused
+    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=True)
+    try:
+        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
+        for layer in (0, 1):
+            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
+            read_by(cache, layer, [[1, 0, 2]])
+        before = cache.stats()
+        cache.lib.ggml_zipmoe_set_page_move_refusal(allowed, taken_down)
+        try:
+            assert set_pools_migrating(cache, pools, n_slots, 2) == len(moved)
+        finally:
+            cache.lib.ggml_zipmoe_set_page_move_refusal(-1, False)
+        assert cache.stats()["moved_page_bytes"] - before["moved_page_bytes"] == allowed * (2 << 20)
+        read, d = read_by(cache, 0, [moved], experts)  # decoded into slots over moved, mapped-again and own pages
+        assert (d["expert_hits"], d["expert_misses"], read) == (len(moved), 0, 0), d
+        for layer in (0, 1):  # the rest read again into every slot: exact
+            read_by(cache, layer, [[3, 4, 5, 6, 7]], experts)
+            read_by(cache, layer, [[6, 7, 0, 1, 2]], experts)
+    finally:
+        cache.close()
+
+
 def test_slots_stay_bit_exact_across_re_plans(make, model):
     """Entries kept, moved within their store or dropped by one re-plan after another: every fill is exact."""
     _, experts, _ = model

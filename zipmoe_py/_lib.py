@@ -326,6 +326,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_count_graph": (None, [ctypes.c_void_p, ctypes.c_uint64]),
     "ggml_zipmoe_cache_error": (ctypes.c_char_p, [ctypes.c_void_p]),
     "ggml_zipmoe_set_sm_read_delay_us": (None, [ctypes.c_uint]),
+    "ggml_zipmoe_set_page_move_refusal": (None, [ctypes.c_int, ctypes.c_bool]),
     "ggml_zipmoe_serving_new": (ctypes.c_void_p, [ctypes.POINTER(ServingParams), ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_serving_free": (None, [ctypes.c_void_p]),
     "ggml_zipmoe_serving_get_info": (None, [ctypes.c_void_p, ctypes.POINTER(ServingInfo)]),

@@ -5,6 +5,8 @@
 
 #include "ggml-zipmoe.h"
 
+#include <stdbool.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -23,6 +25,12 @@ GGML_ZIPMOE_API int ggml_zipmoe_ghuf_decode_as_gpu(const void * src, size_t size
 // at all), so that decoding threads meet shards whose exponents are decoded before their SM-chunk
 // is read (the paths that keep them aside: a slow disk's case)
 GGML_ZIPMOE_API void ggml_zipmoe_set_sm_read_delay_us(unsigned us);
+
+// test-only: the cache's page moves (a migration's stores handing pages to new slots), for the whole
+// process: after `allowed` more moves, the next is refused as a kernel at its map count's limit
+// refuses one: before the slots' block is touched, or with taken_down after the kernel has taken it
+// down (the cache maps it again, empty). allowed < 0: none refused (the default)
+GGML_ZIPMOE_API void ggml_zipmoe_set_page_move_refusal(int allowed, bool taken_down);
 
 // test-only: begin (by thread 0) and end in one call, for callers without an op between them
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch(struct ggml_zipmoe_cache * cache, int layer, int pass,

@@ -16,7 +16,9 @@
 #endif
 
 #include "common/zipmoe-impl.h"
+#include "ggml-zipmoe-test.h"
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -149,18 +151,33 @@ static int still_mapped(void * addr, size_t size) {
 }
 #endif
 
-size_t zipmoe_move_pages(void * src, void * dst, size_t size) {
+static atomic_int  g_moves_allowed = -1; // ggml_zipmoe_set_page_move_refusal
+static atomic_bool g_refusal_taken_down;
+
+void ggml_zipmoe_set_page_move_refusal(int allowed, bool taken_down) {
+    atomic_store(&g_refusal_taken_down, taken_down);
+    atomic_store(&g_moves_allowed, allowed < 0 ? -1 : allowed);
+}
+
 #if defined(ZIPMOE_MOVES_PAGES)
-    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
-    if (((uintptr_t) src | (uintptr_t) dst | size) & (page - 1) || size == 0 || !zipmoe_can_move_pages()) {
-        return 0;
+// whether a test refuses this move (ggml_zipmoe_set_page_move_refusal), taking dst down first if it asked
+static int refused_by_test(void * dst, size_t size) {
+    int allowed = atomic_load(&g_moves_allowed);
+    while (allowed >= 0 && !atomic_compare_exchange_weak(&g_moves_allowed, &allowed, allowed - 1)) {
     }
-    // DONTUNMAP leaves src mapped and empty (read again as zeros): the memory around it stays whole
-    if (mremap(src, size, size, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst) == dst) {
-        return size;
+    if (allowed != 0) {
+        return 0; // none refused, or this one still allowed (the count down to 0 refuses the next, then none)
     }
-    // refused: the kernel may have taken dst down first (a map count at its limit, strict overcommit).
-    // Mapped again, empty; never over a mapping someone made there meanwhile
+    if (atomic_load(&g_refusal_taken_down)) {
+        munmap(dst, size);
+    }
+    return 1;
+}
+
+// after a refused move: the kernel may have taken dst down first (a map count at its limit, strict
+// overcommit). Mapped again, empty, never over a mapping someone made there meanwhile: 0, or
+// ZIPMOE_MOVE_LOST where dst cannot be mapped again
+static size_t after_refusal(void * dst, size_t size) {
 #if defined(MAP_FIXED_NOREPLACE)
     const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE;
     void * again = mmap(dst, size, PROT_READ | PROT_WRITE, flags, -1, 0);
@@ -174,6 +191,23 @@ size_t zipmoe_move_pages(void * src, void * dst, size_t size) {
 #endif
     // still mapped: the refusal came before the kernel took dst down
     return still_mapped(dst, size) ? 0 : ZIPMOE_MOVE_LOST;
+}
+#endif
+
+size_t zipmoe_move_pages(void * src, void * dst, size_t size) {
+#if defined(ZIPMOE_MOVES_PAGES)
+    const uintptr_t page = (uintptr_t) sysconf(_SC_PAGESIZE);
+    if (((uintptr_t) src | (uintptr_t) dst | size) & (page - 1) || size == 0 || !zipmoe_can_move_pages()) {
+        return 0;
+    }
+    if (refused_by_test(dst, size)) {
+        return after_refusal(dst, size);
+    }
+    // DONTUNMAP leaves src mapped and empty (read again as zeros): the memory around it stays whole
+    if (mremap(src, size, size, MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP, dst) == dst) {
+        return size;
+    }
+    return after_refusal(dst, size);
 #else
     (void) src;
     (void) dst;
