@@ -228,6 +228,16 @@ def page_model(tmp_path_factory):
     return repacked_model(tmp_path_factory.mktemp("pages"), (1024, 1025, 8))
 
 
+def every_expert_in_c(path, movable):
+    """a cache of 7 slots (4 in use) in pages of their own, C holding every expert of both layers, ranked"""
+    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=movable)
+    assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
+    for layer in (0, 1):
+        read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
+        read_by(cache, layer, [[1, 0, 2]])
+    return cache
+
+
 @pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])
 @pytest.mark.parametrize("pools, n_slots, moved, c_after", MIGRATIONS, ids=["F2C4", "one-F-pool"])
 def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(page_model, pools, n_slots, moved,
@@ -237,12 +247,8 @@ def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(
     move of less would split), instead of faulting new ones; the experts decoded over them, and C's kept
     entries, stay bit-exact. Slots the cache may not move pages into (malloc'd memory, say) move none."""
     path, experts = page_model
-    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=movable)
+    cache = every_expert_in_c(path, movable)
     try:
-        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
-        for layer in (0, 1):
-            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
-            read_by(cache, layer, [[1, 0, 2]])
         before = cache.stats()
         assert set_pools_migrating(cache, pools, n_slots, 2) == len(moved)
         block = 2 << 20
@@ -278,12 +284,8 @@ def test_a_page_move_the_kernel_refuses_leaves_the_moves_before_it_and_the_slots
     fetch fails, every expert stays bit-exact."""
     path, experts = page_model
     pools, n_slots, moved, _ = MIGRATIONS[1]  # C gives up all its entries: more blocks than are refused
-    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=True)
+    cache = every_expert_in_c(path, True)
     try:
-        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
-        for layer in (0, 1):
-            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
-            read_by(cache, layer, [[1, 0, 2]])
         before = cache.stats()
         cache.lib.ggml_zipmoe_set_page_move_refusal(allowed, taken_down)
         try:
