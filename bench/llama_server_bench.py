@@ -259,6 +259,9 @@ def main() -> int:
             res["round"], res["position"] = r + 1, position + 1
             runs.append(res)
             for lv in res["levels"]:
+                if lv["p50_s"] is None:  # every request failed: say why, and go on
+                    print(f"  {lv['clients']} clients: every request failed: {lv['errors']}", flush=True)
+                    continue
                 print(f"  {lv['clients']} clients: {lv['tok_per_s']:.2f} tok/s, p50 {lv['p50_s']:.1f} s, "
                       f"p95 {lv['p95_s']:.1f} s, failures {lv['failures']}", flush=True)
             # the runs so far, should the bench be stopped before its table

@@ -19,13 +19,13 @@ from zipmoe_py import _lib, codec
 from zipmoe_py.cli import _time_account
 from zipmoe_py import format as zformat
 
-from test_cache import Cache, assert_resident, corrupt_chunk, kernel_moves_pages
+from test_cache import Cache, assert_resident, corrupt_chunk, kernel_moves_pages, linux_at_least
 from test_format import make_moe_gguf
 
 
-def repacked_model(tmp, shape):
+def repacked_model(tmp, shape, layers=2):
     """a ZipMoE file of make_moe_gguf's layers in this shape, and its experts' BF16 values by (tensor, expert)"""
-    src = make_moe_gguf(tmp / "src.gguf", shape=shape)
+    src = make_moe_gguf(tmp / "src.gguf", shape=shape, layers=layers)
     path = tmp / "z.gguf"
     zformat.repack(src, path, shards=3)
     with zformat.ZipMoEFile(path) as zf:
@@ -298,6 +298,48 @@ def test_a_page_move_the_kernel_refuses_leaves_the_moves_before_it_and_the_slots
         for layer in (0, 1):  # the rest read again into every slot: exact
             read_by(cache, layer, [[3, 4, 5, 6, 7]], experts)
             read_by(cache, layer, [[6, 7, 0, 1, 2]], experts)
+    finally:
+        cache.close()
+
+
+def resident_during(call):
+    """(resident bytes before, at the peak during, after) call(): the process's high-water mark reset first"""
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith(field + ":"))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set starts again from what is resident now (Linux 4.0+)
+    before = status("VmRSS")
+    call()
+    return before, status("VmHWM"), status("VmRSS")
+
+
+@pytest.mark.skipif(not linux_at_least((4, 0)), reason="resetting the peak resident set needs Linux 4.0+")
+@pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])
+def test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it(tmp_path, movable):
+    """Memory through a change of pools stays within what the pools take before it or after it, but for
+    one layer's experts decoded into F before their C entries go. C's last shrink copies the entries it
+    keeps from its tail into the holes the migrated experts left (given back, so faulted in again), and
+    gives the tail's pages back as it goes: holding the whole tail until the copies were done went 2.4
+    GB over at 20 GiB with four DeepSeek-V2-Lite sequences, and the memory cap ended the server."""
+    n_layer, n_expert, f = 4, 16, 4
+    path, experts = repacked_model(tmp_path, (1024, 1025, n_expert), layers=n_layer)  # 2 MiB tensors
+    n_slots = f * n_layer + 4
+    cache = Cache(path, n_slots, 0, _lib.EVICT_RANK, 0, (0, n_expert, 0, 0), fresh_pages=True, movable_pages=movable)
+    try:
+        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
+        for layer in range(n_layer):  # C's entries in this order: each layer's hot experts first
+            for first in range(0, n_expert, 4):
+                read_by(cache, layer, [list(range(first, first + 4))])
+            read_by(cache, layer, [list(range(f))])
+        stats = cache.stats()
+        entry, slot = stats["pools"]["C"]["entry_bytes"], stats["pools"]["F"]["entry_bytes"]
+        # F takes each layer's hot experts: holes at the front of each layer's entries, the last layer's
+        # cold ones in the tail that the copies fill them from
+        before, peak, after = resident_during(lambda: set_pools_migrating(cache, (f, n_expert - f, 0, 0), n_slots, 2))
+        assert peak <= max(before, after) + f * slot + 2 * entry, (before, peak, after, f * slot, entry)
+        for layer in range(n_layer):  # and exact
+            read_by(cache, layer, [list(range(f)), list(range(f, 2 * f))], experts)
     finally:
         cache.close()
 

@@ -290,23 +290,32 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
         zipmoe_store_forget(c, p, claims[i].entry);
     }
     free(claims);
-    int32_t hole = 0;
+    // the tail's pages go as its kept entries are copied out, block by block, to a change's slots first:
+    // a hole a migration gave back is faulted in again by its copy, and four DeepSeek-V2-Lite sequences
+    // at 20 GiB, holding the whole tail meanwhile, went 2.4 GB over the pools' memory and were killed
+    uint8_t * const tail = s->mem + (size_t) n_new * s->entry_size;
+    uint8_t *       gone = tail; // [tail, gone): given back
+    int32_t         hole = 0;
     for (int32_t i = n_new; i < s->n_entries; i++) {
         const int64_t key = s->entry_key[i];
-        if (key < 0) {
-            continue;
+        if (key >= 0) {
+            while (s->entry_key[hole] >= 0) {
+                hole++; // fewer than n_new entries are held, so a hole below n_new is found
+            }
+            memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
+            s->entry_key[hole]      = key;
+            s->entry_last_use[hole] = s->entry_last_use[i];
+            s->entry_key[i]         = -1;
+            c->pools.key_entry[key] = hole;
         }
-        while (s->entry_key[hole] >= 0) {
-            hole++; // fewer than n_new entries are held, so a hole below n_new is found
+        const uintptr_t dead = (uintptr_t) (s->mem + (size_t) (i + 1) * s->entry_size) / ZIPMOE_MOVE_BLOCK * ZIPMOE_MOVE_BLOCK;
+        if (dead > (uintptr_t) gone) {
+            zipmoe_sink_pages(c, gone, (size_t) (dead - (uintptr_t) gone));
+            gone = (uint8_t *) dead;
         }
-        memcpy(s->mem + (size_t) hole * s->entry_size, s->mem + (size_t) i * s->entry_size, s->entry_size);
-        s->entry_key[hole]      = key;
-        s->entry_last_use[hole] = s->entry_last_use[i];
-        s->entry_key[i]         = -1;
-        c->pools.key_entry[key] = hole;
     }
-    // the tail goes at the realloc: its pages now, in one range (whole blocks), to a change's slots first
-    zipmoe_store_release(c, p, n_new, s->n_entries - n_new);
+    // the rest of the tail (it goes at the realloc), the pages now
+    zipmoe_sink_pages(c, gone, (size_t) (s->mem + (size_t) s->n_entries * s->entry_size - gone));
     return GGML_ZIPMOE_OK;
 }
 
