@@ -250,6 +250,23 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
     assert [text.split(" decode steps")[0].split("after ")[1] for text in replanned] == ["3", "6", "12"]
 
 
+def test_a_freed_context_leaves_the_default_pools_as_they_are(serving):
+    """A context freed (it detaches before its buffers go) changes no pools: a change writes memory at
+    once, which the freed context still holds; the next context made plans for the memory left."""
+    available = 256 * MIB
+    s = serving(available=available)
+    s.make_cache(rate_read=1e6)  # a slow disk: experts kept compressed beat reading them again
+    expert, own = s.info().expert_bytes, s.lib.ggml_zipmoe_cache_extra_bytes(s.cache, 1)
+    contexts = available - 64 * MIB - available // 32 - own - 16 * expert  # room for 16 experts: C 5, E 1
+    assert s.resize(contexts=contexts)[0] == 0
+    pools, n = list(s.plan().pools), s.n_slots()
+    assert any(pools[1:]), (pools, s.plan().pools_why)  # default pools in use, compressed experts among them
+    assert s.resize(contexts=0, n_contexts=0, making=False) == (0, 0)
+    assert list(s.plan().pools) == pools and s.n_slots() == n
+    status, _ = s.resize(contexts=0, n_contexts=1)  # a context made: planned for all the memory left
+    assert status == 0 and (list(s.plan().pools), s.n_slots()) != (pools, n)
+
+
 def test_parallel_sequences_decoding_are_decode_steps_planned_for_their_union(serving):
     s = serving(available=256 * MIB, replan_tokens=3)
     s.make_cache()
