@@ -17,6 +17,7 @@ import pytest
 
 import planner  # the reference, tests/planner.py
 from zipmoe_py import ZipMoEError, _lib
+from zipmoe_py.options import size_text
 from zipmoe_py.plan_files import Costs
 from zipmoe_py.plan_math import round_to_subset_size
 
@@ -374,12 +375,16 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
         assert handle.ggml_zipmoe_cache_pool_entries(cache, 0, None) == 8
         choice = _lib.DefaultPools()
         assert handle.ggml_zipmoe_cache_default_pools(cache, 1 << 40, 6, 2, 8, 0, 0, None, ctypes.byref(choice)) == 0
-        assert list(choice.capacity) == [0, 0, 0, 0] and b"every expert fits full" in choice.why
-        # a budget of 3 slots: said in slots, beside what pools would need (4 MoE layers, 8 working slots)
+        assert list(choice.capacity) == [0, 0, 0, 0]
+        every = size_text(one * n_expert * len(moe_layers)).encode()
+        assert b"one F pool: every expert fits full (%s of 1024.00 GiB)" % every in choice.why, choice.why
+        # a budget of 3 slots: said in slots, beside what pools would need (4 MoE layers, 8 working slots), and
+        # its size in the unit that keeps a number of one or more (a tiny model's budget once read "0.00 GiB")
         assert handle.ggml_zipmoe_cache_default_pools(cache, 3 * one, 2, 2, 8, 0, 0, None, ctypes.byref(choice)) == 0
         assert list(choice.capacity) == [0, 0, 0, 0]
-        assert b"holds 3 full experts, too few for pools, which need more than 8 working slots and one expert per " \
-               b"MoE layer in F (12)" in choice.why, choice.why
+        assert b"one F pool: %s holds 3 full experts, too few for pools, which need more than 8 working slots and " \
+               b"one expert per MoE layer in F (12)" % size_text(3 * one).encode() in choice.why, choice.why
+        assert b"0.00 GiB" not in choice.why
 
 
 def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(zipmoe_gguf, tmp_path):

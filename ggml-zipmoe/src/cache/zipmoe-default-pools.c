@@ -3,6 +3,7 @@
 // store entries, rates and pools; its re-plan (serving/zipmoe-replan.c) calls it with a profile.
 
 #include "cache/zipmoe-cache-impl.h"
+#include "ggml-zipmoe-options.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -213,20 +214,22 @@ static int compressed_pools(const struct ggml_zipmoe_cache * c, uint64_t budget,
 static void take_compressed(const struct ggml_zipmoe_cache * c, int held, const int32_t capacity[4], double makespan_s,
                             uint64_t budget, int32_t work_slots, const char * source,
                             struct ggml_zipmoe_default_pools * out) {
-    const int32_t  L = c->layout.n_served, N = c->layout.max_expert;
-    const double   all_c_gib = entry_c_bytes(c) * (double) N * L / (1 << 30), budget_gib = budget / (double) (1 << 30);
+    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    char          all_c[32], room[32];
+    ggml_zipmoe_size_text(entry_c_bytes(c) * (uint64_t) N * (uint64_t) L, all_c, sizeof(all_c));
+    ggml_zipmoe_size_text(budget, room, sizeof(room));
     memcpy(out->capacity, capacity, sizeof(out->capacity));
     out->inclusive           = held == HELD_ALL_IN_C;
     out->n_slots             = capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
     out->expected_makespan_s = makespan_s;
     if (held == HELD_ALL_IN_C) {
-        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%.2f GiB), F "
-                 "keeps %d per layer full as well (room left in %.2f GiB): nothing is read after warm-up (%s)",
-                 N, all_c_gib, capacity[GGML_ZIPMOE_POOL_F], budget_gib, source);
+        snprintf(out->why, sizeof(out->why), "every compressed expert fits: C holds all %d per layer (%s), F "
+                 "keeps %d per layer full as well (room left in %s): nothing is read after warm-up (%s)",
+                 N, all_c, capacity[GGML_ZIPMOE_POOL_F], room, source);
     } else {
         snprintf(out->why, sizeof(out->why), "every expert kept compressed: C holds %d per layer, E the E-chunks of "
-                 "the other %d (all in C would take %.2f GiB of %.2f GiB): a token reads at most their SM-chunks (%s)",
-                 capacity[GGML_ZIPMOE_POOL_C], capacity[GGML_ZIPMOE_POOL_E], all_c_gib, budget_gib, source);
+                 "the other %d (all in C would take %s of %s): a token reads at most their SM-chunks (%s)",
+                 capacity[GGML_ZIPMOE_POOL_C], capacity[GGML_ZIPMOE_POOL_E], all_c, room, source);
     }
 }
 
@@ -245,17 +248,19 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
         snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
         return GGML_ZIPMOE_OK;
     }
+    char room[32], all_f[32];
+    ggml_zipmoe_size_text(budget, room, sizeof(room));
     if (budget >= X * N * L) {
-        snprintf(out->why, sizeof(out->why), "one F pool: every expert fits full (%.2f GiB of %.2f GiB)",
-                 X * N * (double) L / (1 << 30), budget / (double) (1 << 30));
+        ggml_zipmoe_size_text(X * (uint64_t) N * (uint64_t) L, all_f, sizeof(all_f));
+        snprintf(out->why, sizeof(out->why), "one F pool: every expert fits full (%s of %s)", all_f, room);
         return GGML_ZIPMOE_OK;
     }
     const uint64_t work = (uint64_t) work_slots * X;
     if (budget <= work + X * L) {
         // said in slots: the budget may hold fewer slots than the working slots pools would need
-        snprintf(out->why, sizeof(out->why), "one F pool: %.2f GiB holds %llu full experts, too few for pools, "
+        snprintf(out->why, sizeof(out->why), "one F pool: %s holds %llu full experts, too few for pools, "
                  "which need more than %d working slots and one expert per MoE layer in F (%d)",
-                 budget / (double) (1 << 30), (unsigned long long) (budget / X), work_slots, work_slots + L);
+                 room, (unsigned long long) (budget / X), work_slots, work_slots + L);
         return GGML_ZIPMOE_OK;
     }
 
@@ -313,9 +318,9 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     }
     memcpy(out->capacity, best.capacity, sizeof(best.capacity));
     out->n_slots = best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
-    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %.2f "
-             "GiB: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
-             n_threads, budget / (double) (1 << 30), best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
+    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %s: "
+             "%.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
+             n_threads, room, best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
     refill_cost(c, now, read, decode, n_threads, out);
     return GGML_ZIPMOE_OK;
 }
@@ -355,19 +360,20 @@ int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * c, int32_t n
     } else {
         held_e = (int32_t) (per_layer / entry_e);
     }
-    const double host_gib = host_bytes / (double) (1 << 30);
+    char host[32];
+    ggml_zipmoe_size_text(host_bytes, host, sizeof(host));
     if (held_c + held_e == 0) {
-        snprintf(out->why, sizeof(out->why), "one F pool in the device's memory: %.2f GiB of host memory holds no "
-                 "compressed expert per layer", host_gib);
+        snprintf(out->why, sizeof(out->why), "one F pool in the device's memory: %s of host memory holds no "
+                 "compressed expert per layer", host);
         return GGML_ZIPMOE_OK;
     }
     out->capacity[GGML_ZIPMOE_POOL_F] = f;
     out->capacity[GGML_ZIPMOE_POOL_C] = held_c;
     out->capacity[GGML_ZIPMOE_POOL_E] = held_e;
     out->n_slots = n_device_slots; // the slots past F's are working slots: the device's memory is taken anyway
-    snprintf(out->why, sizeof(out->why), "F in the device's memory (%d slots), C and E in %.2f GiB of host memory: "
+    snprintf(out->why, sizeof(out->why), "F in the device's memory (%d slots), C and E in %s of host memory: "
              "%d of the other %d experts per layer kept whole compressed, %d as E-chunks; a miss reads %s",
-             n_device_slots, host_gib, held_c, rest, held_e,
+             n_device_slots, host, held_c, rest, held_e,
              held_c == rest ? "nothing after its first use" : held_c + held_e == rest ? "at most its SM-chunks"
                                                                                   : "the experts not kept in full");
     return GGML_ZIPMOE_OK;
