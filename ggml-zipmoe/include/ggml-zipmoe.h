@@ -360,8 +360,9 @@ struct ggml_zipmoe_cache_params {
     int32_t lookahead_experts;
     // nonzero: host slot_data lie in a private anonymous mapping (mmap) of the caller's, which it unmaps
     // whole. A change of pools may then move the pages of the store entries it gives up into the slots it
-    // fills (Linux 5.7+), instead of giving them back while those slots fault new pages in. 0 for memory
-    // from malloc, or a buffer someone else maps
+    // fills (Linux 5.7+), instead of giving them back while those slots fault new pages in, and gives the
+    // pages of the slots it gives up back itself, before its stores grow. 0 for memory from malloc, or a
+    // buffer someone else maps
     int32_t slot_pages_movable;
 };
 
@@ -432,8 +433,9 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache *
 
 // reconfigure the pools (what ggml_zipmoe_cache_params.pool_capacity sets at creation) and the slots
 // in use: capacity[4] experts per served layer in F, C, S, E (all 0: one F pool of every slot in
-// use), n_slots as in ggml_zipmoe_cache_set_n_slots (with pools, more than F's). The stores are
-// made anew and empty, experts in the slots given up are forgotten, a pending prefetch is dropped.
+// use), n_slots as in ggml_zipmoe_cache_set_n_slots (with pools, more than F's). The stores keep
+// the entries that still fit them, experts in the slots given up are forgotten (with slot_pages_movable, their
+// pages given back before the stores grow), a pending prefetch is dropped.
 // inclusive (with C holding every expert of a layer): an F expert keeps its C entry as well, so
 // that one leaving F is never read again. No fetch of another thread may be open; graphs built
 // for the old slot count must be rebuilt. OK, ERR_ARG or ERR_NOMEM (then one F pool of n_slots

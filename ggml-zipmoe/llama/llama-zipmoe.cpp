@@ -437,8 +437,13 @@ void llama_zipmoe::detach(llama_context * lctx) {
     ggml_zipmoe_cache_get_stats(cache, &s);
     uint64_t predicted = 0, actual = 0, correct = 0;
     ggml_zipmoe_cache_get_prefetch_recall(cache, -1, &predicted, &actual, &correct);
+    // a batch's own reads ahead predict nothing: "recall 0.00" would read as a predictor that never hits
+    char recall[32] = "no prediction scored";
+    if (actual > 0) {
+        snprintf(recall, sizeof(recall), "recall %.2f", (double) correct / actual);
+    }
     LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
-                   "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, recall %.2f); io %.1f ms, decode "
+                   "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, %s); io %.1f ms, decode "
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
                    "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C to F "
@@ -447,7 +452,7 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
                    s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
-                   (unsigned long long) s.prefetch_hits, actual ? (double) correct / actual : 0.0, s.io_ns / 1e6,
+                   (unsigned long long) s.prefetch_hits, recall, s.io_ns / 1e6,
                    s.decode_ns / 1e6, s.recover_ns / 1e6, s.fetch_ns / 1e6, s.lock_wait_ns / 1e6, s.plan_ns / 1e6,
                    s.fetch_work_ns / 1e6, s.read_wait_ns / 1e6, s.finish_wait_ns / 1e6,
                    (unsigned long long) s.decode_faults, (unsigned long long) s.graphs, s.graph_ns / 1e6,

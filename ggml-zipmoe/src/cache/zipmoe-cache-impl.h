@@ -146,6 +146,8 @@ struct zipmoe_slots {
     uint64_t * pinned;     // [capacity] serial of the last call that needs it
     int        take_pages; // host slots in the caller's own mapping (ggml_zipmoe_cache_params.slot_pages_movable),
                            // and a kernel that moves pages: they may take a given-up store entry's
+    int        own_pages;  // host slots in the caller's own mapping (slot_pages_movable): a change of pools gives
+                           // the pages of the slots it gives up back itself, before its stores grow
 };
 
 // the eviction policy's state (zipmoe-residency.c)

@@ -350,7 +350,8 @@ struct ggml_zipmoe_cache * ggml_zipmoe_cache_new(const struct ggml_zipmoe_cache_
     }
     c->slots.fill       = p->slot_fill;
     c->slots.fill_data  = p->slot_fill_data;
-    c->slots.take_pages = p->slot_pages_movable && p->slot_memory == GGML_ZIPMOE_SLOTS_HOST && zipmoe_can_move_pages();
+    c->slots.own_pages  = p->slot_pages_movable && p->slot_memory == GGML_ZIPMOE_SLOTS_HOST;
+    c->slots.take_pages = c->slots.own_pages && zipmoe_can_move_pages();
     char msg[1024] = "ggml_zipmoe_cache_new: out of memory";
     int status = map_layers(c, p, msg, sizeof(msg));
     if (status == GGML_ZIPMOE_OK) {
@@ -480,6 +481,14 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     // experts in the slots given up are forgotten
     forget_slots_from(c, n_slots);
     const int32_t old_used = c->slots.n_used;
+    if (c->slots.own_pages && zipmoe_cache_slots_in_host(c)) {
+        // before the stores grow, whose new entries are faulted in at once: four DeepSeek-V2-Lite sequences
+        // at 20 GiB going from F 20 / C 27 to F 14 / C 36 held both, 2.7 GB over, and the cap ended them
+        for (int j = 0; j < 3 && n_slots < old_used; j++) {
+            zipmoe_release_pages(c->slots.data[j] + (size_t) n_slots * c->slots.stride[j],
+                                 (size_t) (old_used - n_slots) * c->slots.stride[j]);
+        }
+    }
     for (int32_t s = 0; s < c->slots.capacity; s++) {
         c->slots.pinned[s]    = 0;
         c->slots.marked[s]    = 0;
