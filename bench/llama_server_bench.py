@@ -16,7 +16,9 @@ over the wall time), p50 and p95 latency, failures, and the server's own timings
 (llama-server's `timings`: its decode time per token, which for parallel sequences is the time of a
 step they share, prompts excluded). For ZipMoE, the expert cache's counters from /metrics over the
 level (where its wall time went: graphs, fetch waits by part, reads) and the server log's pool and
-re-plan lines (the servers run with -lv 4 for them). Rounds repeat the servers in turn (interleaved). The disk's O_DIRECT read bandwidth is
+re-plan lines (the servers run with -lv 4 for them). The server's anonymous memory (RssAnon) is sampled
+every 0.2 s: its peak while serving and after the SIGTERM, and the OOM killer's kills meanwhile (dmesg).
+Rounds repeat the servers in turn (interleaved). The disk's O_DIRECT read bandwidth is
 measured in the same invocation.
 """
 from __future__ import annotations
@@ -143,6 +145,50 @@ def one_level(client: openai.OpenAI, n: int, max_tokens: int) -> dict:
             "step_ms": statistics.median(x["predicted_ms"] / x["predicted_n"] for x in timings) if timings else None}
 
 
+def oom_kills() -> int | None:
+    """processes the kernel's OOM killer has ended since boot (dmesg), or None where the log is not readable"""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True)
+    return out.stdout.count("Killed process") if out.returncode == 0 else None
+
+
+class MemoryWatch:
+    """The server's anonymous memory (RssAnon) every 0.2 s, on a thread: its peak while serving, at the
+    SIGTERM and after it (a change of pools, or the shutdown, that writes memory past the cap's is ended by
+    the OOM killer), and whether the kernel's OOM killer ended a process meanwhile."""
+
+    def __init__(self, port: int):
+        self.port, self.samples, self.term_at, self.pid = port, [], None, None
+        self.kills_before = oom_kills()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+        self.thread.start()
+
+    def poll(self):
+        while not self.stop.is_set():
+            try:
+                if self.pid is None:  # the newest process with the port: the server, not capped-run
+                    found = subprocess.run(["pgrep", "-n", "-f", f"[-]-port {self.port}"], capture_output=True,
+                                           text=True).stdout.split()
+                    self.pid = int(found[0]) if found else None
+                with open(f"/proc/{self.pid}/status") as f:
+                    kib = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+                self.samples.append((time.monotonic(), kib << 10))
+            except (OSError, TypeError, StopIteration, ValueError):
+                pass
+            self.stop.wait(0.2)
+
+    def report(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        after = oom_kills()
+        gib = lambda xs: max(xs) / 2 ** 30 if xs else None
+        serving = [b for t, b in self.samples if self.term_at is None or t < self.term_at]
+        ending = [b for t, b in self.samples if self.term_at is not None and t >= self.term_at]
+        return {"peak_anon_gib": gib(serving), "anon_at_term_gib": serving[-1] / 2 ** 30 if serving else None,
+                "peak_anon_after_term_gib": gib(ending),
+                "oom_kills": None if after is None or self.kills_before is None else after - self.kills_before}
+
+
 def bench_server(kind: str, args) -> dict:
     port = free_port()
     cmd, model = server_command(kind, args, port)
@@ -150,6 +196,7 @@ def bench_server(kind: str, args) -> dict:
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
+    memory = MemoryWatch(port)
     try:
         t = time.perf_counter()
         wait_ready(url, proc)
@@ -165,13 +212,15 @@ def bench_server(kind: str, args) -> dict:
                 levels[-1]["zipmoe"] = counters_between(before, after)
                 levels[-1]["pools"] = {k.split(".")[1]: int(v) for k, v in after.items() if k.startswith("pool_experts.")}
     finally:
+        memory.term_at = time.monotonic()
         subprocess.run(["pkill", "-TERM", "-f", f"[-]-port {port}"], check=False)  # the server, not capped-run
         proc.wait(timeout=120)
         wait_gone(port)
         log.seek(0)
         lines = LOG_LINES.findall(log.read())
         log.close()
-    return {"server": kind, "load_s": load_s, "levels": levels, "zipmoe_log": lines}
+        watched = memory.report()
+    return {"server": kind, "load_s": load_s, "levels": levels, "zipmoe_log": lines, "memory": watched}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -191,8 +240,18 @@ def summarize(runs: list[dict]) -> list[dict]:
                          **{f"{q}_s{suffix}": f([lv[f"{q}_s"] for lv in at if lv[f"{q}_s"] is not None])
                             for q in ("p50", "p95") for suffix, f in (("", statistics.median), ("_min", min),
                                                                      ("_max", max))},
-                         "failures": sum(lv["failures"] for lv in at)})
+                         "failures": sum(lv["failures"] for lv in at), **memory_summary(runs, kind)})
     return rows
+
+
+def memory_summary(runs: list[dict], kind: str) -> dict:
+    """a server's peak anonymous memory over its rounds (median, min, max) and the OOM kills during them"""
+    watched = [r["memory"] for r in runs if r["server"] == kind and r.get("memory")]
+    peaks = [m["peak_anon_gib"] for m in watched if m["peak_anon_gib"] is not None]
+    kills = [m["oom_kills"] for m in watched if m["oom_kills"] is not None]
+    return {"peak_anon_gib": statistics.median(peaks) if peaks else None,
+            "peak_anon_gib_min": min(peaks) if peaks else None, "peak_anon_gib_max": max(peaks) if peaks else None,
+            "oom_kills": sum(kills) if kills else None}
 
 
 ACCOUNT = [("graph_seconds_total", "graphs s"), ("fetch_wait_seconds_total", "fetch wait s"),
@@ -264,6 +323,11 @@ def main() -> int:
                     continue
                 print(f"  {lv['clients']} clients: {lv['tok_per_s']:.2f} tok/s, p50 {lv['p50_s']:.1f} s, "
                       f"p95 {lv['p95_s']:.1f} s, failures {lv['failures']}", flush=True)
+            m = res["memory"]
+            if m["peak_anon_gib"] is not None:
+                after = f"{m['peak_anon_after_term_gib']:.2f}" if m["peak_anon_after_term_gib"] is not None else "-"
+                print(f"  anonymous memory: peak {m['peak_anon_gib']:.2f} GiB, {m['anon_at_term_gib']:.2f} at the "
+                      f"SIGTERM, peak after it {after}; OOM kills {m['oom_kills']}", flush=True)
             # the runs so far, should the bench be stopped before its table
             args.out.with_suffix(".partial.json").write_text(json.dumps(runs, indent=1) + "\n")
     out = {"command": " ".join(sys.argv), "date": datetime.date.today().isoformat(),
@@ -275,15 +339,17 @@ def main() -> int:
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     table = ["| server | clients | tok/s median (min-max) | decode ms per step median (min-max) | p50 latency s median "
-             "(min-max) | p95 latency s median (min-max) | failures |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "(min-max) | p95 latency s median (min-max) | failures | peak anonymous GiB median (min-max) | OOM kills |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in out["summary"]:
         step = (f"{row['step_ms']:.0f} ({row['step_ms_min']:.0f}-{row['step_ms_max']:.0f})" if row["step_ms"]
                 else "-")
+        peak = (f"{row['peak_anon_gib']:.2f} ({row['peak_anon_gib_min']:.2f}-{row['peak_anon_gib_max']:.2f})"
+                if row["peak_anon_gib"] is not None else "-")
         table.append(f"| {row['server']} | {row['clients']} | {row['tok_per_s']:.2f} ({row['tok_per_s_min']:.2f}-"
                      f"{row['tok_per_s_max']:.2f}) | {step} | {row['p50_s']:.1f} ({row['p50_s_min']:.1f}-"
                      f"{row['p50_s_max']:.1f}) | {row['p95_s']:.1f} ({row['p95_s_min']:.1f}-{row['p95_s_max']:.1f}) | "
-                     f"{row['failures']} |")
+                     f"{row['failures']} | {peak} | {'-' if row['oom_kills'] is None else row['oom_kills']} |")
     accounts = [row for row in out["summary"] if row["account"]]
     if accounts:
         labels = [label for _, label in ACCOUNT]

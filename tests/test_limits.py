@@ -3,6 +3,10 @@ file, and its bound is the runtime planner's makespan plus the compute floor, wi
 edge cases: everything in F reads nothing, more memory never raises the bound."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -220,3 +224,30 @@ def test_a_rotated_server_bench_starts_each_round_one_server_later():
     assert [server_bench.round_order(servers, r, True) for r in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert all(server_bench.round_order(servers, r, False) == servers for r in range(4))
+
+
+def test_the_server_bench_watches_the_servers_anonymous_memory_to_its_end():
+    """MemoryWatch samples the newest process with the port in its command line (the server, not
+    capped-run): its peak while serving, at the SIGTERM and after it; memory_summary takes the median and
+    range over rounds (a change of pools or a shutdown that wrote past the cap was ended by the OOM killer)."""
+    server_bench = bench_module("llama_server_bench")
+    port = server_bench.free_port()
+    hold = "import sys, time; x = bytearray(96 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", hold, "--port", str(port)])
+    try:
+        watch = server_bench.MemoryWatch(port)
+        deadline = time.monotonic() + 30
+        while (not watch.samples or watch.samples[-1][1] < 96 << 20) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        watch.term_at = time.monotonic()
+        proc.terminate()
+        proc.wait(timeout=30)
+        report = watch.report()
+    finally:
+        proc.kill()
+    assert 96 / 1024 <= report["peak_anon_gib"] < 1 and report["anon_at_term_gib"] >= 96 / 1024, report
+    assert report["oom_kills"] in (0, None), report  # None where dmesg is not readable
+    runs = [{"server": "s", "memory": {"peak_anon_gib": p, "oom_kills": k}} for p, k in ((17.4, 0), (20.1, 1), (17.9, 0))]
+    assert server_bench.memory_summary(runs + [{"server": "t", "memory": None}], "s") == {
+        "peak_anon_gib": 17.9, "peak_anon_gib_min": 17.4, "peak_anon_gib_max": 20.1, "oom_kills": 1}
+    assert server_bench.memory_summary(runs, "t")["peak_anon_gib"] is None
