@@ -156,8 +156,8 @@ class MemoryWatch:
     SIGTERM and after it (a change of pools, or the shutdown, that writes memory past the cap's is ended by
     the OOM killer), and whether the kernel's OOM killer ended a process meanwhile."""
 
-    def __init__(self, port: int):
-        self.port, self.samples, self.term_at, self.pid = port, [], None, None
+    def __init__(self, port: int, program: str):
+        self.port, self.program, self.samples, self.term_at, self.pid = port, program, [], None, None
         self.kills_before = oom_kills()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.poll, daemon=True)
@@ -166,16 +166,27 @@ class MemoryWatch:
     def poll(self):
         while not self.stop.is_set():
             try:
-                if self.pid is None:  # the newest process with the port: the server, not capped-run
-                    found = subprocess.run(["pgrep", "-n", "-f", f"[-]-port {self.port}"], capture_output=True,
-                                           text=True).stdout.split()
-                    self.pid = int(found[0]) if found else None
+                if self.pid is None:
+                    self.pid = self.find_server()
                 with open(f"/proc/{self.pid}/status") as f:
                     kib = next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
                 self.samples.append((time.monotonic(), kib << 10))
             except (OSError, TypeError, StopIteration, ValueError):
                 pass
             self.stop.wait(0.2)
+
+    def find_server(self) -> int | None:
+        """the process with the port that runs the server's program (capped-run, which starts it, has both in
+        its command line too)"""
+        found = subprocess.run(["pgrep", "-f", f"[-]-port {self.port}"], capture_output=True, text=True).stdout
+        for pid in map(int, found.split()):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if f.read().split(b"\0")[0].decode() == self.program:
+                        return pid
+            except OSError:
+                pass
+        return None
 
     def report(self) -> dict:
         self.stop.set()
@@ -196,7 +207,7 @@ def bench_server(kind: str, args) -> dict:
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([*capped, *cmd], stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
-    memory = MemoryWatch(port)
+    memory = MemoryWatch(port, cmd[0])
     try:
         t = time.perf_counter()
         wait_ready(url, proc)

@@ -233,9 +233,13 @@ def test_the_server_bench_watches_the_servers_anonymous_memory_to_its_end():
     server_bench = bench_module("llama_server_bench")
     port = server_bench.free_port()
     hold = "import sys, time; x = bytearray(96 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(60)"
+    # the watch starts beside a starter with the port in its command line too (capped-run's place), before
+    # the server: it waits for the server's program
+    starter = subprocess.Popen(["/bin/sh", "-c", "sleep 60; :", "sh", "--port", str(port)])
+    watch = server_bench.MemoryWatch(port, sys.executable)
+    time.sleep(0.5)
     proc = subprocess.Popen([sys.executable, "-c", hold, "--port", str(port)])
     try:
-        watch = server_bench.MemoryWatch(port)
         deadline = time.monotonic() + 30
         while (not watch.samples or watch.samples[-1][1] < 96 << 20) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -243,8 +247,11 @@ def test_the_server_bench_watches_the_servers_anonymous_memory_to_its_end():
         proc.terminate()
         proc.wait(timeout=30)
         report = watch.report()
+        assert starter.poll() is None  # it was there to be passed over
     finally:
         proc.kill()
+        starter.kill()
+    assert watch.pid == proc.pid
     assert 96 / 1024 <= report["peak_anon_gib"] < 1 and report["anon_at_term_gib"] >= 96 / 1024, report
     assert report["oom_kills"] in (0, None), report  # None where dmesg is not readable
     runs = [{"server": "s", "memory": {"peak_anon_gib": p, "oom_kills": k}} for p, k in ((17.4, 0), (20.1, 1), (17.9, 0))]
