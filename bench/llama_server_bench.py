@@ -176,13 +176,13 @@ class MemoryWatch:
             self.stop.wait(0.2)
 
     def find_server(self) -> int | None:
-        """the process with the port that runs the server's program (capped-run, which starts it, has both in
-        its command line too)"""
+        """the process with the port whose program is named as the server's (capped-run, which starts it, has
+        both in its command line too, and the venv's llama-server is a script that runs the package's)"""
         found = subprocess.run(["pgrep", "-f", f"[-]-port {self.port}"], capture_output=True, text=True).stdout
         for pid in map(int, found.split()):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if f.read().split(b"\0")[0].decode() == self.program:
+                    if Path(f.read().split(b"\0")[0].decode()).name == Path(self.program).name:
                         return pid
             except OSError:
                 pass

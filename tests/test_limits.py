@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,7 +237,7 @@ def test_the_server_bench_watches_the_servers_anonymous_memory_to_its_end():
     # the watch starts beside a starter with the port in its command line too (capped-run's place), before
     # the server: it waits for the server's program
     starter = subprocess.Popen(["/bin/sh", "-c", "sleep 60; :", "sh", "--port", str(port)])
-    watch = server_bench.MemoryWatch(port, sys.executable)
+    watch = server_bench.MemoryWatch(port, "/elsewhere/" + Path(sys.executable).name)  # named as the server
     time.sleep(0.5)
     proc = subprocess.Popen([sys.executable, "-c", hold, "--port", str(port)])
     try:
