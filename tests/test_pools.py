@@ -359,9 +359,9 @@ def populated(cache, deadline_s=60.0):
 @pytest.mark.skipif(not linux_at_least((4, 0)), reason="resetting the peak resident set needs Linux 4.0+")
 def test_a_change_from_f_to_c_gives_the_slots_up_before_c_grows(tmp_path):
     """A change that gives F's slots up for more C entries gives the slots' pages back before C grows: its
-    new entries are faulted in at once. Four DeepSeek-V2-Lite sequences at 20 GiB went from F 20 / C 27 to
-    F 14 / C 36; the slots went back only after the change, 2.7 GB over the pools' memory, and the memory
-    cap ended the server."""
+    new entries are faulted in at once. Four DeepSeek-V2-Lite sequences at 20 GiB changing from F 20 / C 27
+    to more C (F 14 / C 36, as other runs proposed, adds 2.7 GB of C for 2.5 GB of slots) gave the slots back
+    only after the change, and the memory cap ended the server."""
     n_layer, n_expert, f_before, c_before, f_after, c_after = 4, 16, 8, 4, 2, 14
     path, experts = repacked_model(tmp_path, (1024, 1025, n_expert), layers=n_layer)  # 2 MiB tensors
     cache = Cache(path, f_before * n_layer + 4, 0, _lib.EVICT_RANK, 0, (f_before, c_before, 0, 0), fresh_pages=True,

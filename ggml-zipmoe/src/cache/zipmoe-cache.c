@@ -483,7 +483,7 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     const int32_t old_used = c->slots.n_used;
     if (c->slots.own_pages && zipmoe_cache_slots_in_host(c)) {
         // before the stores grow, whose new entries are faulted in at once: four DeepSeek-V2-Lite sequences
-        // at 20 GiB going from F 20 / C 27 to F 14 / C 36 held both, 2.7 GB over, and the cap ended them
+        // at 20 GiB changing from F 20 / C 27 to more C held both, 2.7 GB more, and the cap ended them
         for (int j = 0; j < 3 && n_slots < old_used; j++) {
             zipmoe_release_pages(c->slots.data[j] + (size_t) n_slots * c->slots.stride[j],
                                  (size_t) (old_used - n_slots) * c->slots.stride[j]);
