@@ -434,8 +434,8 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache *
 // reconfigure the pools (what ggml_zipmoe_cache_params.pool_capacity sets at creation) and the slots
 // in use: capacity[4] experts per served layer in F, C, S, E (all 0: one F pool of every slot in
 // use), n_slots as in ggml_zipmoe_cache_set_n_slots (with pools, more than F's). The stores keep
-// the entries that still fit them, experts in the slots given up are forgotten (with slot_pages_movable, their
-// pages given back before the stores grow), a pending prefetch is dropped.
+// the entries that still fit them, experts in the slots given up are forgotten (with
+// slot_pages_movable, their pages given back before the stores grow), a pending prefetch is dropped.
 // inclusive (with C holding every expert of a layer): an F expert keeps its C entry as well, so
 // that one leaving F is never read again. No fetch of another thread may be open; graphs built
 // for the old slot count must be rebuilt. OK, ERR_ARG or ERR_NOMEM (then one F pool of n_slots
