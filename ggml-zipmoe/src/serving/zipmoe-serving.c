@@ -395,7 +395,8 @@ int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct g
     }
     s->n_slots = n;
     if (n < old && s->slot_base[0] != NULL) {
-        // give the memory of the slots given up back to the system (whole pages within them)
+        // give the memory of the slots given up back to the system (whole pages within them); a change of
+        // pools on slots in the serving's own mapping gave it back already, before the stores grew
         for (int k = 0; k < 3; ++k) {
             zipmoe_release_pages(s->slot_base[k] + (size_t) n * s->stride[k], (size_t) (old - n) * s->stride[k]);
         }
