@@ -307,6 +307,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rotated(systems: list[str], shift: int) -> list[str]:
+    """the systems of a round, started shift places later"""
+    shift %= len(systems)
+    return systems[shift:] + systems[:shift]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stock", type=Path, required=True,
@@ -324,6 +330,9 @@ def main() -> int:
                     help="bench/limits.py bound JSON for this model and these caps: adds TPOT / bound and TTFT / bound")
     ap.add_argument("--before", type=Path, default=None,
                     help="llama-completion of another build (its bin/ beside its lib/): the zipmoe-before system")
+    ap.add_argument("--rotate", action="store_true",
+                    help="start each round one system later (round 2 runs the second system first, ...): on the bench "
+                         "VM a cap's first run was up to 20%% slower than its second (BENCHMARKS, 'A cross-fitted profile')")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="run a system again at a cap where it failed in an earlier round (default: skip it)")
     args = ap.parse_args()
@@ -358,7 +367,7 @@ def main() -> int:
                       f"{int(c) / (1 << 30):.0f} GiB {b.get('tpot_bound_s', 0) * 1e3:.0f} ms"
                       for c, b in bound["rows"].items()), flush=True)
         for cap in caps:
-            for system in systems:
+            for system in rotated(systems, rnd if args.rotate else 0):
                 which, extra = SYSTEMS[system]
                 if (cap, system) in failed and not args.rerun_failed:
                     continue

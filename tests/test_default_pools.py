@@ -90,7 +90,7 @@ def test_the_runtimes_ipf_rejects_inconsistent_marginals():
 
 @pytest.mark.parametrize("steps,n,k", [(16, 64, 6), (16, 60, 4), (64, 64, 6), (500, 8, 2)])
 def test_the_rank_bias_is_a_uniform_routers_excess_over_few_steps(steps, n, k):
-    """A uniform router's rank profile over few steps looks concentrated by chance; the bias the re-plan
+    """A uniform router's rank profile over few steps looks concentrated by chance; the bias zipmoe-plan
     takes off is that excess, against a simulation of the router (k distinct experts of n per step)."""
     bias = (ctypes.c_double * n)()
     assert _lib.lib().ggml_zipmoe_plan_rank_bias(steps, n, k, bias) == 0
@@ -113,9 +113,9 @@ def test_the_rank_bias_is_a_uniform_routers_excess_over_few_steps(steps, n, k):
     assert _lib.lib().ggml_zipmoe_plan_rank_bias(steps, n, n + 1, bias) != 0
 
 
-def test_zipmoe_plan_takes_a_profile_through_the_re_plans_debiasing(tmp_path):
-    """A uniform router's profile of few ubatches, sorted by rank, looks concentrated; zipmoe-plan (as the
-    runtime's re-plan) takes the rank bias off: the profile comes out nearly flat, with the same sum k, and a
+def test_zipmoe_plan_takes_a_profiles_rank_bias_off(tmp_path):
+    """A uniform router's profile of few ubatches, sorted by rank, looks concentrated; zipmoe-plan takes the
+    rank bias off: the profile comes out nearly flat, with the same sum k, and a
     long profile is left nearly as counted."""
     from zipmoe_py import plan_math
     from zipmoe_py.plan_cli import _batch_marginals

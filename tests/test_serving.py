@@ -267,6 +267,26 @@ def test_a_freed_context_leaves_the_default_pools_as_they_are(serving):
     assert status == 0 and (list(s.plan().pools), s.n_slots()) != (pools, n)
 
 
+def test_a_router_that_keeps_to_its_experts_is_planned_one_f_pool_that_never_misses(serving):
+    """The profile is cross-fitted (experts ranked by one half of the steps, their rates read from the
+    other): a router that chose experts 0 and 1 at every step has no tail, so one F pool of a few experts
+    per layer expects nothing to read. Taking a uniform router's chance excess off the top ranks instead
+    gave the never-chosen ranks a share, and one F pool misses on them."""
+    available = 256 * MIB
+    s = serving(available=available, replan_tokens=8)
+    s.make_cache(rate_read=1e6)  # a slow disk: anything one F pool is expected to read weighs
+    expert, own = s.info().expert_bytes, s.lib.ggml_zipmoe_cache_extra_bytes(s.cache, 1)
+    contexts = available - 64 * MIB - available // 32 - own - 16 * expert  # room for 16 experts of 24
+    assert s.resize(contexts=contexts)[0] == 0
+    assert any(s.plan().pools[1:]), s.plan().pools_why  # the built-in profile's pools to start with
+    layers = s.zf.moe_layers()
+    for _ in range(8):
+        s.decode_step({layer: [[0, 1]] for layer in layers})
+        s.observe()
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    assert "one F pool: the planner (observed profile" in replanned and "expects 0.00 ms per layer" in replanned, replanned
+
+
 def test_parallel_sequences_decoding_are_decode_steps_planned_for_their_union(serving):
     s = serving(available=256 * MIB, replan_tokens=3)
     s.make_cache()

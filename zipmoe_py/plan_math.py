@@ -129,7 +129,8 @@ def check_plan_arguments(pools: Sequence[str], grid: float, budget_bytes: int, e
 
 def debiased_rank_profile(f: np.ndarray | Sequence[float], n_steps: int, k: int) -> np.ndarray:
     """A rank profile counted over n_steps one-token steps, less the excess a uniform router's top ranks show
-    over that many steps by chance, as the runtime's re-plan takes it (ggml_zipmoe_plan_debias_profile)."""
+    over that many steps by chance (ggml_zipmoe_plan_debias_profile): a PROFILE has only total counts. The
+    runtime's re-plan keeps its steps' counts in two halves and cross-fits them instead."""
     ranked = np.array(f, dtype=np.float64)
     if ranked.size == 0 or _lib.lib().ggml_zipmoe_plan_debias_profile(
             n_steps, ranked.size, k, ranked.ctypes.data_as(ctypes.POINTER(ctypes.c_double))) != _lib.OK:

@@ -201,7 +201,9 @@ GGML_ZIPMOE_API int ggml_zipmoe_plan_rank_bias(uint64_t n_steps, int32_t n, int3
 
 // A rank profile f [n] (inclusion probabilities, sum k) counted over n_steps steps, sorted and less its
 // rank bias (above), clamped at 0 and scaled back to the same sum, sorted again: the routing the next
-// steps are expected to see. The re-plan and zipmoe-plan both take their profiles through this.
+// steps are expected to see, where only total counts are known (zipmoe-plan's profiles). It assumes a
+// uniform router's chance, so it lifts the never-chosen ranks of a router that concentrates; the
+// runtime's re-plan, which keeps its steps' counts in two halves, cross-fits them instead.
 // OK, ERR_ARG or ERR_NOMEM (f unchanged on error).
 GGML_ZIPMOE_API int ggml_zipmoe_plan_debias_profile(uint64_t n_steps, int32_t n, int32_t k, double * f);
 
