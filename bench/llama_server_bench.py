@@ -38,6 +38,9 @@ from pathlib import Path
 
 import openai
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_bench import round_order  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CAPPED_RUN = ROOT.parent / "shared" / "tools" / "capped-run"
 BIN = Path(sys.executable).parent
@@ -309,12 +312,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if "llama-server bf16" in args.servers and (args.bf16 is None or not args.bf16.is_file()):
         ap.error("--servers 'llama-server bf16' needs --bf16 PATH, the BF16 GGUF")
     return args
-
-
-def round_order(servers: list[str], r: int, rotate: bool) -> list[str]:
-    """the servers of round r (0-based): as given, or started r places later"""
-    shift = r % len(servers) if rotate else 0
-    return servers[shift:] + servers[:shift]
 
 
 def main() -> int:

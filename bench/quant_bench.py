@@ -307,9 +307,9 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rotated(systems: list[str], shift: int) -> list[str]:
-    """the systems of a round, started shift places later"""
-    shift %= len(systems)
+def round_order(systems: list[str], r: int, rotate: bool) -> list[str]:
+    """the systems (or servers) of round r (0-based): as given, or started r places later"""
+    shift = r % len(systems) if rotate else 0
     return systems[shift:] + systems[:shift]
 
 
@@ -367,7 +367,7 @@ def main() -> int:
                       f"{int(c) / (1 << 30):.0f} GiB {b.get('tpot_bound_s', 0) * 1e3:.0f} ms"
                       for c, b in bound["rows"].items()), flush=True)
         for cap in caps:
-            for system in rotated(systems, rnd if args.rotate else 0):
+            for system in round_order(systems, rnd, args.rotate):
                 which, extra = SYSTEMS[system]
                 if (cap, system) in failed and not args.rerun_failed:
                     continue

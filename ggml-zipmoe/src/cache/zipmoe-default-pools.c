@@ -5,7 +5,6 @@
 #include "cache/zipmoe-cache-impl.h"
 #include "ggml-zipmoe-options.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -318,11 +317,10 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     }
     const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
     if (!pools || best.expected_makespan_s >= f_only_s) {
-        const double pools_s = pools && held != HELD_NONE ? fmin(held_makespan_s, best.expected_makespan_s) :
-                               pools ? best.expected_makespan_s : f_best.expected_makespan_s;
         snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
                  "threads) expects %.2f ms per layer, pools no better%s (%.2f ms)", source, read / 1e9, decode / 1e9,
-                 n_threads, f_best.expected_makespan_s * 1e3, profile != NULL ? " by a tenth" : "", pools_s * 1e3);
+                 n_threads, f_best.expected_makespan_s * 1e3, profile != NULL ? " by a tenth" : "",
+                 best.expected_makespan_s * 1e3);
         refill_cost(c, now, read, decode, n_threads, out);
         return GGML_ZIPMOE_OK;
     }

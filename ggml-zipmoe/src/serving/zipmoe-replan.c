@@ -20,7 +20,6 @@ void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
     free(r->seen_ubatches);
     free(r->counts);
     free(r->ubatches);
-    free(r->token_counts);
     free(r->observed);
     free(r->half_counts);
     memset(r, 0, sizeof(*r));
@@ -37,12 +36,11 @@ static bool start_profile(struct ggml_zipmoe_serving * s) {
     const size_t cells = (size_t) n_layer * (size_t) MAX(n_expert, 1);
     r->seen_counts   = calloc(cells, sizeof(uint64_t));
     r->counts        = calloc(cells, sizeof(uint64_t));
-    r->token_counts  = calloc(cells, sizeof(double));
     r->seen_ubatches = calloc((size_t) n_layer, sizeof(uint64_t));
     r->ubatches      = calloc((size_t) n_layer, sizeof(uint64_t));
     r->observed      = calloc((size_t) MAX(n_expert, 1), sizeof(double));
     r->half_counts   = calloc(2 * cells, sizeof(double));
-    if (!r->seen_counts || !r->counts || !r->token_counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
+    if (!r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
         !r->half_counts) {
         zipmoe_routing_profile_free(r);
         r->replanned = true; // give up: the pools stay as planned
@@ -82,10 +80,8 @@ static bool count_step(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t
         const size_t cells = (size_t) s->p.n_layer * n_exp;
         double * half = r->half_counts + (r->token_steps % 2) * cells;
         for (size_t i = 0; i < cells; ++i) {
-            r->token_counts[i] += (double) (r->counts[i] - r->seen_counts[i]);
             half[i] += (double) (r->counts[i] - r->seen_counts[i]);
         }
-        r->half_steps[r->token_steps % 2]++;
         r->token_steps++;
         r->step_selections += selections;
         r->layer_steps += layers;
@@ -134,7 +130,8 @@ static void rank_experts(const double * by, int32_t n, int32_t * order) {
 static bool rank_profile(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
-    if (r->half_steps[0] == 0 || r->half_steps[1] == 0) {
+    const uint64_t half_steps[2] = { (r->token_steps + 1) / 2, r->token_steps / 2 };
+    if (half_steps[1] == 0) {
         return false;
     }
     int32_t * order = malloc(sizeof(int32_t) * (size_t) n_exp);
@@ -154,7 +151,7 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
             const double * read = r->half_counts + (size_t) (1 - h) * cells + (size_t) il * n_exp;
             rank_experts(by, n, order);
             for (int32_t e = 0; e < n; ++e) {
-                r->observed[e] += 0.5 * read[order[e]] / (double) r->half_steps[1 - h];
+                r->observed[e] += 0.5 * read[order[e]] / (double) half_steps[1 - h];
             }
         }
         n_served++;
@@ -175,6 +172,7 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
 static double routing_even_z(const struct ggml_zipmoe_serving * s) {
     const struct zipmoe_routing_profile * r = &s->routing;
     const double T = (double) r->token_steps;
+    const size_t cells = (size_t) s->p.n_layer * r->n_expert;
     double sum = 0, mean = 0, var = 0;
     for (int il = 0; il < s->p.n_layer; ++il) {
         const int32_t n = ggml_zipmoe_cache_has_layer(s->cache, il) ? ggml_zipmoe_cache_n_expert(s->cache, il) : 0;
@@ -183,7 +181,8 @@ static double routing_even_z(const struct ggml_zipmoe_serving * s) {
             continue;
         }
         for (int32_t e = 0; e < n; ++e) {
-            const double d = r->token_counts[(size_t) il * r->n_expert + e] - T * p;
+            const size_t i = (size_t) il * r->n_expert + e;
+            const double d = r->half_counts[i] + r->half_counts[cells + i] - T * p;
             sum += d * d / (T * p * q);
         }
         mean += n;

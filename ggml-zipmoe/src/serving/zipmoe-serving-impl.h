@@ -22,10 +22,8 @@ struct zipmoe_routing_profile {
     uint64_t * seen_ubatches;// [n_layer]
     uint64_t * counts;       // [n_layer][n_expert] and after this one
     uint64_t * ubatches;     // [n_layer]
-    double *   token_counts; // [n_layer][n_expert] selections in decode steps
-    uint64_t   token_steps;
-    double *   half_counts;  // [2][n_layer][n_expert] the same, even and odd steps apart (rank_profile)
-    uint64_t   half_steps[2];
+    double *   half_counts;  // [2][n_layer][n_expert] selections in decode steps, even and odd steps apart
+    uint64_t   token_steps;  // those steps (the even ones: (token_steps + 1) / 2)
     uint64_t   step_selections; // distinct experts those steps selected, summed over the served layers
     uint64_t   layer_steps;     // and the (step, served layer) pairs they summed over
     double *   observed;     // [n_expert] rank-based inclusion probabilities of those steps
