@@ -315,6 +315,16 @@ def test_chat_stats_say_which_pools_and_why(zipmoe_gguf):
     assert out.returncode != 0 and "--auto-pools is for the default pools" in out.stderr.decode(errors="replace")
 
 
+def fill_c(handle, cache, moe_layers, selections):
+    """each MoE layer in turn fetches each of selections (one token each) through the bare cache"""
+    for layer in sorted(moe_layers):
+        for ids in selections:
+            ids = np.ascontiguousarray([ids], np.int32)
+            out = np.full(ids.shape, -1, np.int32)
+            assert handle.ggml_zipmoe_cache_fetch(cache, layer, 0, ids.ctypes.data, ids.shape[1], 1, ids.shape[1],
+                                                  out.ctypes.data, 0, 1) == 0, handle.ggml_zipmoe_cache_error(cache)
+
+
 @contextlib.contextmanager
 def rank_cache(path, n_slots: int = 40, movable_pages: bool = False):
     """A bare cache on path's MoE layers (rank eviction, host slots): (cache, handle, moe_layers).
@@ -390,8 +400,9 @@ def test_set_pools_names_what_is_wrong(zipmoe_gguf):
 def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(zipmoe_gguf, tmp_path):
     """refill_s, rank by rank from the cache's pools to the chosen ones: an expert dropped beyond every new
     pool costs nothing up front (its next use is a miss, as the new pools' makespan counts it); one that
-    changes pool is read whole on its next use, but from C to host slots, and, bound for F, decoded (from
-    C by the change); slots past those in use are written for the first time at the touch rate, but for
+    changes pool is read whole on its next use, and, bound for F, decoded; from C to host slots, the
+    change decodes those C holds that were used again, and the others' next use, if any, is a miss; the
+    slots those fills write past those in use are written for the first time at the touch rate, but for
     the pages the stores give up, where the slots take them. The re-plan weighs it against the expected gain."""
     path = zipmoe_gguf("qwen2moe")
     one, n_expert, _ = expert_geometry(path)
@@ -411,10 +422,15 @@ def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(
         assert pools == [0, 0, 0, 0] and n_slots == 4 * layers
         # from one F pool of 40 slots (10 per layer): what it drops goes nowhere, nothing to fill
         assert plan(1e9)[2] == 0.0
-        # from every expert in C (8 slots in use): the 4 per layer F takes are decoded from C on 2 threads,
-        # and the 8 slots past those in use touched; the rest of C goes nowhere
+        # from every expert in C (8 slots in use), C holding none: F's experts are read on their next use
+        # (a miss, which the new pools' makespan leaves out as it does a dropped expert's), nothing up front
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
-        assert plan(1e9)[2] == 0.0 + float(4 * one) * layers / (1e9 * 2) + 8 * one / (touch * 2)
+        assert plan(1e9)[2] == 0.0
+        # C holding experts 0-3 of each layer, used twice, and the last two layers' in the 8 slots: the
+        # others F takes are decoded from C on 2 threads, and 8 of the slots past those in use touched
+        # by them; the rest of C goes nowhere
+        fill_c(handle, cache, moe_layers, [[0, 1, 2, 3]] * 2)
+        assert plan(1e9)[2] == 0.0 + float(4 * one) * (layers - 2) / (1e9 * 2) + 8 * one / (touch * 2)
         # from F 2 and the rest in S or in E (16 slots in use): F's 2 stay, the next 2 are read whole on their
         # next use (a change keeps an entry only in its own pool), SM-chunks (half an expert's BF16
         # bytes) and E-chunks, and decoded; no new slots
@@ -442,12 +458,15 @@ def test_a_change_of_pools_costs_rank_by_rank_what_it_reads_decodes_and_touches(
         pools, n_slots, _ = plan(1e9)
         assert pools == [0, 0, 0, 0] and n_slots > 8  # one F pool, n_slots // layers per layer
         assert handle.ggml_zipmoe_cache_set_pools(cache, (ctypes.c_int32 * 4)(0, n_expert, 0, 0), 8, 0) == 0
+        # C holding every expert, each used twice, and the last layer's eight in the slots
+        fill_c(handle, cache, moe_layers, [[0, 1, 2, 3], [4, 5, 6, 7]] * 2)
         entry_c = ctypes.c_size_t()
         handle.ggml_zipmoe_cache_pool_entries(cache, 1, ctypes.byref(entry_c))
         spared = n_expert * layers * (entry_c.value - (2 << 20)) if kernel_moves_pages() else 0
         assert spared > 0 or not kernel_moves_pages()
-        touched = max(0, (n_slots - 8) * one - spared)  # none here: C gives up more than the new slots take
-        assert plan(1e9)[2] == 0.0 + float(n_slots // layers * one) * layers / (1e9 * 2) + touched / (touch * 2)
+        migrants = n_slots // layers * (layers - 1)
+        touched = max(0, min(n_slots - 8, migrants) * one - spared)  # none here: C gives up more than they take
+        assert plan(1e9)[2] == 0.0 + float(migrants * one) / (1e9 * 2) + touched / (touch * 2)
 
 
 def test_device_pools_keep_compressed_experts_in_host_memory_beside_device_slots(zipmoe_gguf):

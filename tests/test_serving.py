@@ -391,10 +391,11 @@ def test_a_change_declined_for_its_cost_is_planned_again_where_it_would_repay(se
     """A re-plan that declines a change only because it would not repay within the steps seen plans again
     once they reach the steps it would repay in (a ski rental's break-even), not at twice them; the
     change, from every expert in C, then decodes the experts F takes from their C entries. Slots that take
-    no store pages: the new slots' first writes are part of the cost."""
+    no store pages: the new slots' first writes are part of the cost, and with a fast decode (given) they
+    are most of it."""
     inclusive = lowest_budget(serving, lambda why: why.startswith("every compressed expert fits"))
     s = serving(budget=inclusive, replan_tokens=4)
-    s.make_cache(rate_read=1e9, rate_decode=1e9, movable_pages=False)  # given rates (touch: the default)
+    s.make_cache(rate_read=1e9, rate_decode=1e10, movable_pages=False)  # given rates (touch: the default)
     assert s.resize()[0] == 0 and s.plan().pools[1] == N_EXPERT
     layers = s.zf.moe_layers()
     for step in range(12):

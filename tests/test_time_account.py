@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from conftest import run, zipmoe_command
 from test_cache import Cache, linux_at_least
@@ -112,5 +113,44 @@ def test_the_stores_pages_faulted_in_ahead_are_counted(tmp_path):
             assert s["populate_bytes"] == s["populate_ns"] == 0
         cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
         assert cache.stats()["populate_bytes"] == cache.stats()["populate_ns"] == 0
+    finally:
+        cache.close()
+
+
+def _quiet_populate_bytes(cache: Cache, deadline_s: float = 30) -> int:
+    """the stores' populated bytes once the populator has caught up (its count holds still)"""
+    seen, deadline = -1, time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        now = cache.stats()["populate_bytes"]
+        if now == seen:
+            return now
+        seen = now
+        time.sleep(0.5)
+    return seen
+
+
+@pytest.mark.skipif(not _kernel_populates(), reason="the stores' populator needs MADV_POPULATE_WRITE (Linux 5.14)")
+def test_the_populator_faults_in_a_window_past_the_entries_taken_not_the_whole_store(tmp_path):
+    """A C store of 48 entries (8 experts a layer, 6 layers): the populator stays two layers' entries
+    (16) ahead of the entries the fills have taken, instead of faulting the whole store in at once. The
+    full Qwen1.5-MoE geometry at 20 GiB faulted 16 GB in for 7.6 GB of fills, on a core the graph needed."""
+    src = make_moe_gguf(tmp_path / "src.gguf", shape=(1031, 517, 8), layers=6)
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=4)
+    cache = Cache(path, 10, eviction=_lib.EVICT_RANK, pools=(0, 8, 0, 0))
+    try:
+        entry = cache.stats()["pools"]["C"]["entry_bytes"]
+        first = _quiet_populate_bytes(cache)  # nothing taken yet: the window alone
+        assert 0 < first <= 16 * entry + 4096, (first, entry)
+        layers = sorted(cache.zf.moe_layers())
+        status, _ = cache.fetch(layers[0], np.array([[0, 1]], dtype=np.int32), nth=2)
+        assert status == _lib.OK
+        two = _quiet_populate_bytes(cache)  # two entries taken: the window moved past them
+        assert first < two <= 18 * entry + 2 * 4096, (first, two, entry)
+        for layer in layers:  # every entry taken: the whole store, and no more
+            status, _ = cache.fetch(layer, np.arange(8, dtype=np.int32).reshape(1, 8), nth=2)
+            assert status == _lib.OK
+        whole = _quiet_populate_bytes(cache)
+        assert 40 * entry < whole <= 48 * entry, (whole, entry)
     finally:
         cache.close()

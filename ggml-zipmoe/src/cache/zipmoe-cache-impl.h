@@ -103,6 +103,10 @@ struct zipmoe_store {
     atomic_int populate_halt;  // set: the populator stops after its current piece
     size_t     populated_to;   // bytes [populated_to, populate_end) of mem are left to fault in
     size_t     populate_end;
+    size_t     populate_want;  // bytes the populator goes up to for now: a window past the entries taken
+    size_t     populate_window;
+    pthread_mutex_t populate_mutex; // guards populate_want and populate_halt's wake-up
+    pthread_cond_t  populate_wake;
     struct zipmoe_counters * counters; // where the populator adds its bytes and time
 };
 
@@ -443,8 +447,10 @@ uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t ent
 uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert,
                          int kind);                                                            // NULL in S
 void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
-// an expert the pools (while migrating) send to F that C holds and no slot does
+// an expert the pools (while migrating) send to F that C holds, no slot does, and was used again
 int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
+// the experts a change to f_per_layer F experts a layer would decode from C (as zipmoe_store_migrant)
+int32_t  zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer);
 // the whole pages within entries [first, first + n) of store p, forgotten (nothing reads them): into the
 // slots a change of pools fills, else given back to the system (zipmoe_sink_pages)
 void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n);

@@ -131,7 +131,8 @@ static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, i
 // (fill_bytes) on its next use and, bound for F, decoded: then, or by the change for those C holds
 // (ggml_zipmoe_cache_set_pools_migrating), on n_threads. Slots past those in use are written for the
 // first time (page faults and zeroing, at the touch rate) by n_threads as well, less the pages that the
-// entries the stores give up move into them where slots take pages (given_up_bytes)
+// entries the stores give up move into them where slots take pages (given_up_bytes). C's experts that
+// F takes are decoded only if used again (zipmoe_count_migrants); the others' next use, if any, is a miss.
 static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4],
                              const int32_t capacity[4]) {
     // the pages move where the change migrates (an F that takes experts, or one F pool) into host slots
@@ -148,7 +149,12 @@ static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t n
         // whole huge-page blocks move: an entry alone holds a block less than its size (runs of neighbours
         // hold more), and the last layer's migrants give theirs once their slots are written
         const double blocks = s->entry_size > ZIPMOE_MOVE_BLOCK ? (double) (s->entry_size - ZIPMOE_MOVE_BLOCK) : 0;
-        bytes += s->n_entries > kept ? (double) (s->n_entries - kept) * blocks : 0;
+        // the entries written have their pages; the populator faults only a window past them in
+        int32_t held = 0;
+        for (int32_t i = 0; i < s->n_entries; i++) {
+            held += s->entry_key[i] >= 0;
+        }
+        bytes += held > kept ? (double) (held - kept) * blocks : 0;
     }
     return bytes;
 }
@@ -163,16 +169,24 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
     }
     const int    host = zipmoe_cache_slots_in_host(c);
     const double X    = (double) c->layout.expert_bytes;
-    double read_bytes = 0, decoded = 0;
+    double  read_bytes = 0, decoded = 0;
+    int32_t filled     = 0; // ranks a layer that F fills on their next use
     for (int32_t r = 0; r < N; r++) {
         const int from = rank_pool(now, 0, r), to = rank_pool(next, out->inclusive, r);
         if (to == NO_POOL || to == from) {
             continue;
         }
         read_bytes += fill_bytes(c, from, to, host, c->pools.inclusive);
-        decoded += to == GGML_ZIPMOE_POOL_F ? X : 0;
+        // from C into host slots: the experts the change decodes are counted whole below
+        const int from_c = from == GGML_ZIPMOE_POOL_C && to == GGML_ZIPMOE_POOL_F && host;
+        decoded += to == GGML_ZIPMOE_POOL_F && !from_c ? X : 0;
+        filled += to == GGML_ZIPMOE_POOL_F && !from_c;
     }
-    const int32_t new_slots = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
+    const int32_t migrants = host ? zipmoe_count_migrants(c, next[GGML_ZIPMOE_POOL_F]) : 0;
+    decoded += X * migrants / L;
+    // the slots written: the migrants' and the fills', of the new ones (those past the slots in use)
+    const int32_t added     = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
+    const int32_t new_slots = added < migrants + filled * L ? added : migrants + filled * L;
     const double  touch     = ggml_zipmoe_cache_rate(c, GGML_ZIPMOE_RATE_TOUCH);
     const double  spared    = given_up_bytes(c, next, out->capacity);
     const double  touched   = new_slots * X > spared ? new_slots * X - spared : 0;

@@ -66,6 +66,8 @@ int zipmoe_dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t 
     return NO_POOL;
 }
 
+static void populate_ahead(struct zipmoe_store * s, int32_t entry);
+
 // an entry of the store of pool p for a new expert: an empty one, else LFU (ties LRU); never one
 // the current call reads or writes
 int32_t zipmoe_store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial) {
@@ -76,6 +78,7 @@ int32_t zipmoe_store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial
             continue;
         }
         if (s->entry_key[i] < 0) {
+            populate_ahead(s, i);
             return i;
         }
         if (victim < 0) {
@@ -123,11 +126,28 @@ void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
     c->pools.store[p].entry_key[entry] = -1;
 }
 
+// an expert C holds and no slot does that is worth decoding into a slot now: one used again. A prompt
+// selects most experts once; decoding those into F took most of a change's time (the full Qwen1.5-MoE
+// geometry at 20 GiB moved 589 experts for the few a layer its decode steps chose), and one not used
+// again never pays for it. Dropped instead, it is read on its next use, if any.
+static int worth_moving(const struct ggml_zipmoe_cache * c, int64_t key) {
+    return c->pools.key_pool[key] == GGML_ZIPMOE_POOL_C && c->slots.of_key[key] < 0 && c->policy.freq[key] > 1;
+}
+
 int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
     const int     layer = (int) (key / c->layout.max_expert);
     const int32_t e     = (int32_t) (key % c->layout.max_expert);
-    return c->pools.migrating && c->pools.key_pool[key] == GGML_ZIPMOE_POOL_C && c->slots.of_key[key] < 0 &&
-           zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
+    return c->pools.migrating && worth_moving(c, key) && zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
+}
+
+int32_t zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer) {
+    int32_t n = 0;
+    for (int l = 0; l < c->layout.n_layer; l++) {
+        for (int32_t e = 0; zipmoe_layer_served(c, l) && e < c->layout.layer_n_expert[l]; e++) {
+            n += worth_moving(c, (int64_t) l * c->layout.max_expert + e) && expert_rank(c, l, e) < f_per_layer;
+        }
+    }
+    return n;
 }
 
 void zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end) {
@@ -321,17 +341,36 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 
 // A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
 // DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
-// helper thread faults a grown store's pages in at once, while the model loads and the prompt waits
-// for reads. The pages are the store's own, counted in the budget already. A resize stops it after
-// its current piece and has it go on from there: waiting for the whole store held each resize up (up
-// to ~12 s), and starting over raced the decoding threads to the pages they had written.
+// helper thread faults a grown store's pages in ahead of the fills, while the model loads and the
+// prompt waits for reads. It keeps a window ahead of the entries taken (fills take the lowest empty
+// entry) rather than faulting the whole store at once: the full Qwen1.5-MoE geometry at 20 GiB, its
+// routing kept to few experts, faulted 16 GB in for 7.6 GB of fills, and its zeroing took the graph's
+// cores on a two-core machine for most of the first 30 steps (BENCHMARKS, "A window of new pages").
+// The pages are the store's own, counted in the budget already. A resize stops it after its current
+// piece and has it go on from there: waiting for the whole store held each resize up (up to ~12 s),
+// and starting over raced the decoding threads to the pages they had written.
 #if defined(MADV_POPULATE_WRITE)
+// the bytes the populator may fault in now (the window past the entries taken), waiting for more while
+// it has caught up; 0 once it is halted or done
+static size_t populate_next(struct zipmoe_store * s) {
+    pthread_mutex_lock(&s->populate_mutex);
+    while (!atomic_load(&s->populate_halt) && s->populated_to < s->populate_end &&
+           s->populated_to >= s->populate_want) {
+        pthread_cond_wait(&s->populate_wake, &s->populate_mutex);
+    }
+    const size_t want = s->populate_want < s->populate_end ? s->populate_want : s->populate_end;
+    const size_t n    = atomic_load(&s->populate_halt) || want <= s->populated_to ? 0 : want - s->populated_to;
+    pthread_mutex_unlock(&s->populate_mutex);
+    return n;
+}
+
 static void * populate_pages(void * arg) {
-    struct zipmoe_store * s = (struct zipmoe_store *) arg;
+    struct zipmoe_store * s = (struct zipmoe_store * ) arg;
     // in pieces: each call holds the process's memory map, which the threads that map memory wait for
-    const size_t piece = 16u << 20;
-    while (s->populated_to < s->populate_end && !atomic_load(&s->populate_halt)) {
-        const size_t n = s->populate_end - s->populated_to < piece ? s->populate_end - s->populated_to : piece;
+    const size_t piece = 16u << 20, page = 4096;
+    for (size_t left; (left = populate_next(s)) > 0;) {
+        size_t n = left < piece ? (left + page - 1) / page * page : piece; // whole pages from a page boundary
+        n        = n < s->populate_end - s->populated_to ? n : s->populate_end - s->populated_to;
         const uint64_t t0 = zipmoe_now_ns();
         if (madvise(s->mem + s->populated_to, n, MADV_POPULATE_WRITE) != 0) {
             s->populated_to = s->populate_end; // a kernel before 5.14 refuses: the faults stay where written
@@ -345,12 +384,35 @@ static void * populate_pages(void * arg) {
 }
 #endif
 
+// an entry taken: the populator's window moves past it
+static void populate_ahead(struct zipmoe_store * s, int32_t entry) {
+#if defined(MADV_POPULATE_WRITE)
+    if (s->populating) {
+        const size_t want = ((size_t) entry + 1) * s->entry_size + s->populate_window;
+        pthread_mutex_lock(&s->populate_mutex);
+        if (want > s->populate_want) {
+            s->populate_want = want;
+            pthread_cond_signal(&s->populate_wake);
+        }
+        pthread_mutex_unlock(&s->populate_mutex);
+    }
+#else
+    (void) s;
+    (void) entry;
+#endif
+}
+
 // stops the populator after its current piece; [*from, *to) of mem is what it had left (empty: none)
 static void populate_stop(struct zipmoe_store * s, size_t * from, size_t * to) {
     *from = *to = 0;
     if (s->populating) {
+        pthread_mutex_lock(&s->populate_mutex);
         atomic_store(&s->populate_halt, 1);
+        pthread_cond_signal(&s->populate_wake);
+        pthread_mutex_unlock(&s->populate_mutex);
         pthread_join(s->populator, NULL);
+        pthread_mutex_destroy(&s->populate_mutex);
+        pthread_cond_destroy(&s->populate_wake);
         atomic_store(&s->populate_halt, 0);
         s->populating = 0;
         *from = s->populated_to;
@@ -359,8 +421,10 @@ static void populate_stop(struct zipmoe_store * s, size_t * from, size_t * to) {
 }
 
 // bytes [from, to) of s->mem, whole pages, on a helper thread (none where it cannot be made, nor where
-// the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do)
-static void populate_async(struct zipmoe_store * s, struct zipmoe_counters * counters, size_t from, size_t to) {
+// the headers lack MADV_POPULATE_WRITE: a thread would have nothing to do), up to window bytes past the
+// entries taken; entry_size: the store's entries' as resized
+static void populate_async(struct zipmoe_store * s, struct zipmoe_counters * counters, size_t from, size_t to,
+                           size_t entry_size, size_t window) {
     s->counters = counters;
 #if defined(MADV_POPULATE_WRITE)
     const uintptr_t page  = 4096;
@@ -370,12 +434,28 @@ static void populate_async(struct zipmoe_store * s, struct zipmoe_counters * cou
     if (end <= start) {
         return;
     }
-    s->populated_to = start - base;
-    s->populate_end = end - base;
-    s->populating   = pthread_create(&s->populator, NULL, populate_pages, s) == 0;
+    s->populated_to  = start - base;
+    s->populate_end  = end - base;
+    s->entry_size      = entry_size;
+    s->populate_window = window;
+    s->populate_want   = s->populated_to + window;
+    if (pthread_mutex_init(&s->populate_mutex, NULL) != 0) {
+        return;
+    }
+    if (pthread_cond_init(&s->populate_wake, NULL) != 0) {
+        pthread_mutex_destroy(&s->populate_mutex);
+        return;
+    }
+    s->populating = pthread_create(&s->populator, NULL, populate_pages, s) == 0;
+    if (!s->populating) {
+        pthread_cond_destroy(&s->populate_wake);
+        pthread_mutex_destroy(&s->populate_mutex);
+    }
 #else
     (void) from;
     (void) to;
+    (void) entry_size;
+    (void) window;
 #endif
 }
 
@@ -419,7 +499,8 @@ static int size_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new, size_t
     const size_t from = pending_to > pending_from ? pending_from : old_bytes;
     const size_t to   = new_bytes > old_bytes ? new_bytes : pending_to < new_bytes ? pending_to : new_bytes;
     if (to > from) {
-        populate_async(s, &c->stats, from, to);
+        // two layers' entries ahead: a prompt's fetch takes up to a layer's at once
+        populate_async(s, &c->stats, from, to, entry_size, 2 * (size_t) c->layout.max_expert * entry_size);
     }
     s->entry_size = entry_size;
     s->n_entries  = n_new;

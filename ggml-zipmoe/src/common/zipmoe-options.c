@@ -72,7 +72,7 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
         "with the slots in a device's memory (a GPU, an rpc-server) and no pools given: once decode steps miss "
         "once per MoE layer per step, host memory keeps the other experts compressed beside them (lossless)", NONE },
     [GGML_ZIPMOE_OPTION_REPLAN_TOKENS] = { "replan_tokens", "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS",
-        GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 16, "decode steps", "0: never", "16",
+        GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 8, "decode steps", "0: never", "8",
         "after this many decode steps (one token of each sequence), the default pools are planned again from the routing seen, "
         "and again each time the steps counted double", NONE },
     [GGML_ZIPMOE_OPTION_PREFETCH] = { "prefetch", "zipmoe.prefetch", "ZIPMOE_PREFETCH", GGML_ZIPMOE_TYPE_BOOL, BOTH,
