@@ -4,6 +4,7 @@ other threads; the graphs' whole time beside it; page faults while fetching. The
 from shared timestamps, so they add up to fetch_ns exactly."""
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -130,23 +131,26 @@ def _quiet_populate_bytes(cache: Cache, deadline_s: float = 30) -> int:
 
 
 @pytest.mark.skipif(not _kernel_populates(), reason="the stores' populator needs MADV_POPULATE_WRITE (Linux 5.14)")
-def test_the_populator_faults_in_a_window_past_the_entries_taken_not_the_whole_store(tmp_path):
-    """A C store of 48 entries (8 experts a layer, 6 layers): the populator stays two layers' entries
-    (16) ahead of the entries the fills have taken, instead of faulting the whole store in at once. The
-    full Qwen1.5-MoE geometry at 20 GiB faulted 16 GB in for 7.6 GB of fills, on a core the graph needed."""
+def test_the_populator_runs_free_until_an_entry_is_taken_then_keeps_a_window_past_the_fills(tmp_path):
+    """A C store of 12 entries (2 experts a layer, 6 layers), made with the cache (the model loading): the
+    populator faults all of it in. Once an entry is taken, a store grown to 48 entries (8 a layer) is
+    faulted in only two layers' entries (16) past the entries taken, until the fills take more. The full
+    Qwen1.5-MoE geometry at 20 GiB, faulting whole stores in, zeroed 16 GB for 7.6 GB of fills on a core
+    the graph needed."""
     src = make_moe_gguf(tmp_path / "src.gguf", shape=(1031, 517, 8), layers=6)
     path = tmp_path / "z.gguf"
     zformat.repack(src, path, shards=4)
-    cache = Cache(path, 10, eviction=_lib.EVICT_RANK, pools=(0, 8, 0, 0))
+    cache = Cache(path, 10, eviction=_lib.EVICT_RANK, pools=(0, 2, 0, 0))
     try:
         entry = cache.stats()["pools"]["C"]["entry_bytes"]
-        first = _quiet_populate_bytes(cache)  # nothing taken yet: the window alone
-        assert 0 < first <= 16 * entry + 4096, (first, entry)
+        loaded = _quiet_populate_bytes(cache)  # nothing taken yet: the whole store
+        assert 11 * entry < loaded <= 12 * entry, (loaded, entry)
         layers = sorted(cache.zf.moe_layers())
         status, _ = cache.fetch(layers[0], np.array([[0, 1]], dtype=np.int32), nth=2)
         assert status == _lib.OK
-        two = _quiet_populate_bytes(cache)  # two entries taken: the window moved past them
-        assert first < two <= 18 * entry + 2 * 4096, (first, two, entry)
+        assert cache.lib.ggml_zipmoe_cache_set_pools(cache.handle, (ctypes.c_int32 * 4)(0, 8, 0, 0), 10, 0) == 0
+        grown = _quiet_populate_bytes(cache) - loaded  # the window past the 12 entries it had
+        assert 0 < grown <= 16 * entry + 4096, (grown, entry)
         for layer in layers:  # every entry taken: the whole store, and no more
             status, _ = cache.fetch(layer, np.arange(8, dtype=np.int32).reshape(1, 8), nth=2)
             assert status == _lib.OK

@@ -105,6 +105,7 @@ struct zipmoe_store {
     size_t     populate_end;
     size_t     populate_want;  // bytes the populator goes up to for now: a window past the entries taken
     size_t     populate_window;
+    int        taken;          // an entry was taken since the store was made: the populator keeps to the window
     pthread_mutex_t populate_mutex; // guards populate_want and populate_halt's wake-up
     pthread_cond_t  populate_wake;
     struct zipmoe_counters * counters; // where the populator adds its bytes and time

@@ -342,10 +342,13 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 // A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
 // DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
 // helper thread faults a grown store's pages in ahead of the fills, while the model loads and the
-// prompt waits for reads. It keeps a window ahead of the entries taken (fills take the lowest empty
-// entry) rather than faulting the whole store at once: the full Qwen1.5-MoE geometry at 20 GiB, its
-// routing kept to few experts, faulted 16 GB in for 7.6 GB of fills, and its zeroing took the graph's
-// cores on a two-core machine for most of the first 30 steps (BENCHMARKS, "A window of new pages").
+// prompt waits for reads. It runs free until the store's first entry is taken (the model loading: a
+// prompt on an even router fills every entry faster than the populator keeps up, and without the
+// head start its faults fell to the decoding threads, TTFT +20%), then keeps a window ahead of the
+// entries taken (fills take the lowest empty entry) rather than faulting the whole store: the full
+// Qwen1.5-MoE geometry at 20 GiB, its routing kept to few experts, faulted 16 GB in for 7.6 GB of
+// fills, its zeroing on a core the graph needed for most of the first 30 steps (BENCHMARKS, "A
+// window of new pages").
 // The pages are the store's own, counted in the budget already. A resize stops it after its current
 // piece and has it go on from there: waiting for the whole store held each resize up (up to ~12 s),
 // and starting over raced the decoding threads to the pages they had written.
@@ -365,7 +368,7 @@ static size_t populate_next(struct zipmoe_store * s) {
 }
 
 static void * populate_pages(void * arg) {
-    struct zipmoe_store * s = (struct zipmoe_store * ) arg;
+    struct zipmoe_store * s = (struct zipmoe_store *) arg;
     // in pieces: each call holds the process's memory map, which the threads that map memory wait for
     const size_t piece = 16u << 20, page = 4096;
     for (size_t left; (left = populate_next(s)) > 0;) {
@@ -384,13 +387,15 @@ static void * populate_pages(void * arg) {
 }
 #endif
 
-// an entry taken: the populator's window moves past it
+// an entry taken: the populator's window moves past it (the first one ends the free run)
 static void populate_ahead(struct zipmoe_store * s, int32_t entry) {
 #if defined(MADV_POPULATE_WRITE)
+    const int first = !s->taken;
+    s->taken = 1;
     if (s->populating) {
         const size_t want = ((size_t) entry + 1) * s->entry_size + s->populate_window;
         pthread_mutex_lock(&s->populate_mutex);
-        if (want > s->populate_want) {
+        if (first || want > s->populate_want) {
             s->populate_want = want;
             pthread_cond_signal(&s->populate_wake);
         }
@@ -438,7 +443,7 @@ static void populate_async(struct zipmoe_store * s, struct zipmoe_counters * cou
     s->populate_end  = end - base;
     s->entry_size      = entry_size;
     s->populate_window = window;
-    s->populate_want   = s->populated_to + window;
+    s->populate_want   = s->taken ? s->populated_to + window : s->populate_end;
     if (pthread_mutex_init(&s->populate_mutex, NULL) != 0) {
         return;
     }
