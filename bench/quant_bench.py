@@ -88,8 +88,9 @@ def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
 
 
 # "re-planned after 16 decode steps (6 experts per MoE layer a step, 33606.7 MB read so far; ...": the experts
-# part came with parallel steps (71dc6d2); the older form lacks it
-REPLANNED = re.compile(r"re-planned after (\d+) decode steps \((?:[^;()]*? a step, )?([0-9.]+) MB read so far[;)]")
+# part came with parallel steps (71dc6d2); the older form lacks it. One sequence's says "decode steps and the prompt
+# before them"
+REPLANNED = re.compile(r"re-planned after (\d+) decode steps(?: and the prompt before them)? \((?:[^;()]*? a step, )?([0-9.]+) MB read so far[;)]")
 POOLS = re.compile(r"pools (?:per MoE layer|re-planned after [^:]*): F (\d+), C (\d+), S (\d+), E (\d+)")
 
 

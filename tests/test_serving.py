@@ -250,6 +250,49 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
     assert [text.split(" decode steps")[0].split("after ")[1] for text in replanned] == ["3", "6", "12"]
 
 
+def test_one_sequences_prompt_is_counted_token_by_token_and_plans_at_its_first_decode_step(serving):
+    """One sequence's tokens are its steps, its prompt's included: the cache counts each layer's even and
+    odd tokens apart, and after a prompt of zipmoe.replan_tokens tokens or more the first decode step
+    plans the pools from them (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of 13.6 decoding
+    from C until the re-plan at 8 steps)."""
+    s = serving(available=256 * MIB, replan_tokens=8)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    first = next(iter(layers))
+    # a prompt of 9 tokens: expert 0 chosen by every one, 1 by the even tokens, 2 by the odd
+    prompt = [[0, 1] if t % 2 == 0 else [0, 2] for t in range(9)]
+    s.decode_step({layer: prompt for layer in layers})
+    assert s.observe(9, 1) == 0
+    even, odd, n_tokens = _lib.cache_selections(s.cache, first)
+    assert n_tokens == 9 and even[:3] == [5, 5, 0] and odd[:3] == [4, 0, 4] and sum(even[3:] + odd[3:]) == 0
+    assert _lib.cache_activations(s.cache, first) == ([1, 1, 1] + [0] * (len(even) - 3), 1)  # ubatches
+    assert not [text for _, text in s.logs if "re-planned" in text]
+    # the first decode step: planned from the prompt's tokens and this one
+    s.decode_step({layer: [[0, 1]] for layer in layers})
+    s.observe()
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    assert replanned.startswith("ZipMoE pools re-planned after 1 decode steps and the prompt before them (2 experts "
+                                "per MoE layer a step"), replanned
+    assert _lib.cache_selections(s.cache, first)[2] == 10
+    # then at zipmoe.replan_tokens decode steps, as without the prompt
+    for _ in range(7):
+        s.decode_step({layer: [[0, 1]] for layer in layers})
+        s.observe()
+    replanned = [text for _, text in s.logs if "re-planned" in text]
+    assert [text.split(" decode steps")[0].split("after ")[1] for text in replanned] == ["1", "8"]
+    # a prompt shorter than zipmoe.replan_tokens: the first re-plan waits for the decode steps
+    t = serving(available=256 * MIB, replan_tokens=8)
+    t.make_cache()
+    assert t.resize()[0] == 0
+    t.decode_step({layer: [[0, 1]] * 6 for layer in layers})
+    t.observe(6, 1)
+    for step in range(8):
+        t.decode_step({layer: [[0, 1]] for layer in layers})
+        t.observe()
+        assert bool([text for _, text in t.logs if "re-planned" in text]) == (step == 7)
+
+
 def test_a_freed_context_leaves_the_default_pools_as_they_are(serving):
     """A context freed (it detaches before its buffers go) changes no pools: a change writes memory at
     once, which the freed context still holds; the next context made plans for the memory left."""

@@ -293,6 +293,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_get_activations": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int,
                                                          ctypes.POINTER(ctypes.c_uint64),
                                                          ctypes.POINTER(ctypes.c_uint64)]),
+    "ggml_zipmoe_cache_get_selections": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] +
+                                         [ctypes.POINTER(ctypes.c_uint64)] * 3),
     "ggml_zipmoe_cache_merge_pass": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
@@ -546,6 +548,19 @@ def cache_activations(cache, layer: int) -> tuple[list[int], int] | None:
     if lib().ggml_zipmoe_cache_get_activations(cache, layer, counts, ctypes.byref(n_ubatches)) != OK:
         return None
     return list(counts), n_ubatches.value
+
+
+def cache_selections(cache, layer: int) -> tuple[list[int], list[int], int] | None:
+    """(the layer's even tokens that chose each expert, its odd tokens', tokens run) of a served layer
+    since the last stats reset; None if the cache does not serve the layer."""
+    n_expert = lib().ggml_zipmoe_cache_n_expert(cache, layer)
+    if n_expert <= 0:
+        return None
+    even, odd = (ctypes.c_uint64 * n_expert)(), (ctypes.c_uint64 * n_expert)()
+    n_tokens = ctypes.c_uint64()
+    if lib().ggml_zipmoe_cache_get_selections(cache, layer, even, odd, ctypes.byref(n_tokens)) != OK:
+        return None
+    return list(even), list(odd), n_tokens.value
 
 
 def sched_work_size(n_tasks: int, n_shards: int, n_threads: int) -> int:

@@ -590,6 +590,13 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_get_prefetch_recall(const struct ggml_zipm
 GGML_ZIPMOE_API int          ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * cache, int layer,
                                                                uint64_t * counts, uint64_t * n_ubatches);
 
+// the same token by token: even[e] / odd[e] = the layer's even / odd tokens (counted in the order its
+// ubatches ran) whose router chose expert e, n_tokens = the tokens the layer ran (even ones:
+// (n_tokens + 1) / 2); since the cache was made or its statistics reset. A re-plan ranks the experts
+// by one half and reads the probabilities from the other. Returns OK, or ERR_ARG for a layer not served.
+GGML_ZIPMOE_API int          ggml_zipmoe_cache_get_selections(const struct ggml_zipmoe_cache * cache, int layer,
+                                                              uint64_t * even, uint64_t * odd, uint64_t * n_tokens);
+
 // message of the last failure ("" if none)
 GGML_ZIPMOE_API const char * ggml_zipmoe_cache_error(const struct ggml_zipmoe_cache * cache);
 

@@ -161,6 +161,7 @@ struct zipmoe_policy {
     int32_t    rank_delta;
     uint64_t   tick;
     uint64_t * freq;        // [n_keys] ubatches that chose each expert (never reset)
+    uint64_t * selected;    // [n_keys] tokens that chose each expert (never reset): the pools' ranks
     uint64_t   rng;         // MARKING: xorshift64 state
     uint64_t   call_serial;
     // SCORE: per key the last GGML_ZIPMOE_SCORE_WINDOW iterations' mean gate scores and their sum,
@@ -312,6 +313,9 @@ struct zipmoe_counters {
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
     atomic_uint_least64_t * activations;    // [n_keys]
     atomic_uint_least64_t * layer_ubatches; // [n_layer]
+    // and token by token, a layer's even and odd tokens apart (the re-plan's cross-fitted profile)
+    atomic_uint_least64_t * selections;     // [2][n_keys]
+    atomic_uint_least64_t * layer_tokens;   // [n_layer]
 };
 
 struct ggml_zipmoe_cache {

@@ -70,6 +70,8 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     zipmoe_gpu_free(c->gpu);
     free(c->stats.activations);
     free(c->stats.layer_ubatches);
+    free(c->stats.selections);
+    free(c->stats.layer_tokens);
     for (int i = 0; i < ZIPMOE_MAX_THREADS; i++) {
         ggml_zipmoe_decoder_free(c->pipe.workers[i].decoder);
         free(c->pipe.workers[i].staging);
@@ -90,6 +92,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->slots.marked);
     free(c->slots.transient);
     free(c->policy.freq);
+    free(c->policy.selected);
     free(c->policy.score_ring);
     free(c->policy.score_sum);
     free(c->policy.layer_iter);
@@ -241,6 +244,7 @@ static int alloc_bookkeeping(struct ggml_zipmoe_cache * c) {
     c->pools.key_pool  = (int8_t *) malloc(n_keys);
     c->pools.key_entry = (int32_t *) malloc(n_keys * sizeof(int32_t));
     c->policy.freq     = (uint64_t *) calloc(n_keys, sizeof(uint64_t));
+    c->policy.selected = (uint64_t *) calloc(n_keys, sizeof(uint64_t));
     if (c->policy.eviction == GGML_ZIPMOE_EVICT_SCORE) {
         c->policy.score_ring = (float *) calloc(n_keys * GGML_ZIPMOE_SCORE_WINDOW, sizeof(float));
         c->policy.score_sum  = (double *) calloc(n_keys, sizeof(double));
@@ -263,10 +267,14 @@ static int alloc_bookkeeping(struct ggml_zipmoe_cache * c) {
     c->stats.activations  = (atomic_uint_least64_t *) calloc(n_keys, sizeof(atomic_uint_least64_t));
     c->stats.layer_ubatches = (atomic_uint_least64_t *) calloc((size_t) (c->layout.n_layer > 0 ? c->layout.n_layer : 1),
                                                                sizeof(atomic_uint_least64_t));
+    c->stats.selections   = (atomic_uint_least64_t *) calloc(2 * n_keys, sizeof(atomic_uint_least64_t));
+    c->stats.layer_tokens = (atomic_uint_least64_t *) calloc((size_t) (c->layout.n_layer > 0 ? c->layout.n_layer : 1),
+                                                             sizeof(atomic_uint_least64_t));
     if (!sl->of_key || !sl->key || !sl->last_use || !sl->pinned || !sl->inserted || !sl->marked || !sl->transient ||
         !c->pools.key_pool || !c->pools.key_entry || !c->policy.freq || !pl->unique || !pl->seen || !pl->pass_slot ||
         !pl->tokens || !pl->tasks || !pl->sched_tasks || !pl->io || !pl->dec || !c->pipe.op_state || !c->pipe.parked ||
-        !c->stats.activations || !c->stats.layer_ubatches) {
+        !c->stats.activations || !c->stats.layer_ubatches || !c->policy.selected || !c->stats.selections ||
+        !c->stats.layer_tokens) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
     for (size_t i = 0; i < n_keys; i++) {

@@ -302,6 +302,23 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     }
 }
 
+// the tokens that chose each expert: ranks for the pools (a prompt's one ubatch tells its hot experts
+// from those one token chose), and the re-plan's profile, each layer's even and odd tokens apart
+static void count_selections(struct ggml_zipmoe_cache * c, int layer, const int32_t * ids, int64_t n_used,
+                             int64_t n_tokens, int64_t ids_stride) {
+    const int64_t  base   = (int64_t) layer * c->layout.max_expert;
+    const size_t   n_keys = zipmoe_cache_n_keys(c);
+    const uint64_t first  = atomic_fetch_add(&c->stats.layer_tokens[layer], (uint64_t) n_tokens);
+    for (int64_t t = 0; t < n_tokens; t++) {
+        atomic_uint_least64_t * half = c->stats.selections + ((first + (uint64_t) t) % 2) * n_keys;
+        for (int64_t k = 0; k < n_used; k++) {
+            const int64_t key = base + ids[t * ids_stride + k];
+            c->policy.selected[key]++;
+            atomic_fetch_add_explicit(&half[key], 1, memory_order_relaxed);
+        }
+    }
+}
+
 // thread 0, under the lock: residency for the experts of this pass, the tasks, their schedule, the slot ids
 int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                      int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
@@ -323,6 +340,7 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
             c->policy.freq[base + c->plan.unique[i]]++;
         }
         atomic_fetch_add(&c->stats.layer_ubatches[layer], 1);
+        count_selections(c, layer, ids, n_used, n_tokens, ids_stride);
         zipmoe_prefetch_score(c, layer, c->plan.unique, n_unique);
     }
     for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {

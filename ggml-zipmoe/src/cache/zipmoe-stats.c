@@ -86,13 +86,31 @@ int ggml_zipmoe_cache_get_activations(const struct ggml_zipmoe_cache * c, int la
     return GGML_ZIPMOE_OK;
 }
 
+int ggml_zipmoe_cache_get_selections(const struct ggml_zipmoe_cache * c, int layer, uint64_t * even, uint64_t * odd,
+                                     uint64_t * n_tokens) {
+    if (c == NULL || !zipmoe_layer_served(c, layer) || even == NULL || odd == NULL || n_tokens == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    const int64_t base   = (int64_t) layer * c->layout.max_expert;
+    const size_t  n_keys = zipmoe_cache_n_keys(c);
+    for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
+        even[e] = atomic_load(&c->stats.selections[base + e]);
+        odd[e]  = atomic_load(&c->stats.selections[n_keys + base + e]);
+    }
+    *n_tokens = atomic_load(&c->stats.layer_tokens[layer]);
+    return GGML_ZIPMOE_OK;
+}
+
 void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
     const size_t n_keys = zipmoe_cache_n_keys(c);
     for (size_t i = 0; i < n_keys; i++) {
         atomic_store(&c->stats.activations[i], 0);
+        atomic_store(&c->stats.selections[i], 0);
+        atomic_store(&c->stats.selections[n_keys + i], 0);
     }
     for (int l = 0; l < (c->layout.n_layer > 0 ? c->layout.n_layer : 1); l++) {
         atomic_store(&c->stats.layer_ubatches[l], 0);
+        atomic_store(&c->stats.layer_tokens[l], 0);
     }
     atomic_uint_least64_t * counters[] = {
         &c->stats.fetch_calls, &c->stats.hits, &c->stats.misses, &c->stats.store_hits[0], &c->stats.store_hits[1],

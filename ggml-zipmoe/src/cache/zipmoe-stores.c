@@ -44,12 +44,15 @@ uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
     return max_e;
 }
 
-// rank of expert e in its layer by runtime activation counts (0: the most chosen; ties by id)
+// rank of expert e in its layer by the tokens that chose it (0: the most chosen; ties by the ubatches
+// that chose it, then id). By ubatches alone a prompt's experts tie, and a re-plan right after it
+// dispatched them by id
 static int32_t expert_rank(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
-    const uint64_t * f = c->policy.freq + (int64_t) layer * c->layout.max_expert;
+    const int64_t    base = (int64_t) layer * c->layout.max_expert;
+    const uint64_t * t = c->policy.selected + base, * f = c->policy.freq + base;
     int32_t rank = 0;
     for (int32_t o = 0; o < c->layout.layer_n_expert[layer]; o++) {
-        rank += f[o] > f[e] || (f[o] == f[e] && o < e);
+        rank += t[o] > t[e] || (t[o] == t[e] && (f[o] > f[e] || (f[o] == f[e] && o < e)));
     }
     return rank;
 }

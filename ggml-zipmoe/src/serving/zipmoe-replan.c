@@ -3,7 +3,9 @@
 // decoding, or several in parallel), the rank-based inclusion probabilities of those steps replace
 // the planner's built-in uniform profile, planned for the experts a step selects (its union over
 // the sequences, which a step of four sequences makes about 3.5 times one's on DeepSeek-V2-Lite).
-// It plans again each time the steps counted double, from all of them.
+// It plans again each time the steps counted double, from all of them. One sequence's tokens are
+// its steps, prompts included: after a prompt of zipmoe.replan_tokens tokens or more, the first
+// decode step plans from them.
 
 #include "serving/zipmoe-serving-impl.h"
 
@@ -22,6 +24,8 @@ void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
     free(r->ubatches);
     free(r->observed);
     free(r->half_counts);
+    free(r->token_counts);
+    free(r->half_n);
     memset(r, 0, sizeof(*r));
 }
 
@@ -40,8 +44,10 @@ static bool start_profile(struct ggml_zipmoe_serving * s) {
     r->ubatches      = calloc((size_t) n_layer, sizeof(uint64_t));
     r->observed      = calloc((size_t) MAX(n_expert, 1), sizeof(double));
     r->half_counts   = calloc(2 * cells, sizeof(double));
-    if (!r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
-        !r->half_counts) {
+    r->token_counts  = calloc(2 * cells, sizeof(double));
+    r->half_n        = calloc(2 * (size_t) n_layer, sizeof(double));
+    if (!r->half_n || !r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
+        !r->half_counts || !r->token_counts) {
         zipmoe_routing_profile_free(r);
         r->replanned = true; // give up: the pools stay as planned
         return false;
@@ -57,6 +63,7 @@ static bool count_step(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
     bool decode = n_tokens >= 1 && n_tokens == n_seqs, any = false;
+    r->several_seqs |= n_seqs > 1;
     uint64_t selections = 0, layers = 0;
     for (int il = 0; il < s->p.n_layer; ++il) {
         if (!ggml_zipmoe_cache_has_layer(s->cache, il)) {
@@ -118,6 +125,65 @@ static void rank_experts(const double * by, int32_t n, int32_t * order) {
     }
 }
 
+// the selections a profile is made from, in two halves: [2][n_layer][n_expert] counts, the steps (or
+// tokens) each layer ran in each half ([2][n_layer]), and the experts each selects
+struct routing_halves {
+    const double * counts;
+    const double * n;
+    int32_t        k;
+};
+
+// while every decode step counted ran one sequence, its tokens are its steps, prompts included (a
+// prompt's tokens choose their experts as its decode steps do); the selections of decode steps
+// otherwise, their union over the sequences. False if the cache's counts cannot be read.
+static bool profile_halves(struct ggml_zipmoe_serving * s, struct routing_halves * h) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    const int32_t n_exp = r->n_expert;
+    const size_t  cells = (size_t) s->p.n_layer * n_exp;
+    const int     n_layer = s->p.n_layer;
+    if (r->several_seqs) {
+        for (int il = 0; il < n_layer; ++il) {
+            r->half_n[il]           = (double) ((r->token_steps + 1) / 2);
+            r->half_n[n_layer + il] = (double) (r->token_steps / 2);
+        }
+        *h = (struct routing_halves) { r->half_counts, r->half_n, zipmoe_routing_step_k(s) };
+        return true;
+    }
+    uint64_t * even = malloc(2 * sizeof(uint64_t) * (size_t) n_exp); // and the odd tokens' after them
+    if (even == NULL) {
+        return false;
+    }
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        if (!ggml_zipmoe_cache_has_layer(s->cache, il)) {
+            continue;
+        }
+        uint64_t n = 0;
+        if (ggml_zipmoe_cache_get_selections(s->cache, il, even, even + n_exp, &n) != GGML_ZIPMOE_OK) {
+            free(even);
+            return false;
+        }
+        for (int32_t e = 0; e < ggml_zipmoe_cache_n_expert(s->cache, il); ++e) {
+            r->token_counts[(size_t) il * n_exp + e]         = (double) even[e];
+            r->token_counts[cells + (size_t) il * n_exp + e] = (double) even[n_exp + e];
+        }
+        // a layer's own: the last runs a prompt's output tokens only (stock drops the others before its FFN)
+        r->half_n[il]           = (double) ((n + 1) / 2);
+        r->half_n[n_layer + il] = (double) (n / 2);
+    }
+    free(even);
+    *h = (struct routing_halves) { r->token_counts, r->half_n, s->p.n_expert_used };
+    return true;
+}
+
+// the most tokens a served layer ran (the others run a prompt's every token; the last, its output's)
+static double routed_tokens(const struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
+    double most = 0;
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        most = MAX(most, h->n[il] + h->n[s->p.n_layer + il]);
+    }
+    return most;
+}
+
 // rank-based inclusion probabilities of the steps counted, averaged over the served layers and
 // cross-fitted: each layer's experts ranked by the even steps' counts, each rank's probability read
 // from the odd steps', and the other way round, the two averaged. Ranking and measuring on the same
@@ -127,41 +193,38 @@ static void rank_experts(const double * by, int32_t n, int32_t * order) {
 // tail of a concentrated router: on the 8.1 GB Qwen model at half its size it put one F pool's misses
 // at several times the run's, and the pools chosen over it decoded at 1.8 times its step (BENCHMARKS,
 // "A cross-fitted profile"). Cross-fitting assumes nothing of the router.
-static bool rank_profile(struct ggml_zipmoe_serving * s) {
+static bool rank_profile(struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
-    const uint64_t half_steps[2] = { (r->token_steps + 1) / 2, r->token_steps / 2 };
-    if (half_steps[1] == 0) {
-        return false;
-    }
     int32_t * order = malloc(sizeof(int32_t) * (size_t) n_exp);
     if (order == NULL) {
         return false;
     }
     memset(r->observed, 0, sizeof(double) * (size_t) n_exp);
     const size_t cells = (size_t) s->p.n_layer * n_exp;
-    int n_served = 0;
+    double weights = 0; // each layer's by the steps or tokens it ran: the last runs a prompt's output only
     for (int il = 0; il < s->p.n_layer; ++il) {
-        if (!ggml_zipmoe_cache_has_layer(s->cache, il)) {
-            continue;
+        const double * n_half = h->n + il, w = n_half[0] + n_half[s->p.n_layer];
+        if (!ggml_zipmoe_cache_has_layer(s->cache, il) || n_half[s->p.n_layer] < 1) {
+            continue; // not served, or no odd step or token to read from
         }
         const int32_t n = ggml_zipmoe_cache_n_expert(s->cache, il);
-        for (int h = 0; h < 2; ++h) {
-            const double * by   = r->half_counts + (size_t) h * cells + (size_t) il * n_exp;
-            const double * read = r->half_counts + (size_t) (1 - h) * cells + (size_t) il * n_exp;
+        for (int half = 0; half < 2; ++half) {
+            const double * by   = h->counts + (size_t) half * cells + (size_t) il * n_exp;
+            const double * read = h->counts + (size_t) (1 - half) * cells + (size_t) il * n_exp;
             rank_experts(by, n, order);
             for (int32_t e = 0; e < n; ++e) {
-                r->observed[e] += 0.5 * read[order[e]] / (double) half_steps[1 - h];
+                r->observed[e] += 0.5 * w * read[order[e]] / n_half[(size_t) (1 - half) * s->p.n_layer];
             }
         }
-        n_served++;
+        weights += w;
     }
     for (int32_t e = 0; e < n_exp; ++e) {
-        r->observed[e] /= MAX(1, n_served);
+        r->observed[e] /= MAX(1, weights);
     }
     qsort(r->observed, (size_t) n_exp, sizeof(double), descending);
     free(order);
-    return true;
+    return weights > 0;
 }
 
 #define ZIPMOE_EVEN_Z 3.0 // a z-score a uniform router's steps exceed about once in a thousand re-plans
@@ -169,20 +232,20 @@ static bool rank_profile(struct ggml_zipmoe_serving * s) {
 // how far the steps counted are from a uniform router's: the sum over the served layers and their
 // experts of (count - T p)^2 / (T p q), p = k / n, against its mean under a uniform router (n per
 // layer) in units of its spread (each term's variance 2 - 6 / T + 1 / (T p q), binomial counts)
-static double routing_even_z(const struct ggml_zipmoe_serving * s) {
+static double routing_even_z(const struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
     const struct zipmoe_routing_profile * r = &s->routing;
-    const double T = (double) r->token_steps;
     const size_t cells = (size_t) s->p.n_layer * r->n_expert;
     double sum = 0, mean = 0, var = 0;
     for (int il = 0; il < s->p.n_layer; ++il) {
+        const double  T = h->n[il] + h->n[s->p.n_layer + il];
         const int32_t n = ggml_zipmoe_cache_has_layer(s->cache, il) ? ggml_zipmoe_cache_n_expert(s->cache, il) : 0;
-        const double  p = n > 0 ? (double) MIN(zipmoe_routing_step_k(s), n) / n : 0, q = 1 - p;
+        const double  p = n > 0 ? (double) MIN(h->k, n) / n : 0, q = 1 - p;
         if (n < 1 || p <= 0 || q <= 0 || T < 1) {
             continue;
         }
         for (int32_t e = 0; e < n; ++e) {
             const size_t i = (size_t) il * r->n_expert + e;
-            const double d = r->half_counts[i] + r->half_counts[cells + i] - T * p;
+            const double d = h->counts[i] + h->counts[cells + i] - T * p;
             sum += d * d / (T * p * q);
         }
         mean += n;
@@ -209,7 +272,7 @@ static bool adopt_pools(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_z
 
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
 // (a change keeps the store entries that still fit; the rest fill again on demand). Returns 1 if the slots changed.
-static int replan(struct ggml_zipmoe_serving * s) {
+static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     struct ggml_zipmoe_default_pools choice;
     memset(&choice, 0, sizeof(choice));
@@ -219,9 +282,9 @@ static int replan(struct ggml_zipmoe_serving * s) {
     s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
     // routing as even as a uniform router's: what it shows beyond the built-in profile is noise, and
     // partial pools planned on noise move experts between them (reads) on every change of rank
-    r->even_z = routing_even_z(s);
+    r->even_z = routing_even_z(s, h);
     r->even   = r->even_z < ZIPMOE_EVEN_Z;
-    const int32_t k = zipmoe_routing_step_k(s);
+    const int32_t k = h->k;
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads, s->p.work_slots,
                                         s->plan_rates[0], s->plan_rates[1], r->even ? NULL : r->observed,
                                         &choice) != GGML_ZIPMOE_OK) {
@@ -248,7 +311,13 @@ static int replan(struct ggml_zipmoe_serving * s) {
     const bool    in_use   = use_pools == s->auto_active && n == s->n_slots && choice.inclusive == s->auto_choice.inclusive &&
                              memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0;
     const bool    same     = in_use || expected >= 0.9 * choice.current_makespan_s;
-    if (!same && repaid > (double) r->token_steps) {
+    // the steps it repays in: those seen, and at a prompt's re-plan (one decode step) the steps the first
+    // re-plan would have waited for
+    const double  horizon  = (double) MAX(r->token_steps, (uint64_t) s->p.replan_tokens);
+    char seen[96];
+    snprintf(seen, sizeof(seen), "%llu decode steps%s", (unsigned long long) r->token_steps,
+             !r->several_seqs ? " and the prompt before them" : "");
+    if (!same && repaid > horizon) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
         // change at 16 steps repaid in 21 and decoded from C on the path until 32 (BENCHMARKS, "A
@@ -256,7 +325,7 @@ static int replan(struct ggml_zipmoe_serving * s) {
         const uint64_t at = (uint64_t) MIN(ceil(repaid), 2.0 * (double) r->token_steps);
         r->next_replan = MAX(at, r->token_steps + MAX(1, r->token_steps / 8));
     }
-    if (same || repaid > (double) r->token_steps) {
+    if (same || repaid > horizon) {
         char repay[64], why[sizeof(s->plan.pools_why) + 200];
         if (in_use || !isfinite(repaid)) {
             snprintf(repay, sizeof(repay), "%s", in_use ? "no change: the pools in use" : "never repaid: no gain");
@@ -268,11 +337,11 @@ static int replan(struct ggml_zipmoe_serving * s) {
                  r->even ? "built-in profile, the routing seen being even" : "observed profile", expected * 1e3,
                  choice.current_makespan_s * 1e3, choice.refill_s, repay);
         snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f "
+        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %s (%d experts per MoE layer a step, %.1f "
                            "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
                            "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill, "
                            "%s; planned again after %llu (%s)",
-                           (unsigned long long) r->token_steps, k, read_so_far / 1e6, r->even_z,
+                           seen, k, read_so_far / 1e6, r->even_z,
                            r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
                            choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
                            choice.current_makespan_s * 1e3, choice.refill_s, repay,
@@ -285,11 +354,11 @@ static int replan(struct ggml_zipmoe_serving * s) {
     r->adopted = true;
     struct ggml_zipmoe_cache_stats moved;
     ggml_zipmoe_cache_get_stats(s->cache, &moved);
-    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%d experts per MoE layer a step, %.1f MB "
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %s (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
                        "layer, %d slots, expecting %.2f against %.2f ms per layer with the pools before, %llu experts "
                        "moved from C to F in %.2f s (%.1f MB of the stores' pages moved into the slots): %s",
-                       (unsigned long long) r->token_steps,
+                       seen,
                        k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
                        choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,
                        expected * 1e3, choice.current_makespan_s * 1e3,
@@ -350,7 +419,15 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         r->step_misses += counted ? st.expert_misses - r->misses_seen : 0;
         r->misses_seen = st.expert_misses;
     }
-    if (r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
+    struct routing_halves h = { 0 };
+    // one sequence's first decode step after a prompt of replan_tokens tokens or more: its tokens rank the
+    // experts as well as that many decode steps would, and every step decoded from C before the change is
+    // time lost (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C
+    // until the re-plan at 8 steps; BENCHMARKS, "A re-plan after the prompt")
+    const bool after_prompt = counted && !r->prompt_replan && r->token_steps == 1 && !r->several_seqs &&
+                              !s->on_gpu && profile_halves(s, &h) && routed_tokens(s, &h) >= s->p.replan_tokens;
+    r->prompt_replan |= counted;
+    if (!after_prompt && r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
         return 0;
     }
     // a change must repay its cost within the steps seen (replan), so a serving that has run twice as
@@ -363,5 +440,5 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         r->replanned = true; // the host stores beside the device's slots are added once
         return replan_device(s);
     }
-    return rank_profile(s) ? replan(s) : 0;
+    return (after_prompt || profile_halves(s, &h)) && rank_profile(s, &h) ? replan(s, &h) : 0;
 }

@@ -23,6 +23,11 @@ struct zipmoe_routing_profile {
     uint64_t * counts;       // [n_layer][n_expert] and after this one
     uint64_t * ubatches;     // [n_layer]
     double *   half_counts;  // [2][n_layer][n_expert] selections in decode steps, even and odd steps apart
+    double *   token_counts; // [2][n_layer][n_expert] selections token by token (prompts too), even and odd
+                             // tokens apart (the cache's, read at a re-plan)
+    double *   half_n;       // [2][n_layer] the steps or tokens each layer ran in each half (profile_halves)
+    bool       several_seqs; // a graph ran several sequences: the profile is then the decode steps'
+    bool       prompt_replan;  // the re-plan at the first decode step after a prompt has run
     uint64_t   token_steps;  // those steps (the even ones: (token_steps + 1) / 2)
     uint64_t   step_selections; // distinct experts those steps selected, summed over the served layers
     uint64_t   layer_steps;     // and the (step, served layer) pairs they summed over
