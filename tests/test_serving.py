@@ -293,6 +293,24 @@ def test_one_sequences_prompt_is_counted_token_by_token_and_plans_at_its_first_d
         assert bool([text for _, text in t.logs if "re-planned" in text]) == (step == 7)
 
 
+def test_whether_routing_is_even_is_judged_on_the_decode_steps_once_there_are_enough(serving):
+    """A prompt's tokens are no independent draws (a token repeated routes alike): the uniform
+    Qwen1.5-MoE geometry's prompt read z = 14-23 and its pools were planned on that. From
+    zipmoe.replan_tokens decode steps on, the steps alone say whether the routing is even."""
+    s = serving(available=256 * MIB, replan_tokens=8)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    s.decode_step({layer: [[0, 1]] * 24 for layer in layers})  # one pair, over and over
+    s.observe(24, 1)
+    for step in range(8):  # every expert twice
+        s.decode_step({layer: [[2 * (step % 4), 2 * (step % 4) + 1]] for layer in layers})
+        s.observe()
+    first, eighth = [text for _, text in s.logs if "re-planned" in text]
+    assert "after 1 decode steps" in first and "against a uniform router's)" in first, first
+    assert "after 8 decode steps" in eighth and "against a uniform router's, so planned for the built-in profile" in eighth
+
+
 def test_a_freed_context_leaves_the_default_pools_as_they_are(serving):
     """A context freed (it detaches before its buffers go) changes no pools: a change writes memory at
     once, which the freed context still holds; the next context made plans for the memory left."""

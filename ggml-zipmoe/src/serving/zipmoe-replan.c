@@ -26,6 +26,7 @@ void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
     free(r->half_counts);
     free(r->token_counts);
     free(r->half_n);
+    free(r->step_half_n);
     memset(r, 0, sizeof(*r));
 }
 
@@ -46,7 +47,8 @@ static bool start_profile(struct ggml_zipmoe_serving * s) {
     r->half_counts   = calloc(2 * cells, sizeof(double));
     r->token_counts  = calloc(2 * cells, sizeof(double));
     r->half_n        = calloc(2 * (size_t) n_layer, sizeof(double));
-    if (!r->half_n || !r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
+    r->step_half_n   = calloc(2 * (size_t) n_layer, sizeof(double));
+    if (!r->half_n || !r->step_half_n || !r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
         !r->half_counts || !r->token_counts) {
         zipmoe_routing_profile_free(r);
         r->replanned = true; // give up: the pools stay as planned
@@ -133,20 +135,26 @@ struct routing_halves {
     int32_t        k;
 };
 
+// the decode steps' selections (their union over the sequences), even and odd steps apart
+static struct routing_halves step_halves(struct ggml_zipmoe_serving * s) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    for (int il = 0; il < s->p.n_layer; ++il) {
+        r->step_half_n[il]                = (double) ((r->token_steps + 1) / 2);
+        r->step_half_n[s->p.n_layer + il] = (double) (r->token_steps / 2);
+    }
+    return (struct routing_halves) { r->half_counts, r->step_half_n, zipmoe_routing_step_k(s) };
+}
+
 // while every decode step counted ran one sequence, its tokens are its steps, prompts included (a
-// prompt's tokens choose their experts as its decode steps do); the selections of decode steps
-// otherwise, their union over the sequences. False if the cache's counts cannot be read.
+// prompt's tokens choose their experts as its decode steps do); the decode steps' otherwise. False if
+// the cache's counts cannot be read.
 static bool profile_halves(struct ggml_zipmoe_serving * s, struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
     const size_t  cells = (size_t) s->p.n_layer * n_exp;
     const int     n_layer = s->p.n_layer;
     if (r->several_seqs) {
-        for (int il = 0; il < n_layer; ++il) {
-            r->half_n[il]           = (double) ((r->token_steps + 1) / 2);
-            r->half_n[n_layer + il] = (double) (r->token_steps / 2);
-        }
-        *h = (struct routing_halves) { r->half_counts, r->half_n, zipmoe_routing_step_k(s) };
+        *h = step_halves(s);
         return true;
     }
     uint64_t * even = malloc(2 * sizeof(uint64_t) * (size_t) n_exp); // and the odd tokens' after them
@@ -282,7 +290,11 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
     // routing as even as a uniform router's: what it shows beyond the built-in profile is noise, and
     // partial pools planned on noise move experts between them (reads) on every change of rank
-    r->even_z = routing_even_z(s, h);
+    // judged on the decode steps once there are enough: a prompt's tokens are not independent draws (a
+    // token repeated routes alike), and the uniform Qwen1.5-MoE geometry's 77-token prompt read z = 14-23,
+    // its pools planned on that noise (303 experts moved at 42-56 steps); its decode steps read 0.3
+    const struct routing_halves steps = step_halves(s);
+    r->even_z = routing_even_z(s, r->token_steps >= (uint64_t) s->p.replan_tokens ? &steps : h);
     r->even   = r->even_z < ZIPMOE_EVEN_Z;
     const int32_t k = h->k;
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads, s->p.work_slots,
