@@ -293,10 +293,11 @@ def test_one_sequences_prompt_is_counted_token_by_token_and_plans_at_its_first_d
         assert bool([text for _, text in t.logs if "re-planned" in text]) == (step == 7)
 
 
-def test_whether_routing_is_even_is_judged_on_the_decode_steps_once_there_are_enough(serving):
+def test_re_plans_after_the_first_take_the_decode_steps_alone(serving):
     """A prompt's tokens are no independent draws (a token repeated routes alike): the uniform
-    Qwen1.5-MoE geometry's prompt read z = 14-23 and its pools were planned on that. From
-    zipmoe.replan_tokens decode steps on, the steps alone say whether the routing is even."""
+    Qwen1.5-MoE geometry's prompt read z = 14-23 and its pools were planned on that. The re-plan after
+    the prompt plans from its tokens; from zipmoe.replan_tokens decode steps on, the steps alone make
+    the profile and say whether the routing is even."""
     s = serving(available=256 * MIB, replan_tokens=8)
     s.make_cache()
     assert s.resize()[0] == 0

@@ -3,9 +3,9 @@
 // decoding, or several in parallel), the rank-based inclusion probabilities of those steps replace
 // the planner's built-in uniform profile, planned for the experts a step selects (its union over
 // the sequences, which a step of four sequences makes about 3.5 times one's on DeepSeek-V2-Lite).
-// It plans again each time the steps counted double, from all of them. One sequence's tokens are
-// its steps, prompts included: after a prompt of zipmoe.replan_tokens tokens or more, the first
-// decode step plans from them.
+// It plans again each time the steps counted double, from all of them. One sequence's first decode
+// step after a prompt of zipmoe.replan_tokens tokens or more plans from its tokens, the prompt's
+// included.
 
 #include "serving/zipmoe-serving-impl.h"
 
@@ -145,18 +145,15 @@ static struct routing_halves step_halves(struct ggml_zipmoe_serving * s) {
     return (struct routing_halves) { r->half_counts, r->step_half_n, zipmoe_routing_step_k(s) };
 }
 
-// while every decode step counted ran one sequence, its tokens are its steps, prompts included (a
-// prompt's tokens choose their experts as its decode steps do); the decode steps' otherwise. False if
-// the cache's counts cannot be read.
-static bool profile_halves(struct ggml_zipmoe_serving * s, struct routing_halves * h) {
+// one sequence's tokens, its prompt's included, even and odd tokens apart (the cache's counts): a
+// prompt's tokens choose their experts as its decode steps do, but they are no independent draws (a
+// token repeated routes alike), so only the re-plan after a prompt plans from them. False if the
+// cache's counts cannot be read.
+static bool token_halves(struct ggml_zipmoe_serving * s, struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
     const size_t  cells = (size_t) s->p.n_layer * n_exp;
     const int     n_layer = s->p.n_layer;
-    if (r->several_seqs) {
-        *h = step_halves(s);
-        return true;
-    }
     uint64_t * even = malloc(2 * sizeof(uint64_t) * (size_t) n_exp); // and the odd tokens' after them
     if (even == NULL) {
         return false;
@@ -290,11 +287,7 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
     // routing as even as a uniform router's: what it shows beyond the built-in profile is noise, and
     // partial pools planned on noise move experts between them (reads) on every change of rank
-    // judged on the decode steps once there are enough: a prompt's tokens are not independent draws (a
-    // token repeated routes alike), and the uniform Qwen1.5-MoE geometry's 77-token prompt read z = 14-23,
-    // its pools planned on that noise (303 experts moved at 42-56 steps); its decode steps read 0.3
-    const struct routing_halves steps = step_halves(s);
-    r->even_z = routing_even_z(s, r->token_steps >= (uint64_t) s->p.replan_tokens ? &steps : h);
+    r->even_z = routing_even_z(s, h);
     r->even   = r->even_z < ZIPMOE_EVEN_Z;
     const int32_t k = h->k;
     if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads, s->p.work_slots,
@@ -328,7 +321,7 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     const double  horizon  = (double) MAX(r->token_steps, (uint64_t) s->p.replan_tokens);
     char seen[96];
     snprintf(seen, sizeof(seen), "%llu decode steps%s", (unsigned long long) r->token_steps,
-             !r->several_seqs ? " and the prompt before them" : "");
+             h->counts == r->token_counts ? " and the prompt before them" : "");
     if (!same && repaid > horizon) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
@@ -433,11 +426,13 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     }
     struct routing_halves h = { 0 };
     // one sequence's first decode step after a prompt of replan_tokens tokens or more: its tokens rank the
-    // experts as well as that many decode steps would, and every step decoded from C before the change is
-    // time lost (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C
-    // until the re-plan at 8 steps; BENCHMARKS, "A re-plan after the prompt")
+    // experts, and every step decoded from C before the change is time lost (the full Qwen1.5-MoE geometry
+    // at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C until the re-plan at 8 steps). Later
+    // re-plans take the decode steps alone: the prompt's repeated tokens made the uniform router's look
+    // uneven (z = 14-23 against 0.3) and DeepSeek-V2-Lite's random one more concentrated than its steps,
+    // pools planned on that read again what C dropped (BENCHMARKS, "A re-plan after the prompt")
     const bool after_prompt = counted && !r->prompt_replan && r->token_steps == 1 && !r->several_seqs &&
-                              !s->on_gpu && profile_halves(s, &h) && routed_tokens(s, &h) >= s->p.replan_tokens;
+                              !s->on_gpu && token_halves(s, &h) && routed_tokens(s, &h) >= s->p.replan_tokens;
     r->prompt_replan |= counted;
     if (!after_prompt && r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
         return 0;
@@ -452,5 +447,8 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         r->replanned = true; // the host stores beside the device's slots are added once
         return replan_device(s);
     }
-    return (after_prompt || profile_halves(s, &h)) && rank_profile(s, &h) ? replan(s, &h) : 0;
+    if (!after_prompt) {
+        h = step_halves(s);
+    }
+    return rank_profile(s, &h) ? replan(s, &h) : 0;
 }
