@@ -4,7 +4,6 @@
 //   zipmoe-stats.c      statistics: the counters, their reset, the account of a fetch's time
 //   zipmoe-preload.c    the slots filled before serving
 //   zipmoe-migrate.c    a change of pools that moves experts from C to F: decoded from memory
-//   zipmoe-leftovers.c  the C entries such a change keeps, decoded on use, given back as slots fill
 //   zipmoe-residency.c  what is where: slots, eviction policies, and the plan of a pass (hits,
 //                       victims, one task per expert tensor to fill)
 //   zipmoe-stores.c     the C/S/E stores: rank dispatch, their entries, their sizes at a re-plan
@@ -190,26 +189,6 @@ struct zipmoe_page_sink {
     uint8_t * at[3];
 };
 
-// A change of pools to none with C (one F pool, after a prompt on concentrated routing) keeps C's entries
-// it does not decode into F, instead of dropping them: an expert used again is decoded from its entry,
-// not read again (a miss in its F slot costs a read; on the full Qwen1.5-MoE geometry at 20 GiB the
-// prompt's dropped experts were 2.1 GB read again in 64 tokens, and the run's peak was 13.2 of 20 GiB).
-// They go, weakest first, as the slots need pages: a fill of a slot with none first moves an entry's
-// pages there (the change's sink stays open), and at the change those past the new pools' memory go
-// (zipmoe-leftovers.c). n_entries: C's entries while they drain (0: none).
-struct zipmoe_leftovers {
-    int       keep;      // a change in progress leaves C's entries (its resizes keep C as it is)
-    int32_t   n_entries;
-    int32_t * order;     // [n_order] the entries held at the start, weakest first (given back in this order)
-    int32_t   n_order;
-    uint8_t * gone;      // [n_entries] given back
-    int32_t   next;      // first in order not yet given back
-    int32_t   held;      // entries not given back
-    int32_t   paged_end; // slots below it have pages
-    uint64_t  memory;    // at the change: bytes of the slots' pages and the entries held, as counted
-    uint64_t  budget;    // the new pools' memory: every slot in use
-};
-
 // the pools: the active set in hierarchy order, thresholds tau_p, F's capacity in slots, the stores
 struct zipmoe_pools {
     int32_t             n_active;
@@ -221,7 +200,6 @@ struct zipmoe_pools {
                                       // they are decoded into slots (zipmoe-migrate.c)
     struct zipmoe_store store[4];     // by pool; F's is unused
     struct zipmoe_page_sink sink;
-    struct zipmoe_leftovers leftovers;
     int8_t *            key_pool;     // [n_keys] store holding the expert (C, S, E), or NO_POOL
     int32_t *           key_entry;    // [n_keys]
 };
@@ -413,7 +391,6 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 //   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
 //   zipmoe-fetch-device.c                            shards into slots in CUDA or a caller's device
 //   zipmoe-residency.c                               the plan of a pass, eviction, the stores
-//   zipmoe-leftovers.c                               C's entries a change keeps until slots need the memory
 //   zipmoe-prefetch.c                                read-ahead banks
 //   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads, a task's chunks
 //   zipmoe-sched.c, zipmoe-planner.c                 pure: Algorithm 1; Algorithms 2-4
@@ -461,16 +438,6 @@ int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pas
                                 int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
 
-// zipmoe-leftovers.c (struct zipmoe_leftovers): a change to pools without C keeps C's entries (keep: the
-// change's resize leaves C as it is; set before it); start, once its migrants are moved; room for a fill
-// of slot s (thread 0, under the lock, before s takes its expert); finish, at a pass's start once none
-// is held; stop, where the pools or slots change again (drop: C's entries go too, else a resize decides)
-int      zipmoe_leftovers_keep(const struct ggml_zipmoe_cache * c, const int32_t * capacity, int migrating);
-void     zipmoe_leftovers_start(struct ggml_zipmoe_cache * c);
-void     zipmoe_leftovers_make_room(struct ggml_zipmoe_cache * c, int32_t s, uint64_t serial);
-void     zipmoe_leftovers_finish(struct ggml_zipmoe_cache * c);
-void     zipmoe_leftovers_stop(struct ggml_zipmoe_cache * c, int drop);
-
 // zipmoe-stores.c
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
 // the C, S and E stores to capacity[p] entries per served layer (the new pools' thresholds set): a
@@ -492,10 +459,6 @@ int32_t  zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per
 // the whole pages within entries [first, first + n) of store p, forgotten (nothing reads them): into the
 // slots a change of pools fills, else given back to the system (zipmoe_sink_pages)
 void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n);
-// store p's populator stopped: no page of it is faulted in ahead any more
-void     zipmoe_store_stop_populating(struct ggml_zipmoe_cache * c, int p);
-// store p's entries forgotten, its memory freed
-void     zipmoe_store_drop(struct ggml_zipmoe_cache * c, int p);
 // the slots [first, end), empty, take the pages that the stores give up until zipmoe_sink_close (end <=
 // first: none do)
 void     zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end);

@@ -28,11 +28,6 @@ static void set_error(char * err, size_t err_size, const char * msg) {
     }
 }
 
-// a store's entries the pools hold: C's leftovers are the slots' memory until they need it
-static int32_t planned_entries(const struct ggml_zipmoe_cache * c, int p) {
-    return c->pools.store[p].n_entries - (p == GGML_ZIPMOE_POOL_C ? c->pools.leftovers.n_entries : 0);
-}
-
 // every store entry forgotten, the stores freed
 static void free_stores(struct ggml_zipmoe_cache * c) {
     const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
@@ -85,7 +80,6 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
         free(c->pipe.sm_ring[i].mem);
         free(c->pipe.e_ring[i].mem);
     }
-    zipmoe_leftovers_stop(c, 0);
     free_stores(c);
     free(c->pools.key_pool);
     free(c->pools.key_entry);
@@ -415,7 +409,7 @@ int ggml_zipmoe_cache_pool_entries(const struct ggml_zipmoe_cache * c, int pool,
     if (entry_bytes != NULL) {
         *entry_bytes = c->pools.store[pool].entry_size;
     }
-    return planned_entries(c, pool);
+    return c->pools.store[pool].n_entries;
 }
 
 int32_t ggml_zipmoe_cache_n_slots(const struct ggml_zipmoe_cache * c) {
@@ -445,7 +439,6 @@ int ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache * c, int32_t n_slots)
         status = GGML_ZIPMOE_ERR_ARG;
     }
     if (status == GGML_ZIPMOE_OK) {
-        zipmoe_leftovers_stop(c, 1); // their count of memory was for the slots in use before
         forget_slots_from(c, n_slots); // slots taken on start empty
         __atomic_store_n(&c->slots.n_used, n_slots, __ATOMIC_RELAXED);
         if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
@@ -488,7 +481,6 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     ggml_zipmoe_cache_cancel(c); // a fetch this thread left open would hold the lock
     zipmoe_prefetch_pause(c, 1); // a prefetch planned with the old pools reads nothing more
     pthread_mutex_lock(&c->lock);
-    zipmoe_leftovers_stop(c, 0); // C's entries kept by a change before: the new pools' resize decides
     pthread_mutex_lock(&c->pipe.io_lock);
     c->prefetch.latest  = -1;
     c->prefetch.pending = 0;
@@ -518,11 +510,9 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
     // migration closes the sink once its experts are decoded, before C's last shrink)
     const int sink = c->pools.migrating && c->slots.take_pages && zipmoe_cache_slots_in_host(c);
     zipmoe_sink_open(c, old_used, sink ? n_slots : 0);
-    c->pools.leftovers.keep = zipmoe_leftovers_keep(c, capacity, c->pools.migrating) && c->pools.sink.end > 0;
     char msg[1024];
     int status = set_up_pools(c, capacity, n_pools, c->layout.max_e_bytes, msg, sizeof(msg));
     if (status != GGML_ZIPMOE_OK) {
-        zipmoe_leftovers_stop(c, 0);
         zipmoe_sink_close(c);
         // the stores could not be made: one F pool of every slot, as before any pools
         const int32_t none[GGML_ZIPMOE_POOL_COUNT] = { 0, 0, 0, 0 };
@@ -532,9 +522,6 @@ int zipmoe_cache_change_pools(struct ggml_zipmoe_cache * c, const int32_t * capa
         snprintf(c->error, sizeof(c->error), "%s", msg);
     } else {
         c->pools.inclusive = inclusive && n_pools > 0 && capacity[GGML_ZIPMOE_POOL_C] >= c->layout.max_expert;
-        if (c->pools.leftovers.keep) {
-            zipmoe_leftovers_start(c); // C stays: its migrants are decoded from it, the rest on use
-        }
     }
     pthread_mutex_unlock(&c->lock);
     return status;
@@ -580,7 +567,7 @@ size_t ggml_zipmoe_cache_extra_bytes(const struct ggml_zipmoe_cache * c, int n_t
     }
     size_t total = 0;
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        total += c->pools.store[p].entry_size * (size_t) planned_entries(c, p);
+        total += c->pools.store[p].entry_size * (size_t) c->pools.store[p].n_entries;
     }
     // the staging rings as ensure_staging makes them, and a decoder per decoding thread
     const size_t sm_region = (size_t) zipmoe_align_up(c->file->max_sm_size, GGML_ZIPMOE_CHUNK_ALIGNMENT);

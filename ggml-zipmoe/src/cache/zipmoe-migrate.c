@@ -72,9 +72,7 @@ static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int *
                 entries[n_free++] = entries[i];
             }
         }
-        if (c->pools.leftovers.n_entries == 0) {
-            release_runs(c, entries, n_free); // else C's leftovers give them back as slots need them
-        }
+        release_runs(c, entries, n_free);
         pthread_mutex_unlock(&c->lock);
     }
     free(ids);
@@ -110,10 +108,8 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     zipmoe_prefetch_pause(c, 1);
     pthread_mutex_lock(&c->lock);
     c->pools.migrating = 0;
+    zipmoe_sink_close(c); // the slots are written: what C gives up now goes back
     char msg[1024];
-    if (c->pools.leftovers.n_entries == 0) {
-        zipmoe_sink_close(c); // the slots are written: what C gives up now goes back
-    }
     status = zipmoe_cache_resize_stores(c, capacity, c->layout.max_e_bytes, msg, sizeof(msg));
     pthread_mutex_unlock(&c->lock);
     atomic_fetch_add(&c->stats.migrate_experts, (uint64_t) moved);

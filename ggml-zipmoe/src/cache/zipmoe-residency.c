@@ -246,11 +246,7 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     const int64_t key = (int64_t) layer * c->layout.max_expert + e;
     const int     cur = c->pools.key_pool[key];
     const int32_t cur_entry = c->pools.key_entry[key];
-    if (cur != NO_POOL) {
-        c->pools.store[cur].entry_pinned[cur_entry] = serial; // read by this call: no leftover given back
-    }
     const int32_t victim = choose_victim(c, serial);
-    zipmoe_leftovers_make_room(c, victim, serial); // a slot with no pages yet may take a leftover's
     if (c->slots.key[victim] >= 0) {
         c->slots.of_key[c->slots.key[victim]] = -1;
     }
@@ -333,7 +329,6 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
         return GGML_ZIPMOE_ERR_ARG;
     }
     c->plan.n_unique = n_unique;
-    zipmoe_leftovers_finish(c); // C's leftovers all given back (none is read by this call yet)
     const int width = zipmoe_cache_pass_width(c);
     const int first = pass * width;
     const int last  = first + width < n_unique ? first + width : n_unique;

@@ -532,10 +532,6 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
                     n_new += s->entry_key[i] >= 0 && zipmoe_store_migrant(c, s->entry_key[i]);
                 }
             }
-            if (p == GGML_ZIPMOE_POOL_C && (c->pools.leftovers.keep || c->pools.leftovers.n_entries > 0) &&
-                n_new < s->n_entries) {
-                n_new = s->n_entries; // its entries stay, given back as slots fill (zipmoe-leftovers.c)
-            }
             if ((n_new > s->n_entries) != grow) {
                 continue;
             }
@@ -552,19 +548,6 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
         }
     }
     return GGML_ZIPMOE_OK;
-}
-
-void zipmoe_store_stop_populating(struct ggml_zipmoe_cache * c, int p) {
-    size_t from, to;
-    populate_stop(&c->pools.store[p], &from, &to);
-}
-
-void zipmoe_store_drop(struct ggml_zipmoe_cache * c, int p) {
-    zipmoe_store_stop_populating(c, p);
-    for (int32_t i = 0; i < c->pools.store[p].n_entries; i++) {
-        zipmoe_store_forget(c, p, i);
-    }
-    size_store(c, p, 0, 0, 0, 0);
 }
 
 static void swap_bytes(uint8_t * a, uint8_t * b, size_t n) {
