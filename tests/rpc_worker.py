@@ -47,8 +47,9 @@ def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
     word: the pools rank experts by the tokens that chose them, and a longer prompt's ranks keep the
     tiny models' few hot experts in F, under a miss per layer a step"""
     want, want_tokens, _ = trace(bf16, servers, 1, 48, prompts=["Hi"])
-    got, got_tokens, stats = trace(zipmoe, servers, 1, 48, prompts=["Hi"], zipmoe_budget=budget_of(zipmoe, arch, "half"),
-                                   zipmoe_replan_tokens=4, zipmoe_device_stores=True)
+    got, got_tokens, stats = trace(zipmoe, servers, 1, 48, prompts=["Hi"],
+                                   zipmoe_budget=budget_of(zipmoe, arch, "half"), zipmoe_replan_tokens=4,
+                                   zipmoe_device_stores=True)
     assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), host stores")
     print(json.dumps(stats))
     return 0

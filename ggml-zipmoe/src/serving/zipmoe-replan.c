@@ -26,7 +26,6 @@ void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
     free(r->half_counts);
     free(r->token_counts);
     free(r->half_n);
-    free(r->step_half_n);
     memset(r, 0, sizeof(*r));
 }
 
@@ -47,8 +46,7 @@ static bool start_profile(struct ggml_zipmoe_serving * s) {
     r->half_counts   = calloc(2 * cells, sizeof(double));
     r->token_counts  = calloc(2 * cells, sizeof(double));
     r->half_n        = calloc(2 * (size_t) n_layer, sizeof(double));
-    r->step_half_n   = calloc(2 * (size_t) n_layer, sizeof(double));
-    if (!r->half_n || !r->step_half_n || !r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
+    if (!r->half_n || !r->seen_counts || !r->counts || !r->seen_ubatches || !r->ubatches || !r->observed ||
         !r->half_counts || !r->token_counts) {
         zipmoe_routing_profile_free(r);
         r->replanned = true; // give up: the pools stay as planned
@@ -139,10 +137,10 @@ struct routing_halves {
 static struct routing_halves step_halves(struct ggml_zipmoe_serving * s) {
     struct zipmoe_routing_profile * r = &s->routing;
     for (int il = 0; il < s->p.n_layer; ++il) {
-        r->step_half_n[il]                = (double) ((r->token_steps + 1) / 2);
-        r->step_half_n[s->p.n_layer + il] = (double) (r->token_steps / 2);
+        r->half_n[il]                = (double) ((r->token_steps + 1) / 2);
+        r->half_n[s->p.n_layer + il] = (double) (r->token_steps / 2);
     }
-    return (struct routing_halves) { r->half_counts, r->step_half_n, zipmoe_routing_step_k(s) };
+    return (struct routing_halves) { r->half_counts, r->half_n, zipmoe_routing_step_k(s) };
 }
 
 // one sequence's tokens, its prompt's included, even and odd tokens apart (the cache's counts): a

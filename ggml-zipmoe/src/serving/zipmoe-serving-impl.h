@@ -25,8 +25,8 @@ struct zipmoe_routing_profile {
     double *   half_counts;  // [2][n_layer][n_expert] selections in decode steps, even and odd steps apart
     double *   token_counts; // [2][n_layer][n_expert] selections token by token (prompts too), even and odd
                              // tokens apart (the cache's, read at a re-plan)
-    double *   half_n;       // [2][n_layer] the tokens each layer ran in each half (token_halves)
-    double *   step_half_n;  // [2][n_layer] the decode steps in each half (step_halves)
+    double *   half_n;       // [2][n_layer] the tokens (token_halves) or decode steps (step_halves) each
+                             // layer ran in each half, for the one re-plan that reads them
     bool       several_seqs; // a graph ran several sequences: no re-plan after a prompt then
     bool       prompt_replan;  // the re-plan at the first decode step after a prompt has run
     uint64_t   token_steps;  // those steps (the even ones: (token_steps + 1) / 2)
