@@ -181,43 +181,54 @@ def set_pools_migrating(cache, pools, n_slots, n_threads):
 MIGRATIONS = [((2, 4, 0, 0), 2 * 2 + 3, [0, 1], 2 * 4), ((0, 0, 0, 0), 7, [0, 1, 2], 0)]
 
 
+def in_store(pools, store):
+    """pools packed as (F, C, S, E) with C's capacity in `store` ("C" or "S") instead"""
+    return pools if store == "C" else (pools[0], 0, pools[1], pools[3])
+
+
+@pytest.mark.parametrize("store", ["C", "S"])
 @pytest.mark.parametrize("n_threads", [1, 3])
 @pytest.mark.parametrize("pools, n_slots, moved, c_after", MIGRATIONS, ids=["F2C4", "one-F-pool"])
-def test_a_re_plan_from_c_to_f_decodes_the_experts_from_c_instead_of_reading_them(make, model, n_threads, pools,
-                                                                                   n_slots, moved, c_after):
-    """Every expert in C; a re-plan to F 2 / C 4, or to one F pool of 7 slots (3 a layer): layer 0's
-    experts F now takes (in C, in no slot) are decoded from their C entries into slots, bit-exact, with
-    nothing read; then used, they are hits. The same change by set_pools drops those entries, and the
-    experts are read again."""
+def test_a_re_plan_from_a_store_to_f_decodes_the_experts_from_it_instead_of_reading_them(make, model, n_threads,
+                                                                                        pools, n_slots, moved,
+                                                                                        c_after, store):
+    """Every expert in C (or S); a re-plan to F 2 / C 4 (S 4), or to one F pool of 7 slots (3 a layer):
+    layer 0's experts F now takes (in the store, in no slot) are decoded from their entries into slots,
+    bit-exact, with nothing read from C and only the E-chunks from S (a fifth of a miss's bytes); then
+    used, they are hits. The same change by set_pools drops those entries, and the experts are read
+    again whole."""
     _, experts, sizes = model
+    hits = {"C": "c_hits", "S": "s_hits"}[store]
     for migrate in (True, False):
-        cache = make(7, (0, 8, 0, 0))  # every expert in C; every slot a working slot
+        cache = make(7, in_store((0, 8, 0, 0), store))  # every expert in the store; every slot a working slot
         assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0  # 4 in use until the re-plan
         for layer in (0, 1):
             read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
             read_by(cache, layer, [[1, 0, 2]])  # ranks: 0, 1, 2, then the rest by id
-        # the slots hold layer 1's experts 0, 1, 2 and one more: layer 0's F experts are in C only
+        # the slots hold layer 1's experts 0, 1, 2 and one more: layer 0's F experts are in the store only
         before = cache.stats()
         if migrate:
-            assert set_pools_migrating(cache, pools, n_slots, n_threads) == len(moved)
+            assert set_pools_migrating(cache, in_store(pools, store), n_slots, n_threads) == len(moved)
         else:
-            set_pools(cache, pools, n_slots)
+            set_pools(cache, in_store(pools, store), n_slots)
         after = cache.stats()
         assert after["migrate_experts"] - before["migrate_experts"] == (len(moved) if migrate else 0)
         assert (after["migrate_ns"] > before["migrate_ns"]) == migrate
-        assert (f"moved from C to F: {len(moved)} experts in " in _time_account(after, None)) == migrate  # --stats
-        # no fetch counted, nothing read, no activation counted: the ranks stay
-        for name in ("fetch_calls", "bytes_read", "expert_hits", "expert_misses", "c_hits", "decode_ns"):
+        assert (f"moved from C/S to F: {len(moved)} experts in " in _time_account(after, None)) == migrate  # --stats
+        # no fetch counted, no activation counted (the ranks stay); read: S's E-chunks, the disk's bytes
+        for name in ("fetch_calls", "expert_hits", "expert_misses", "c_hits", "s_hits", "decode_ns"):
             assert after[name] == before[name], name
-        assert after["pools"]["C"]["experts"] == c_after  # C shrank to its new size
+        e_chunks = sum(sizes[0, e][1] for e in moved) if migrate and store == "S" else 0
+        assert after["bytes_read"] - before["bytes_read"] == e_chunks
+        assert after["pools"][store]["experts"] == c_after  # the store shrank to its new size
         read, d = read_by(cache, 0, [moved], experts)
         if migrate:
             assert (d["expert_hits"], d["expert_misses"], read) == (len(moved), 0, 0), d
         else:
             assert d["expert_misses"] == len(moved) and read == sum(sum(sizes[0, e]) for e in moved), d
-        if c_after:  # the rest of C is as a re-plan leaves it: ranks 2-5 of each layer, exact
+        if c_after:  # the rest of the store is as a re-plan leaves it: ranks 2-5 of each layer, exact
             read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
-            assert d["c_hits"] == 4 and read == 0, d
+            assert d[hits] == 4 and read == (0 if store == "C" else sum(sizes[0, e][1] for e in (2, 3, 4, 5))), d
         cache.lib.ggml_zipmoe_cache_reset_stats(cache.handle)
         assert cache.stats()["migrate_experts"] == cache.stats()["migrate_ns"] == 0
 
@@ -250,9 +261,10 @@ def page_model(tmp_path_factory):
     return repacked_model(tmp_path_factory.mktemp("pages"), (1024, 1025, 8))
 
 
-def every_expert_in_c(path, movable):
-    """a cache of 7 slots (4 in use) in pages of their own, C holding every expert of both layers, ranked"""
-    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 8, 0, 0), fresh_pages=True, movable_pages=movable)
+def every_expert_in_c(path, movable, store="C"):
+    """a cache of 7 slots (4 in use) in pages of their own, C (or S) holding every expert of both layers, ranked"""
+    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, in_store((0, 8, 0, 0), store), fresh_pages=True,
+                  movable_pages=movable)
     assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
     for layer in (0, 1):
         read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -260,19 +272,21 @@ def every_expert_in_c(path, movable):
     return cache
 
 
+@pytest.mark.parametrize("store", ["C", "S"])
 @pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])
 @pytest.mark.parametrize("pools, n_slots, moved, c_after", MIGRATIONS, ids=["F2C4", "one-F-pool"])
 def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(page_model, pools, n_slots, moved,
-                                                                                 c_after, movable):
+                                                                                 c_after, movable, store):
     """Slots in a mapping of their own (slot_pages_movable): the change's new slots (4 to 6, empty) take
-    the pages of the C entries it gives up, every whole 2 MiB block within them (as huge pages, which a
-    move of less would split), instead of faulting new ones; the experts decoded over them, and C's kept
-    entries, stay bit-exact. Slots the cache may not move pages into (malloc'd memory, say) move none."""
+    the pages of the C (or S) entries it gives up, every whole 2 MiB block within them (as huge pages,
+    which a move of less would split), instead of faulting new ones; the experts decoded over them, and
+    the store's kept entries, stay bit-exact. Slots the cache may not move pages into (malloc'd memory,
+    say) move none."""
     path, experts = page_model
-    cache = every_expert_in_c(path, movable)
+    cache = every_expert_in_c(path, movable, store)
     try:
         before = cache.stats()
-        assert set_pools_migrating(cache, pools, n_slots, 2) == len(moved)
+        assert set_pools_migrating(cache, in_store(pools, store), n_slots, 2) == len(moved)
         block = 2 << 20
         whole = 0  # the whole blocks within slots 4 to 6, kind by kind
         for slots in cache.slots:
@@ -286,9 +300,9 @@ def test_a_migration_moves_the_pages_the_stores_give_up_into_the_slots_it_fills(
             assert f"{expected / 1e6:.1f} MB of the stores' pages moved into their slots" in _time_account(cache.stats(), None)
         read, d = read_by(cache, 0, [moved], experts)  # decoded over the moved pages: exact
         assert (d["expert_hits"], d["expert_misses"], read) == (len(moved), 0, 0), d
-        if c_after:  # C's entries kept past the pages it gave up: exact
+        if c_after:  # the store's entries kept past the pages it gave up: exact
             read, d = read_by(cache, 0, [[2, 3, 4, 5]], experts)
-            assert d["c_hits"] == 4 and read == 0, d
+            assert d[store.lower() + "_hits"] == 4, d
         read, d = read_by(cache, 1, [[5, 6, 7]], experts)  # filled later, into the slots left: exact
         assert read > 0 or d["c_hits"] > 0, d
     finally:
@@ -337,8 +351,9 @@ def resident_during(call):
 
 
 @pytest.mark.skipif(not linux_at_least((4, 0)), reason="resetting the peak resident set needs Linux 4.0+")
+@pytest.mark.parametrize("store", ["C", "S"])
 @pytest.mark.parametrize("movable", [True, False], ids=["movable", "malloc"])
-def test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it(tmp_path, movable):
+def test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it(tmp_path, movable, store):
     """Memory through a change of pools stays within what the pools take before it or after it, but for
     one layer's experts decoded into F before their C entries go. C's last shrink copies the entries it
     keeps from its tail into the holes the migrated experts left (given back, so faulted in again), and
@@ -347,18 +362,20 @@ def test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it(tmp
     n_layer, n_expert, f = 4, 16, 4
     path, experts = repacked_model(tmp_path, (1024, 1025, n_expert), layers=n_layer)  # 2 MiB tensors
     n_slots = f * n_layer + 4
-    cache = Cache(path, n_slots, 0, _lib.EVICT_RANK, 0, (0, n_expert, 0, 0), fresh_pages=True, movable_pages=movable)
+    cache = Cache(path, n_slots, 0, _lib.EVICT_RANK, 0, in_store((0, n_expert, 0, 0), store), fresh_pages=True,
+                  movable_pages=movable)
     try:
         assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
-        for layer in range(n_layer):  # C's entries in this order: each layer's hot experts first
+        for layer in range(n_layer):  # the store's entries in this order: each layer's hot experts first
             for first in range(0, n_expert, 4):
                 read_by(cache, layer, [list(range(first, first + 4))])
             read_by(cache, layer, [list(range(f))])
         stats = cache.stats()
-        entry, slot = stats["pools"]["C"]["entry_bytes"], stats["pools"]["F"]["entry_bytes"]
+        entry, slot = stats["pools"][store]["entry_bytes"], stats["pools"]["F"]["entry_bytes"]
         # F takes each layer's hot experts: holes at the front of each layer's entries, the last layer's
         # cold ones in the tail that the copies fill them from
-        before, peak, after = resident_during(lambda: set_pools_migrating(cache, (f, n_expert - f, 0, 0), n_slots, 2))
+        after_pools = in_store((f, n_expert - f, 0, 0), store)
+        before, peak, after = resident_during(lambda: set_pools_migrating(cache, after_pools, n_slots, 2))
         assert peak <= max(before, after) + f * slot + 2 * entry, (before, peak, after, f * slot, entry)
         for layer in range(n_layer):  # and exact
             read_by(cache, layer, [list(range(f)), list(range(f, 2 * f))], experts)

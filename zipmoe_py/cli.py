@@ -66,7 +66,7 @@ def _time_account(stats: dict, n_tokens: int | None) -> str:
     if stats.get("populate_bytes"):  # a helper thread's, beside the graphs: CPU they share on a small machine
         text += f"; stores' pages faulted in ahead: {stats['populate_bytes'] / 1e6:.1f} MB in {stats['populate_ns'] / 1e6:.1f} ms"
     if stats.get("migrate_experts"):  # a re-plan's change, beside the graphs
-        text += f"; moved from C to F: {stats['migrate_experts']} experts in {stats['migrate_ns'] / 1e6:.1f} ms"
+        text += f"; moved from C/S to F: {stats['migrate_experts']} experts in {stats['migrate_ns'] / 1e6:.1f} ms"
         if stats.get("moved_page_bytes"):  # pages the stores gave up, into the slots: no first write
             text += f", {stats['moved_page_bytes'] / 1e6:.1f} MB of the stores' pages moved into their slots"
     return text

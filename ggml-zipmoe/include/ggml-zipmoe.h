@@ -443,13 +443,14 @@ GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_n_slots(struct ggml_zipmoe_cache *
 GGML_ZIPMOE_API int     ggml_zipmoe_cache_set_pools(struct ggml_zipmoe_cache * cache, const int32_t * capacity,
                                                     int32_t n_slots, int inclusive);
 
-// ggml_zipmoe_cache_set_pools, and then the experts the new pools send to F that C holds (and no slot)
-// and that were used more than once are decoded from their C entries into slots on n_threads threads
-// of its own (the calling thread one of them), instead of being dropped and read again on their next
-// use: a change from C to F costs decoding from memory, not reads. One used once (a prompt selects
-// most experts once) is dropped: its next use, if any, reads it. Memory stays within the pools': C first shrinks to what the new
-// pools keep plus those experts, gives each entry's pages back once its expert is in a slot, then
-// shrinks to its new size. Only for slots in host memory written by the cache (else, and with
+// ggml_zipmoe_cache_set_pools, and then the experts the new pools send to F that C or S holds (and no
+// slot) and that were used more than once are decoded from their entries into slots on n_threads
+// threads of its own (the calling thread one of them), instead of being dropped and read again on their
+// next use: a change from C to F costs decoding from memory, not reads; from S to F, reading the
+// E-chunks only (counted in bytes_read). One used once (a prompt selects most experts once) is dropped:
+// its next use, if any, reads it. Memory stays within the pools': C and S first shrink to what the new
+// pools keep plus those experts, give each entry's pages back once its expert is in a slot, then shrink
+// to their new sizes. Only for slots in host memory written by the cache (else, and with
 // n_threads 0, it is set_pools). The fills count in no fetch counter and no activation; statistics
 // migrate_experts and migrate_ns count them. *n_migrated (may be NULL) gets the experts moved. Returns
 // as set_pools; a fill that fails stops the migration (its message in ggml_zipmoe_cache_error, the

@@ -446,7 +446,7 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, %s); io %.1f ms, decode "
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
-                   "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C to F "
+                   "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C/S to F "
                    "%llu experts in %.1f ms, %.1f MB of the stores' pages into their slots\n",
                    __func__,
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,

@@ -3,7 +3,7 @@
 //   zipmoe-cache.c      lifecycle, the public queries, the multi-pass merge
 //   zipmoe-stats.c      statistics: the counters, their reset, the account of a fetch's time
 //   zipmoe-preload.c    the slots filled before serving
-//   zipmoe-migrate.c    a change of pools that moves experts from C to F: decoded from memory
+//   zipmoe-migrate.c    a change of pools that moves experts from C or S to F: decoded from their entries
 //   zipmoe-residency.c  what is where: slots, eviction policies, and the plan of a pass (hits,
 //                       victims, one task per expert tensor to fill)
 //   zipmoe-stores.c     the C/S/E stores: rank dispatch, their entries, their sizes at a re-plan
@@ -452,10 +452,11 @@ uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t ent
 uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert,
                          int kind);                                                            // NULL in S
 void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
-// an expert the pools (while migrating) send to F that C holds, no slot does, and was used again
+// an expert the pools (while migrating) send to F that C or S holds, no slot does, and was used again
 int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
-// the experts a change to f_per_layer F experts a layer would decode from C (as zipmoe_store_migrant)
-int32_t  zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer);
+// the experts a change to f_per_layer F experts a layer would decode from C or S (as
+// zipmoe_store_migrant); *from_s (may be NULL) gets those from S, which read their E-chunks
+int32_t  zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer, int32_t * from_s);
 // the whole pages within entries [first, first + n) of store p, forgotten (nothing reads them): into the
 // slots a change of pools fills, else given back to the system (zipmoe_sink_pages)
 void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n);

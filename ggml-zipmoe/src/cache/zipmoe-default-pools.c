@@ -112,13 +112,18 @@ static int rank_pool(const int32_t capacity[4], int inclusive, int32_t rank) {
     return NO_POOL;
 }
 
+// a store whose experts bound for F a migration decodes from their entries (zipmoe-migrate.c)
+static int migrates_from(int pool) {
+    return pool == GGML_ZIPMOE_POOL_C || pool == GGML_ZIPMOE_POOL_S;
+}
+
 // stored bytes an expert moved from pool `from` (NO_POOL: none) to pool `to` reads on its next use. A
 // change keeps an expert's entry only in its own pool (zipmoe_cache_resize_stores), so `to` reads all it
-// keeps (a miss, for F), but two: C into host slots decodes its entry (set_pools_migrating), and F's
-// experts keep their entries in an inclusive C
+// keeps (a miss, for F), but two: C or S into host slots decodes its entry (set_pools_migrating; S's
+// E-chunks counted with the migrants), and F's experts keep their entries in an inclusive C
 static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, int host, int now_inclusive) {
     const double sm = (double) c->layout.sm_bytes, e = c->layout.rho * sm;
-    if ((from == GGML_ZIPMOE_POOL_C && to == GGML_ZIPMOE_POOL_F && host) ||
+    if ((migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host) ||
         (from == GGML_ZIPMOE_POOL_F && to == GGML_ZIPMOE_POOL_C && now_inclusive)) {
         return 0;
     }
@@ -128,11 +133,12 @@ static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, i
 // seconds that a change from the pools the cache has now (now, inclusive or not as the cache's) to out's
 // costs, rank by rank: an expert that keeps its pool costs nothing, nor one dropped beyond every new pool
 // (its next use is a miss, as the new pools' makespan counts it); one that changes pool is read
-// (fill_bytes) on its next use and, bound for F, decoded: then, or by the change for those C holds
-// (ggml_zipmoe_cache_set_pools_migrating), on n_threads. Slots past those in use are written for the
-// first time (page faults and zeroing, at the touch rate) by n_threads as well, less the pages that the
-// entries the stores give up move into them where slots take pages (given_up_bytes). C's experts that
-// F takes are decoded only if used again (zipmoe_count_migrants); the others' next use, if any, is a miss.
+// (fill_bytes) on its next use and, bound for F, decoded: then, or by the change for those C or S holds
+// (ggml_zipmoe_cache_set_pools_migrating; S's read their E-chunks), on n_threads. Slots past those in use
+// are written for the first time (page faults and zeroing, at the touch rate) by n_threads as well, less
+// the pages that the entries the stores give up move into them where slots take pages (given_up_bytes).
+// C's and S's experts that F takes are decoded only if used again (zipmoe_count_migrants); the others'
+// next use, if any, is a miss.
 static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4],
                              const int32_t capacity[4]) {
     // the pages move where the change migrates (an F that takes experts, or one F pool) into host slots
@@ -177,13 +183,15 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
             continue;
         }
         read_bytes += fill_bytes(c, from, to, host, c->pools.inclusive);
-        // from C into host slots: the experts the change decodes are counted whole below
-        const int from_c = from == GGML_ZIPMOE_POOL_C && to == GGML_ZIPMOE_POOL_F && host;
-        decoded += to == GGML_ZIPMOE_POOL_F && !from_c ? X : 0;
-        filled += to == GGML_ZIPMOE_POOL_F && !from_c;
+        // from C or S into host slots: the experts the change decodes are counted whole below
+        const int migrated = migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host;
+        decoded += to == GGML_ZIPMOE_POOL_F && !migrated ? X : 0;
+        filled += to == GGML_ZIPMOE_POOL_F && !migrated;
     }
-    const int32_t migrants = host ? zipmoe_count_migrants(c, next[GGML_ZIPMOE_POOL_F]) : 0;
+    int32_t       from_s   = 0;
+    const int32_t migrants = host ? zipmoe_count_migrants(c, next[GGML_ZIPMOE_POOL_F], &from_s) : 0;
     decoded += X * migrants / L;
+    read_bytes += c->layout.rho * (double) c->layout.sm_bytes * from_s / L; // S's E-chunks
     // the slots written: the migrants' and the fills', of the new ones (those past the slots in use)
     const int32_t added     = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
     const int32_t new_slots = added < migrants + filled * L ? added : migrants + filled * L;

@@ -1,32 +1,40 @@
-// Expert cache, migration: a change of pools that sends experts C holds to F decodes them from their
-// C entries into slots, memory to memory, instead of dropping the entries and reading the experts
-// again on their next use. Four Qwen1.5-MoE sequences at 20 GiB moved from C 60 to F 36-38: read
-// again, the change took 10-11 s and came at 64 steps; decoded from C, 3.5-8 s (with the first touches
-// of the new slots) at 32 steps, 1.15x the tok/s over 256 tokens (BENCHMARKS, "Re-plans that decode C
-// into F, a clean decode rate, and huge pages").
+// Expert cache, migration: a change of pools that sends experts C or S holds to F decodes them from
+// their entries into slots (S's after reading their E-chunks, a fifth of a miss's bytes), instead of
+// dropping the entries and reading the experts again on their next use. Four Qwen1.5-MoE sequences at
+// 20 GiB moved from C 60 to F 36-38: read again, the change took 10-11 s and came at 64 steps; decoded
+// from C, 3.5-8 s (with the first touches of the new slots) at 32 steps, 1.15x the tok/s over 256
+// tokens (BENCHMARKS, "Re-plans that decode C into F, a clean decode rate, and huge pages").
 //
-// Memory stays within the pools': C first shrinks to what the new pools keep plus the experts bound
-// for F; each of those entries' pages is given back once its expert is in a slot; then C shrinks to
-// its new size. Where the slots can take pages (the caller's own mapping, Linux), what the stores give
-// up moves into the slots the change fills, ahead of the decoding threads' writes (zipmoe_sink_pages):
-// those skip a first write's faults and zeroing, which took most of the change's time on the bench VM.
+// Memory stays within the pools': C and S first shrink to what the new pools keep plus the experts
+// bound for F; each of those entries' pages is given back once its expert is in a slot; then the stores
+// shrink to their new sizes. Where the slots can take pages (the caller's own mapping, Linux), what the
+// stores give up moves into the slots the change fills, ahead of the decoding threads' writes
+// (zipmoe_sink_pages): those skip a first write's faults and zeroing, which took most of the change's
+// time on the bench VM.
 
 #include "cache/zipmoe-cache-impl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 
-// layer's experts bound for F that C holds and no slot does (ids ascending), with their C entries
-static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int32_t * entries) {
+// the stores a migration decodes from
+static const int migrating_pools[2] = { GGML_ZIPMOE_POOL_C, GGML_ZIPMOE_POOL_S };
+
+// layer's experts bound for F that a store holds and no slot does (ids ascending), with their entries
+// in that store, pool by pool (entries[p] of n[p])
+static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int32_t * entries[2],
+                              int32_t n[2]) {
     const int64_t base = (int64_t) layer * c->layout.max_expert;
-    int32_t n = 0;
+    int32_t n_ids = 0;
+    n[0] = n[1] = 0;
     for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
         if (zipmoe_store_migrant(c, base + e)) {
-            entries[n] = c->pools.key_entry[base + e];
-            ids[n++]   = e;
+            const int i = c->pools.key_pool[base + e] == migrating_pools[1];
+            entries[i][n[i]++] = c->pools.key_entry[base + e];
+            ids[n_ids++]       = e;
         }
     }
-    return n;
+    return n_ids;
 }
 
 static int by_entry(const void * a, const void * b) {
@@ -34,49 +42,56 @@ static int by_entry(const void * a, const void * b) {
     return (x > y) - (x < y);
 }
 
-// C's entries given back, each run of neighbours in one range: the huge-page blocks within a run move
-// whole (zipmoe_sink_pages), where an entry alone might hold none
-static void release_runs(struct ggml_zipmoe_cache * c, int32_t * entries, int32_t n) {
+// store p's entries given back, each run of neighbours in one range: the huge-page blocks within a run
+// move whole (zipmoe_sink_pages), where an entry alone might hold none
+static void release_runs(struct ggml_zipmoe_cache * c, int p, int32_t * entries, int32_t n) {
     qsort(entries, (size_t) n, sizeof(int32_t), by_entry);
     for (int32_t i = 0, j; i < n; i = j) {
         for (j = i + 1; j < n && entries[j] == entries[j - 1] + 1; j++) {
         }
-        zipmoe_store_release(c, GGML_ZIPMOE_POOL_C, entries[i], j - i);
+        zipmoe_store_release(c, p, entries[i], j - i);
     }
 }
 
-// each served layer's migrants fetched (C hits: decoded from their entries, kept in F after use, their
-// entries forgotten and given back); returns the experts moved, *status the first failure
+// each served layer's migrants fetched (C and S hits: decoded from their entries, kept in F after use,
+// their entries forgotten and given back); returns the experts moved, *status the first failure
 static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int * status) {
     const size_t n = (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
-    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * n), * entries = (int32_t *) malloc(sizeof(int32_t) * n);
+    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * n);
+    int32_t * entries[2] = { (int32_t *) malloc(sizeof(int32_t) * n), (int32_t *) malloc(sizeof(int32_t) * n) };
     int32_t moved = 0;
-    *status = ids != NULL && entries != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
+    *status = ids != NULL && entries[0] != NULL && entries[1] != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
     for (int l = 0; l < c->layout.n_layer && *status == GGML_ZIPMOE_OK; l++) {
         if (!zipmoe_layer_served(c, l)) {
             continue;
         }
+        int32_t n_pool[2];
         pthread_mutex_lock(&c->lock);
-        const int32_t n_layer = layer_migrants(c, l, ids, entries);
+        const int32_t n_layer = layer_migrants(c, l, ids, entries, n_pool);
         pthread_mutex_unlock(&c->lock);
         if (n_layer == 0) {
             continue;
         }
         *status = zipmoe_cache_fetch_on_threads(c, l, ids, n_layer, n_threads);
         pthread_mutex_lock(&c->lock);
-        int32_t n_free = 0;
         for (int32_t i = 0; i < n_layer; i++) {
-            const int64_t key = (int64_t) l * c->layout.max_expert + ids[i];
-            moved += c->slots.of_key[key] >= 0;
-            if (c->pools.store[GGML_ZIPMOE_POOL_C].entry_key[entries[i]] < 0) {
-                entries[n_free++] = entries[i];
-            }
+            moved += c->slots.of_key[(int64_t) l * c->layout.max_expert + ids[i]] >= 0;
         }
-        release_runs(c, entries, n_free);
+        for (int i = 0; i < 2; i++) {
+            const struct zipmoe_store * s = &c->pools.store[migrating_pools[i]];
+            int32_t n_free = 0;
+            for (int32_t j = 0; j < n_pool[i]; j++) {
+                if (s->entry_key[entries[i][j]] < 0) {
+                    entries[i][n_free++] = entries[i][j];
+                }
+            }
+            release_runs(c, migrating_pools[i], entries[i], n_free);
+        }
         pthread_mutex_unlock(&c->lock);
     }
     free(ids);
-    free(entries);
+    free(entries[0]);
+    free(entries[1]);
     return moved;
 }
 
@@ -98,17 +113,19 @@ int ggml_zipmoe_cache_set_pools_migrating(struct ggml_zipmoe_cache * c, const in
     // what a fetch counts, kept as it was: a migration is the change's, not a graph's (its own counters)
     struct zipmoe_fetch_counts saved;
     zipmoe_stats_save_fetch(c, &saved);
-    const uint64_t t0 = zipmoe_now_ns();
+    const uint64_t t0 = zipmoe_now_ns(), read_before = atomic_load(&c->stats.bytes_read);
     c->preloading = 1;
     int fetched = GGML_ZIPMOE_OK; // a failure stops the layers (its message stays in c->error)
     const int32_t moved = migrate_layers(c, n_threads, &fetched);
     c->preloading = 0;
+    const uint64_t read = atomic_load(&c->stats.bytes_read) - read_before;
     zipmoe_stats_restore_fetch(c, &saved);
-    // C to its new size: the entries of experts not moved (after a failure) are forgotten there
+    atomic_fetch_add(&c->stats.bytes_read, read); // S's E-chunks: the disk's, whoever asked
+    // C and S to their new sizes: the entries of experts not moved (after a failure) are forgotten there
     zipmoe_prefetch_pause(c, 1);
     pthread_mutex_lock(&c->lock);
     c->pools.migrating = 0;
-    zipmoe_sink_close(c); // the slots are written: what C gives up now goes back
+    zipmoe_sink_close(c); // the slots are written: what the stores give up now goes back
     char msg[1024];
     status = zipmoe_cache_resize_stores(c, capacity, c->layout.max_e_bytes, msg, sizeof(msg));
     pthread_mutex_unlock(&c->lock);

@@ -129,12 +129,16 @@ void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
     c->pools.store[p].entry_key[entry] = -1;
 }
 
-// an expert C holds and no slot does that is worth decoding into a slot now: one used again. A prompt
-// selects most experts once; decoding those into F took most of a change's time (the full Qwen1.5-MoE
-// geometry at 20 GiB moved 589 experts for the few a layer its decode steps chose), and one not used
-// again never pays for it. Dropped instead, it is read on its next use, if any.
+// an expert C or S holds and no slot does that is worth decoding into a slot now: one used again. A
+// prompt selects most experts once; decoding those into F took most of a change's time (the full
+// Qwen1.5-MoE geometry at 20 GiB moved 589 experts for the few a layer its decode steps chose), and one
+// not used again never pays for it. Dropped instead, it is read on its next use, if any. S's read their
+// E-chunks only (a fifth of a miss's bytes): the 8.1 GB Qwen at 50% changed from S 22 / E 37 to one F
+// pool priced at 1.3 s of whole reads, and waited 25 steps for it (BENCHMARKS, "S into F")
 static int worth_moving(const struct ggml_zipmoe_cache * c, int64_t key) {
-    return c->pools.key_pool[key] == GGML_ZIPMOE_POOL_C && c->slots.of_key[key] < 0 && c->policy.freq[key] > 1;
+    const int pool = c->pools.key_pool[key];
+    return (pool == GGML_ZIPMOE_POOL_C || pool == GGML_ZIPMOE_POOL_S) && c->slots.of_key[key] < 0 &&
+           c->policy.freq[key] > 1;
 }
 
 int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
@@ -143,12 +147,18 @@ int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
     return c->pools.migrating && worth_moving(c, key) && zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
 }
 
-int32_t zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer) {
-    int32_t n = 0;
+int32_t zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer, int32_t * from_s) {
+    int32_t n = 0, s = 0;
     for (int l = 0; l < c->layout.n_layer; l++) {
         for (int32_t e = 0; zipmoe_layer_served(c, l) && e < c->layout.layer_n_expert[l]; e++) {
-            n += worth_moving(c, (int64_t) l * c->layout.max_expert + e) && expert_rank(c, l, e) < f_per_layer;
+            const int64_t key = (int64_t) l * c->layout.max_expert + e;
+            const int     moves = worth_moving(c, key) && expert_rank(c, l, e) < f_per_layer;
+            n += moves;
+            s += moves && c->pools.key_pool[key] == GGML_ZIPMOE_POOL_S;
         }
+    }
+    if (from_s != NULL) {
+        *from_s = s;
     }
     return n;
 }
@@ -260,7 +270,7 @@ void zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, in
 }
 
 // a kept entry's claim to stay when its store shrinks: first the experts a migration decodes from
-// C into F (zipmoe-migrate.c), then the entries the new pools send there, then the most chosen,
+// C or S into F (zipmoe-migrate.c), then the entries the new pools send there, then the most chosen,
 // then the most recently used
 struct entry_claim {
     int32_t  entry;
@@ -303,7 +313,7 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
         if (key >= 0) {
             const int     layer = (int) (key / c->layout.max_expert);
             const int32_t e     = (int32_t) (key % c->layout.max_expert);
-            const int belongs = p == GGML_ZIPMOE_POOL_C && zipmoe_store_migrant(c, key) ? 2
+            const int belongs = p != GGML_ZIPMOE_POOL_E && zipmoe_store_migrant(c, key) ? 2
                               : zipmoe_dispatch_pool(c, layer, e) == p;
             claims[n_held++] = (struct entry_claim) { i, belongs, c->policy.freq[key], s->entry_last_use[i] };
         }
@@ -526,8 +536,8 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
         for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
             struct zipmoe_store * s = &c->pools.store[p];
             int32_t n_new = capacity[p] * c->layout.n_served;
-            if (p == GGML_ZIPMOE_POOL_C && c->pools.migrating && n_new < s->n_entries) {
-                // the experts bound for F stay until decoded from here (never more than C holds now)
+            if (p != GGML_ZIPMOE_POOL_E && c->pools.migrating && n_new < s->n_entries) {
+                // the experts bound for F stay until decoded from here (never more than the store holds now)
                 for (int32_t i = 0; i < s->n_entries && n_new < s->n_entries; i++) {
                     n_new += s->entry_key[i] >= 0 && zipmoe_store_migrant(c, s->entry_key[i]);
                 }

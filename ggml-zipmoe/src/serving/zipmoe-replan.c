@@ -360,7 +360,7 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %s (%d experts per MoE layer a step, %.1f MB "
                        "read so far; routing z = %.1f against a uniform router's%s): F %d, C %d, S %d, E %d per MoE "
                        "layer, %d slots, expecting %.2f against %.2f ms per layer with the pools before, %llu experts "
-                       "moved from C to F in %.2f s (%.1f MB of the stores' pages moved into the slots): %s",
+                       "moved from C/S to F in %.2f s (%.1f MB of the stores' pages moved into the slots): %s",
                        seen,
                        k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
                        choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,

@@ -380,7 +380,7 @@ int ggml_zipmoe_serving_set_cache(struct ggml_zipmoe_serving * s, struct ggml_zi
 
 int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools) {
     const int32_t old = s->n_slots;
-    // experts the new pools send from C to F are decoded into their slots, not read again
+    // experts the new pools send from C or S to F are decoded into their slots, not read again whole
     const int status = pools != NULL ? ggml_zipmoe_cache_set_pools_migrating(s->cache, pools->capacity, n,
                                                                              pools->inclusive, s->auto_threads, NULL)
                                      : ggml_zipmoe_cache_set_n_slots(s->cache, n);
