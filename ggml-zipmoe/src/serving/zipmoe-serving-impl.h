@@ -85,7 +85,8 @@ void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const c
 
 // n slots in use with the pools (capacity all 0: one F pool; NULL: the pools unchanged), the memory
 // of the slots given up returned to the system, the experts moving from C or S to F decoded from their
-// entries. Where the stores cannot be allocated the cache falls back to one F pool, and *pools says so. OK, or the cache's refusal (nothing changed)
+// entries. Where the stores cannot be allocated the cache falls back to one F pool, and *pools says so.
+// OK, or the cache's refusal (nothing changed)
 int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools);
 
 // zipmoe-replan.c
