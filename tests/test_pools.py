@@ -536,3 +536,35 @@ def test_a_failed_fill_keeps_no_store_entry(tmp_path):
         assert cache.stats()["c_hits"] == before["c_hits"]
     finally:
         cache.close()
+
+
+def test_an_e_chunk_that_fails_during_a_migration_from_s_stops_it_and_names_the_chunk(tmp_path):
+    """A migration from S reads its experts' E-chunks from disk, so a fill can fail there (a chunk
+    corrupted after S took the expert's SM-chunks): the change still stands (OK, the new pools), the
+    error names the chunk, the experts moved before it stay exact, and the one that failed is read
+    again on its next use, failing again rather than serving a half-filled slot."""
+    path, experts = repacked_model(tmp_path, (67, 45, 8))
+    cache = Cache(path, 7, 0, _lib.EVICT_RANK, 0, (0, 0, 8, 0))
+    try:
+        assert cache.lib.ggml_zipmoe_cache_set_n_slots(cache.handle, 4) == 0
+        for layer in (0, 1):
+            read_by(cache, layer, [[0, 1, 2, 3], [4, 5, 6, 7]])
+            read_by(cache, layer, [[1, 0, 2]])  # ranks: 0, 1, 2 (used twice), then the rest by id
+        with zformat.ZipMoEFile(path) as zf:
+            ref = zf.chunks("blk.0.ffn_up_exps.weight", 1)[2]  # expert 1's second E-chunk
+        with open(path, "r+b") as f:
+            f.seek(ref.offset + 3)
+            byte = f.read(1)[0]
+            f.seek(ref.offset + 3)
+            f.write(bytes([byte ^ 0x10]))
+        moved = set_pools_migrating(cache, (0, 0, 0, 0), 7, 2)  # one F pool: 0, 1, 2 of layer 0 bound for F
+        assert moved < 3
+        assert b"layer 0, tensor blk.0.ffn_up_exps.weight, expert 1, E-chunk" in \
+            cache.lib.ggml_zipmoe_cache_error(cache.handle)
+        assert cache.stats()["pools"]["S"]["experts"] == 0  # the new pools, whatever the failure left
+        status, _ = cache.fetch(0, [[1]])
+        assert status == _lib.ERR_CHECKSUM
+        read, d = read_by(cache, 0, [[0, 2]], experts)  # moved or read again: exact either way
+        assert d["expert_misses"] + d["expert_hits"] == 2, d
+    finally:
+        cache.close()
