@@ -20,7 +20,6 @@ CACHE_ORDER = [
     ("zipmoe-fetch.c",),
     ("zipmoe-fetch-device.c",),
     ("zipmoe-residency.c",),
-    ("zipmoe-store-trades.c",),
     ("zipmoe-stores.c",),
     ("zipmoe-prefetch.c",),
     ("zipmoe-fetch-io.c",),

@@ -142,31 +142,6 @@ def test_stores_that_hold_every_expert_stop_reading_under_even_routing(make, mod
     assert after["e_hits"] > warm["e_hits"] and after["c_hits"] > warm["c_hits"]
 
 
-def test_a_fill_takes_the_entry_of_an_expert_whose_rank_fell_and_keeps_its_e_chunks_in_e(make, model):
-    """The stores are shared by the layers. Layer 0's expert 7, used again, is promoted from E into C,
-    and its expert 6 falls to E's rank but stays in C until a fill needs the entry. Layer 1's experts
-    then fill C: the fill that finds it full takes expert 6's entry (not the least used of the C experts
-    the layers' ranks keep there, which LFU took, each then read again whole), and expert 6's E-chunks
-    move to an empty E entry, so its next use reads its SM-chunks only. On the 6-layer uniform Qwen at
-    C 59 / E 1 this kept every expert to one whole read (BENCHMARKS, "Store victims whose rank fell")."""
-    _, experts, sizes = model
-    cache = make(4, (0, 7, 0, 1))  # 14 C entries and 2 E entries for both layers; every slot a working slot
-    read_by(cache, 0, [[0, 1, 2, 3], [4, 5, 6, 7]])  # equal counts, ranks by id: 0-6 to C, 7 to E
-    read_by(cache, 1, [[0, 1, 2, 3]])  # into C; layer 0's experts leave the slots
-    read, d = read_by(cache, 0, [[7]])  # rank 0 now: from E into an empty C entry; 6 falls to E's rank
-    assert (d["e_hits"], read) == (1, sizes[0, 7][0]), d
-    read, d = read_by(cache, 1, [[4, 5, 6, 7]])  # 4 and 5 fill C's last entries; 6 takes expert 6's
-    assert d["expert_misses"] == 4
-    for e in (0, 1, 2, 3, 4, 5, 7):  # layer 0's C experts all kept
-        read, d = read_by(cache, 0, [[e]], experts)
-        assert (d["c_hits"], read) == (1, 0), (e, d)
-    read, d = read_by(cache, 0, [[6]], experts)  # demoted: its SM-chunks only
-    assert (d["e_hits"], read) == (1, sizes[0, 6][0]), d
-    for e in range(8):  # and layer 1's: 0-6 in C, 7 in E
-        read, d = read_by(cache, 1, [[e]], experts)
-        assert d["expert_misses"] == 0, (e, d)
-
-
 def set_pools(cache, pools, n_slots):
     status = cache.lib.ggml_zipmoe_cache_set_pools(cache.handle, (ctypes.c_int32 * 4)(*pools), n_slots, 0)
     assert status == 0, cache.lib.ggml_zipmoe_cache_error(cache.handle)

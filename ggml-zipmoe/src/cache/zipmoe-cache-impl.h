@@ -6,7 +6,6 @@
 //   zipmoe-migrate.c    a change of pools that moves experts from C or S to F: decoded from their entries
 //   zipmoe-residency.c  what is where: slots, eviction policies, and the plan of a pass (hits,
 //                       victims, one task per expert tensor to fill)
-//   zipmoe-store-trades.c  C's victims keeping their E-chunks in E (a promotion's trade, a demotion)
 //   zipmoe-stores.c     the C/S/E stores: rank dispatch, their entries, their sizes at a re-plan
 //   zipmoe-fetch.c      how it gets there: the scheduler's order, the decoding threads (the one
 //                       decode + recover routine of zipmoe-codec.c)
@@ -439,19 +438,8 @@ int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pas
                                 int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
 
-// zipmoe-store-trades.c
-// expert key, kept in E's e_entry, takes C's c_entry: C's victim keeps its E-chunks in e_entry
-void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry,
-                                    int64_t victim);
-// C's entry c_entry, taken by a fill, held `victim` (forgotten already): where its rank fell to E and an
-// E entry is empty, its E-chunks move there, so its next use reads its SM-chunks, not the whole expert.
-// Returns 1 if moved.
-int      zipmoe_store_demote_e_part(struct ggml_zipmoe_cache * c, int64_t victim, int32_t c_entry, uint64_t serial);
-
 // zipmoe-stores.c
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);
-// the stored E bytes of one expert (gate + up + down): what its E part holds
-uint64_t zipmoe_expert_e_bytes(const struct ggml_zipmoe_cache * c, int layer, int32_t e);
 // the C, S and E stores to capacity[p] entries per served layer (the new pools' thresholds set): a
 // store that shrinks keeps the entries the new pools send to it, then the most chosen; one that
 // grows keeps them all. Shrinking stores go first, so memory is given back before more is taken.
@@ -479,6 +467,9 @@ void     zipmoe_sink_close(struct ggml_zipmoe_cache * c);
 // the whole pages of [addr, addr + size), memory nothing reads any more: its blocks moved into the slots
 // the change in progress fills (c->pools.sink), where any are left, and the rest given back to the system
 void     zipmoe_sink_pages(struct ggml_zipmoe_cache * c, uint8_t * addr, size_t size);
+// expert key, kept in E's e_entry, takes C's c_entry: C's victim keeps its E-chunks in e_entry
+void     zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry,
+                                    int64_t victim);
 
 // zipmoe-prefetch.c
 int      zipmoe_prefetch_init(struct ggml_zipmoe_cache * c, int32_t predict, int32_t lookahead);

@@ -222,8 +222,6 @@ static int place_after_use(struct ggml_zipmoe_cache * c, int64_t key, int cur, i
                 zipmoe_store_forget(c, cur, cur_entry);
                 zipmoe_store_trade_e_parts(c, key, *dst_entry, cur_entry, victim_key);
                 traded = 1;
-            } else if (keep == GGML_ZIPMOE_POOL_C && victim_key >= 0) {
-                zipmoe_store_demote_e_part(c, victim_key, *dst_entry, serial);
             }
         } else {
             *dst_pool = NO_POOL; // every entry is read or written by this call

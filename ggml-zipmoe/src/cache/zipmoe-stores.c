@@ -17,7 +17,8 @@ const char * ggml_zipmoe_pool_name(int pool) {
     return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
 }
 
-uint64_t zipmoe_expert_e_bytes(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
+// the stored E bytes of one expert (gate + up + down): what its E part holds
+static uint64_t expert_e_bytes(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
     uint64_t bytes = 0;
     for (int k = 0; k < 3; k++) {
         bytes += zipmoe_cache_e_bytes(c, c->layout.layer_tensor[layer * 3 + k], e);
@@ -33,7 +34,7 @@ uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c) {
             continue;
         }
         for (int32_t e = 0; e < c->layout.layer_n_expert[l]; e++) {
-            const uint64_t bytes = zipmoe_expert_e_bytes(c, l, e);
+            const uint64_t bytes = expert_e_bytes(c, l, e);
             n_total += c->layout.sm_bytes; // one value per SM byte
             max_e = bytes > max_e ? bytes : max_e;
             e_total += bytes;
@@ -70,40 +71,25 @@ int zipmoe_dispatch_pool(const struct ggml_zipmoe_cache * c, int layer, int32_t 
 
 static void populate_ahead(struct zipmoe_store * s, int32_t entry);
 
-// whether expert key's rank fell below pool p: it stays in p's entry only until a fill needs one
-static int rank_fell_below(const struct ggml_zipmoe_cache * c, int p, int64_t key) {
-    const int target = zipmoe_dispatch_pool(c, (int) (key / c->layout.max_expert), (int32_t) (key % c->layout.max_expert));
-    return target == NO_POOL || target > p;
-}
-
-// an entry of the store of pool p for a new expert: an empty one, else one whose expert's rank fell
-// below p, else LFU (ties LRU); never one the current call reads or writes. The stores are shared by
-// the layers, so LFU alone took entries from experts their layers' ranks keep in p while others'
-// fallen experts stayed: the 6-layer uniform Qwen at C 59 / E 1 dropped 16 of C's own experts for
-// the last layer's first uses after 32 steps, each read again whole on its next use (BENCHMARKS,
-// "Store victims whose rank fell")
+// an entry of the store of pool p for a new expert: an empty one, else LFU (ties LRU); never one
+// the current call reads or writes
 int32_t zipmoe_store_victim(struct ggml_zipmoe_cache * c, int p, uint64_t serial) {
     struct zipmoe_store * s = &c->pools.store[p];
-    for (int32_t i = 0; i < s->n_entries; i++) {
-        if (s->entry_pinned[i] != serial && s->entry_key[i] < 0) {
-            populate_ahead(s, i);
-            return i;
-        }
-    }
     int32_t victim = -1;
-    int     victim_fell = 0;
     for (int32_t i = 0; i < s->n_entries; i++) {
         if (s->entry_pinned[i] == serial) {
             continue;
         }
-        const int fell = rank_fell_below(c, p, s->entry_key[i]);
-        if (victim < 0 || fell > victim_fell) {
-            victim      = i;
-            victim_fell = fell;
+        if (s->entry_key[i] < 0) {
+            populate_ahead(s, i);
+            return i;
+        }
+        if (victim < 0) {
+            victim = i;
             continue;
         }
         const uint64_t fi = c->policy.freq[s->entry_key[i]], fv = c->policy.freq[s->entry_key[victim]];
-        if (fell == victim_fell && (fi < fv || (fi == fv && s->entry_last_use[i] < s->entry_last_use[victim]))) {
+        if (fi < fv || (fi == fv && s->entry_last_use[i] < s->entry_last_use[victim])) {
             victim = i;
         }
     }
@@ -572,4 +558,36 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
         }
     }
     return GGML_ZIPMOE_OK;
+}
+
+static void swap_bytes(uint8_t * a, uint8_t * b, size_t n) {
+    uint8_t tmp[4096];
+    for (size_t done = 0; done < n; done += sizeof(tmp)) {
+        const size_t m = n - done < sizeof(tmp) ? n - done : sizeof(tmp);
+        memcpy(tmp, a + done, m);
+        memcpy(a + done, b + done, m);
+        memcpy(b + done, tmp, m);
+    }
+}
+
+// Expert `key`, kept in E entry e_entry, is promoted into C entry c_entry, which holds `victim`.
+// They trade E parts: the victim keeps its E-chunks in the promoted expert's E entry rather than
+// being dropped, so its next use reads its SM-chunks only. Rank dispatch on an even profile
+// promotes and demotes experts by noise, and each dropped victim cost a whole read (BENCHMARKS,
+// "steady reads"). The promoted expert's E-chunks are in its C entry after this.
+void zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry, int64_t victim) {
+    const int     layer   = (int) (key / c->layout.max_expert);
+    const int     v_layer = (int) (victim / c->layout.max_expert);
+    const int32_t e       = (int32_t) (key % c->layout.max_expert);
+    const int32_t v       = (int32_t) (victim % c->layout.max_expert);
+    const uint64_t a = expert_e_bytes(c, layer, e), b = expert_e_bytes(c, v_layer, v);
+    struct zipmoe_store * cs = &c->pools.store[GGML_ZIPMOE_POOL_C];
+    struct zipmoe_store * es = &c->pools.store[GGML_ZIPMOE_POOL_E];
+    // both parts are at least max_e_bytes long
+    swap_bytes(cs->mem + (size_t) c_entry * cs->entry_size + c->layout.sm_bytes, es->mem + (size_t) e_entry * es->entry_size,
+               (size_t) (a > b ? a : b));
+    es->entry_key[e_entry]       = victim;
+    es->entry_last_use[e_entry]  = cs->entry_last_use[c_entry];
+    c->pools.key_pool[victim]    = GGML_ZIPMOE_POOL_E;
+    c->pools.key_entry[victim]   = e_entry;
 }
