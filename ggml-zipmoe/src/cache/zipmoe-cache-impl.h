@@ -452,6 +452,8 @@ uint8_t * zipmoe_store_sm(const struct ggml_zipmoe_cache * c, int p, int32_t ent
 uint8_t * zipmoe_store_e(const struct ggml_zipmoe_cache * c, int p, int32_t entry, int layer, int32_t expert,
                          int kind);                                                            // NULL in S
 void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry);
+// whether a migration decodes store p's experts bound for F from their entries (C and S)
+int      zipmoe_store_migrates_from(int p);
 // an expert the pools (while migrating) send to F that C or S holds, no slot does, and was used again
 int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
 // the experts a change to f_per_layer F experts a layer would decode from C or S (as

@@ -112,9 +112,9 @@ static int rank_pool(const int32_t capacity[4], int inclusive, int32_t rank) {
     return NO_POOL;
 }
 
-// a store whose experts bound for F a migration decodes from their entries (zipmoe-migrate.c)
-static int migrates_from(int pool) {
-    return pool == GGML_ZIPMOE_POOL_C || pool == GGML_ZIPMOE_POOL_S;
+// an expert's mean stored E-chunks (rho of its SM-chunks' bytes)
+static double mean_e_bytes(const struct ggml_zipmoe_cache * c) {
+    return c->layout.rho * (double) c->layout.sm_bytes;
 }
 
 // stored bytes an expert moved from pool `from` (NO_POOL: none) to pool `to` reads on its next use. A
@@ -122,8 +122,8 @@ static int migrates_from(int pool) {
 // keeps (a miss, for F), but two: C or S into host slots decodes its entry (set_pools_migrating; S's
 // E-chunks counted with the migrants), and F's experts keep their entries in an inclusive C
 static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, int host, int now_inclusive) {
-    const double sm = (double) c->layout.sm_bytes, e = c->layout.rho * sm;
-    if ((migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host) ||
+    const double sm = (double) c->layout.sm_bytes, e = mean_e_bytes(c);
+    if ((zipmoe_store_migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host) ||
         (from == GGML_ZIPMOE_POOL_F && to == GGML_ZIPMOE_POOL_C && now_inclusive)) {
         return 0;
     }
@@ -184,14 +184,14 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
         }
         read_bytes += fill_bytes(c, from, to, host, c->pools.inclusive);
         // from C or S into host slots: the experts the change decodes are counted whole below
-        const int migrated = migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host;
+        const int migrated = zipmoe_store_migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host;
         decoded += to == GGML_ZIPMOE_POOL_F && !migrated ? X : 0;
         filled += to == GGML_ZIPMOE_POOL_F && !migrated;
     }
     int32_t       from_s   = 0;
     const int32_t migrants = host ? zipmoe_count_migrants(c, next[GGML_ZIPMOE_POOL_F], &from_s) : 0;
     decoded += X * migrants / L;
-    read_bytes += c->layout.rho * (double) c->layout.sm_bytes * from_s / L; // S's E-chunks
+    read_bytes += mean_e_bytes(c) * from_s / L; // S's E-chunks
     // the slots written: the migrants' and the fills', of the new ones (those past the slots in use)
     const int32_t added     = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
     const int32_t new_slots = added < migrants + filled * L ? added : migrants + filled * L;

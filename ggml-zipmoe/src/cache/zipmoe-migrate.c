@@ -17,24 +17,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-// the stores a migration decodes from
-static const int migrating_pools[2] = { GGML_ZIPMOE_POOL_C, GGML_ZIPMOE_POOL_S };
-
-// layer's experts bound for F that a store holds and no slot does (ids ascending), with their entries
-// in that store, pool by pool (entries[p] of n[p])
-static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int32_t * entries[2],
-                              int32_t n[2]) {
+// layer's experts bound for F that a store holds and no slot does (ids ascending), with the store
+// (pools) and the entry (entries) each is in
+static int32_t layer_migrants(struct ggml_zipmoe_cache * c, int layer, int32_t * ids, int8_t * pools,
+                              int32_t * entries) {
     const int64_t base = (int64_t) layer * c->layout.max_expert;
-    int32_t n_ids = 0;
-    n[0] = n[1] = 0;
+    int32_t n = 0;
     for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
         if (zipmoe_store_migrant(c, base + e)) {
-            const int i = c->pools.key_pool[base + e] == migrating_pools[1];
-            entries[i][n[i]++] = c->pools.key_entry[base + e];
-            ids[n_ids++]       = e;
+            pools[n]   = c->pools.key_pool[base + e];
+            entries[n] = c->pools.key_entry[base + e];
+            ids[n++]   = e;
         }
     }
-    return n_ids;
+    return n;
 }
 
 static int by_entry(const void * a, const void * b) {
@@ -42,14 +38,22 @@ static int by_entry(const void * a, const void * b) {
     return (x > y) - (x < y);
 }
 
-// store p's entries given back, each run of neighbours in one range: the huge-page blocks within a run
-// move whole (zipmoe_sink_pages), where an entry alone might hold none
-static void release_runs(struct ggml_zipmoe_cache * c, int p, int32_t * entries, int32_t n) {
-    qsort(entries, (size_t) n, sizeof(int32_t), by_entry);
-    for (int32_t i = 0, j; i < n; i = j) {
-        for (j = i + 1; j < n && entries[j] == entries[j - 1] + 1; j++) {
+// the entries of the n migrants that store p held and forgot (their experts decoded), given back, each
+// run of neighbours in one range: the huge-page blocks within a run move whole (zipmoe_sink_pages),
+// where an entry alone might hold none. runs: room for n entries
+static void release_runs(struct ggml_zipmoe_cache * c, int p, const int8_t * pools, const int32_t * entries,
+                         int32_t n, int32_t * runs) {
+    int32_t n_free = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (pools[i] == p && c->pools.store[p].entry_key[entries[i]] < 0) {
+            runs[n_free++] = entries[i];
         }
-        zipmoe_store_release(c, p, entries[i], j - i);
+    }
+    qsort(runs, (size_t) n_free, sizeof(int32_t), by_entry);
+    for (int32_t i = 0, j; i < n_free; i = j) {
+        for (j = i + 1; j < n_free && runs[j] == runs[j - 1] + 1; j++) {
+        }
+        zipmoe_store_release(c, p, runs[i], j - i);
     }
 }
 
@@ -57,17 +61,17 @@ static void release_runs(struct ggml_zipmoe_cache * c, int p, int32_t * entries,
 // their entries forgotten and given back); returns the experts moved, *status the first failure
 static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int * status) {
     const size_t n = (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
-    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * n);
-    int32_t * entries[2] = { (int32_t *) malloc(sizeof(int32_t) * n), (int32_t *) malloc(sizeof(int32_t) * n) };
-    int32_t moved = 0;
-    *status = ids != NULL && entries[0] != NULL && entries[1] != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
+    int32_t * ids = (int32_t *) malloc(sizeof(int32_t) * n), * entries = (int32_t *) malloc(sizeof(int32_t) * n);
+    int32_t * runs = (int32_t *) malloc(sizeof(int32_t) * n);
+    int8_t *  pools = (int8_t *) malloc(n);
+    int32_t   moved = 0;
+    *status = ids != NULL && entries != NULL && runs != NULL && pools != NULL ? GGML_ZIPMOE_OK : GGML_ZIPMOE_ERR_NOMEM;
     for (int l = 0; l < c->layout.n_layer && *status == GGML_ZIPMOE_OK; l++) {
         if (!zipmoe_layer_served(c, l)) {
             continue;
         }
-        int32_t n_pool[2];
         pthread_mutex_lock(&c->lock);
-        const int32_t n_layer = layer_migrants(c, l, ids, entries, n_pool);
+        const int32_t n_layer = layer_migrants(c, l, ids, pools, entries);
         pthread_mutex_unlock(&c->lock);
         if (n_layer == 0) {
             continue;
@@ -77,21 +81,17 @@ static int32_t migrate_layers(struct ggml_zipmoe_cache * c, int n_threads, int *
         for (int32_t i = 0; i < n_layer; i++) {
             moved += c->slots.of_key[(int64_t) l * c->layout.max_expert + ids[i]] >= 0;
         }
-        for (int i = 0; i < 2; i++) {
-            const struct zipmoe_store * s = &c->pools.store[migrating_pools[i]];
-            int32_t n_free = 0;
-            for (int32_t j = 0; j < n_pool[i]; j++) {
-                if (s->entry_key[entries[i][j]] < 0) {
-                    entries[i][n_free++] = entries[i][j];
-                }
+        for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
+            if (zipmoe_store_migrates_from(p)) {
+                release_runs(c, p, pools, entries, n_layer, runs);
             }
-            release_runs(c, migrating_pools[i], entries[i], n_free);
         }
         pthread_mutex_unlock(&c->lock);
     }
     free(ids);
-    free(entries[0]);
-    free(entries[1]);
+    free(entries);
+    free(runs);
+    free(pools);
     return moved;
 }
 

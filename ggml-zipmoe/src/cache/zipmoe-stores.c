@@ -136,9 +136,11 @@ void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
 // E-chunks only (a fifth of a miss's bytes): the 8.1 GB Qwen at 50% changed from S 22 / E 37 to one F
 // pool priced at 1.3 s of whole reads, and waited 25 steps for it (BENCHMARKS, "S into F")
 static int worth_moving(const struct ggml_zipmoe_cache * c, int64_t key) {
-    const int pool = c->pools.key_pool[key];
-    return (pool == GGML_ZIPMOE_POOL_C || pool == GGML_ZIPMOE_POOL_S) && c->slots.of_key[key] < 0 &&
-           c->policy.freq[key] > 1;
+    return zipmoe_store_migrates_from(c->pools.key_pool[key]) && c->slots.of_key[key] < 0 && c->policy.freq[key] > 1;
+}
+
+int zipmoe_store_migrates_from(int p) {
+    return p == GGML_ZIPMOE_POOL_C || p == GGML_ZIPMOE_POOL_S;
 }
 
 int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
@@ -313,7 +315,7 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
         if (key >= 0) {
             const int     layer = (int) (key / c->layout.max_expert);
             const int32_t e     = (int32_t) (key % c->layout.max_expert);
-            const int belongs = p != GGML_ZIPMOE_POOL_E && zipmoe_store_migrant(c, key) ? 2
+            const int belongs = zipmoe_store_migrates_from(p) && zipmoe_store_migrant(c, key) ? 2
                               : zipmoe_dispatch_pool(c, layer, e) == p;
             claims[n_held++] = (struct entry_claim) { i, belongs, c->policy.freq[key], s->entry_last_use[i] };
         }
@@ -536,7 +538,7 @@ int zipmoe_cache_resize_stores(struct ggml_zipmoe_cache * c, const int32_t * cap
         for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
             struct zipmoe_store * s = &c->pools.store[p];
             int32_t n_new = capacity[p] * c->layout.n_served;
-            if (p != GGML_ZIPMOE_POOL_E && c->pools.migrating && n_new < s->n_entries) {
+            if (zipmoe_store_migrates_from(p) && c->pools.migrating && n_new < s->n_entries) {
                 // the experts bound for F stay until decoded from here (never more than the store holds now)
                 for (int32_t i = 0; i < s->n_entries && n_new < s->n_entries; i++) {
                     n_new += s->entry_key[i] >= 0 && zipmoe_store_migrant(c, s->entry_key[i]);
