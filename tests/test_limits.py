@@ -259,3 +259,23 @@ def test_the_server_bench_watches_the_servers_anonymous_memory_to_its_end():
     assert server_bench.memory_summary(runs + [{"server": "t", "memory": None}], "s") == {
         "peak_anon_gib": 17.9, "peak_anon_gib_min": 17.4, "peak_anon_gib_max": 20.1, "oom_kills": 1}
     assert server_bench.memory_summary(runs, "t")["peak_anon_gib"] is None
+
+
+def test_the_steady_account_counts_each_decode_step_of_a_model(zipmoe_gguf):
+    """bench/steady_account.py: the runtime's counters between two decode steps, per step. One fetch per
+    MoE layer a step, and a file that is not there is named, not a traceback."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "steady_account.py"
+    model = zipmoe_gguf("qwen2moe")
+    proc = subprocess.run([sys.executable, script, model, "--steps", "6", "--from-step", "2", "--threads", "1",
+                           "--ctx", "256", "--prompt", "the cache of experts"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.rsplit(None, 1) for line in proc.stdout.splitlines()[1:])
+    counters = {key.strip(): float(value) for key, value in lines.items()}
+    from gguf import GGUFReader
+    fields = GGUFReader(model).fields
+    n_layer = int(fields["qwen2moe.block_count"].parts[-1][0])
+    assert proc.stdout.splitlines()[0].endswith("steps 2-5, per step")
+    assert counters["fetch_calls"] == n_layer  # every layer is MoE in the tiny Qwen2-MoE
+    assert counters["wall ms"] > 0 and counters["graph ms"] >= counters["fetch ms"] > 0
+    missing = subprocess.run([sys.executable, script, model.parent / "absent.gguf"], capture_output=True, text=True)
+    assert missing.returncode == 2 and "absent.gguf: no such file" in missing.stderr
