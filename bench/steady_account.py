@@ -14,14 +14,13 @@ decoding thread's time), and the process's user and system CPU seconds and page 
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_PROMPT = json.loads((Path(__file__).resolve().parent.parent / "docs" / "benchmarks" /
-                             "onef_qwen6_head.json").read_text())["prompt"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_bench import PROMPT  # noqa: E402  (the benches' prompt, so a step here is a step of their rows)
 
 
 def snapshot(llm) -> dict:
@@ -35,7 +34,7 @@ def snapshot(llm) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path, help="a ZipMoE GGUF")
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: the benches' 77-token prompt)")
+    ap.add_argument("--prompt", default=PROMPT, help="the prompt (default: the benches' 77-token prompt)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps sampled at temperature 1 (default: %(default)s)")
     ap.add_argument("--from-step", type=int, default=16,
                     help="the first step counted: the pools settle before it (default: %(default)s)")
@@ -56,7 +55,7 @@ def main() -> int:
         print(f"{args.model}: not a ZipMoE GGUF", file=sys.stderr)
         return 2
     llm.eval(llm.tokenize(args.prompt.encode()))
-    first = last = None
+    first = None
     for step in range(args.steps):
         token = llm.sample(temp=1.0)
         if step == args.from_step:
