@@ -1,6 +1,11 @@
 """ggml-zipmoe codecs: bit-exact BF16 split/recovery and exponent-plane round trips."""
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -96,6 +101,39 @@ def test_codec_round_trip_is_bit_exact(name, plane):
     blob = codec.compress(data, name)
     assert len(blob) <= max(len(codec.compress(data, "raw")), 1) + 64 + data.size // 100
     assert np.array_equal(Decoder().decompress(blob, name, data.size), data)
+
+
+def _fhuf_code_lengths(blob: bytes) -> list[int]:
+    """The code lengths in an fhuf Huffman stream's header (format in zipmoe-fhuf.c)."""
+    assert blob[0] == 0xF2, "not a Huffman-coded fhuf stream"
+    pos = 1
+    while blob[pos] & 0x80:  # the decoded size's varint
+        pos += 1
+    lo, hi = blob[pos + 2], blob[pos + 3]
+    nibbles = blob[pos + 4:pos + 4 + (hi - lo + 2) // 2]
+    return [(nibbles[i // 2] >> (4 * (i & 1))) & 15 for i in range(hi - lo + 1)]
+
+
+@pytest.mark.parametrize("first_len", [1, 2])
+def test_fhuf_codes_of_the_longest_length_decode_exactly(first_len):
+    """Codes of the format's longest length (12 bits) fill the decoder's whole table index, one
+    symbol a lookup: rare symbols alone, in runs, alternating with short codes and at the ends of
+    the streams (the careful path) decode exactly, with a 1-bit code (first_len 1) or without."""
+    rng = np.random.default_rng(first_len)
+    top = [0.5] if first_len == 1 else [0.25] * 3
+    p = np.concatenate([top, (1 - sum(top)) * 0.5 ** np.arange(1, 14)])
+    syms = np.arange(100, 100 + p.size, dtype=np.uint8)
+    data = rng.choice(syms, 600_003, p=p / p.sum())
+    rare = syms[-1]                             # ~130 in all: a 12-bit code
+    data[1000:1060] = rare                      # a run inside the fast kernel
+    data[50_000:50_060:2] = rare                # alternating with short codes
+    data[:7], data[-7:] = rare, rare            # stream ends: the careful path
+    for cut in (150_001, 300_002):              # other streams' segment ends and starts
+        data[cut - 3:cut + 3] = rare
+    blob = codec.compress(data, "fhuf")
+    lengths = _fhuf_code_lengths(blob)
+    assert lengths[0] == first_len and lengths[-1] == 12
+    assert np.array_equal(Decoder().decompress(blob, "fhuf", data.size), data)
 
 
 @pytest.mark.parametrize("name", ["zstd", "lz4hc"])
@@ -231,3 +269,19 @@ def test_ghuf_malformed_streams_are_errors_the_gpu_way():
             codec.ghuf_decode_as_gpu(bad, data.size)
         with pytest.raises(CodecError, match="corrupt"):
             Decoder().decompress(bad, "ghuf", data.size)
+
+
+def test_the_decoder_bench_builds_and_decodes_exactly(tmp_path):
+    """bench/fhuf_decode_bench.c, built as its header says, decodes one expert's shards exactly and
+    reports the exponents' coded size near their entropy (Gaussian BF16: ~2.6 bits)."""
+    repo = Path(__file__).resolve().parent.parent
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "no C compiler"
+    src = repo / "ggml-zipmoe" / "src"
+    exe = tmp_path / "fhuf_decode_bench"
+    subprocess.run([cc, "-O3", "-DNDEBUG", "-std=gnu11", f"-I{src}", "-o", str(exe), str(repo / "bench" / "fhuf_decode_bench.c"),
+                    str(src / "codec" / "zipmoe-fhuf.c"), str(src / "codec" / "zipmoe-fhuf-encode.c"), "-lm"], check=True)
+    out = subprocess.run([str(exe), "1"], capture_output=True, text=True, check=True).stdout
+    bits = float(re.match(r"([\d.]+) bits/symbol, [\d.]+ ns/symbol", out).group(1))
+    assert 2.4 < bits < 2.8
+    assert subprocess.run([str(exe), "0"], capture_output=True, text=True).returncode == 2
