@@ -1,6 +1,7 @@
 // fhuf's decoder alone: ns per exponent symbol on one core, on the exponent planes of
 // Gaussian (sigma 0.02) BF16 experts of the full Qwen / DeepSeek geometry (2048 x 1408), each cut
-// into the converter's 5 shards, decoded into NEXP distinct experts' slots as the runtime does
+// into 5 equal shards (the converter's K; its split also spreads n mod 5, 4 symbols left out here),
+// decoded into NEXP distinct experts' slots as the runtime does
 // (the upper half of each shard's own bytes). Best of 7 passes; checks the first expert's bytes.
 //
 //   S=ggml-zipmoe/src
