@@ -3,9 +3,11 @@ from collecting it): the ZipMoE GGUF against the BF16 GGUF on the same aarch64 b
 test_serve's logit trace (every logit of every prompt position and greedy decode step, as raw bits,
 four sequences decoded together).
 
-Budgets of one token's experts per layer (several passes per layer in the prefill), half and all of
-them with two graph threads, and the smallest again with one. Eight decode steps instead of
-test_serve's 32: emulation is slow, and the steps after the first eight run the same code.
+Budgets of one token's experts per layer (several passes per layer in the prefill) and half of them,
+with two graph threads. Eight decode steps instead of test_serve's 32: emulation is slow, and the steps
+after the first eight run the same code. All of the experts, and one graph thread, are left to the
+host's tests (test_serve): they change which of the cache's paths run, none of which holds code of the
+CPU's own, and took 190 of this test's 370 s emulated (2026-12-01).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace, served_trace
 
 N_DECODE = 8
-CASES = [(2, "top-k"), (2, "half"), (2, "everything"), (1, "top-k")]
+CASES = [(2, "top-k"), (2, "half")]
 
 
 @pytest.fixture(scope="module")

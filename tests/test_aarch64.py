@@ -9,8 +9,8 @@ python3.11, unpacked by `tools/aarch64.py setup`) whose zipmoe_py loads the aarc
 - exactness (tests/aarch64_exactness.py): on the tiny DeepSeek-V2 and Qwen2-MoE models, the ZipMoE
   GGUF against the BF16 GGUF on the same aarch64 build (stock llama.cpp's path: the patches change
   nothing for a file without ZipMoE experts), every logit of prefill and decode as raw bits, at budgets
-  of one token's experts, half and all of them, with two graph threads and with one; and
-  llama-completion's greedy text against the BF16 GGUF's.
+  of one token's experts and half of them, with two graph threads; and llama-completion's greedy text
+  against the BF16 GGUF's.
 AArch64 is compared with AArch64 only: ARM's float kernels differ from x86's. Emulated timings mean
 nothing, so nothing here is timed.
 
@@ -92,20 +92,36 @@ def test_the_recovery_path_is_picked_at_run_time(build, tmp_path, cpu, chosen, s
     assert proc.stdout.strip().split("|") == ["aarch64", chosen, supported, "sve neon scalar"]
 
 
+# C-level tests left out under emulation: the one that holds the converter's F32 rounding to PyTorch's,
+# which the arm64 Python lacks; the scheduler's brute-force optimality searches (Python, a minute
+# emulated; its C is held to the reference algorithm by test_matches_the_reference_algorithm_1); and
+# those whose emulated minutes go to code with nothing of the CPU's own in it (byte copies of raw
+# experts, a file parser's error messages, slots written through a device callback), 150 of the
+# selection's 235 s emulated on a Zen 4 host (2026-12-01). Recovery, the decoders, the cache's fetches
+# and fills, and the parser's round trips all run.
+LEFT_OUT_EMULATED = ("f32_experts_are_rounded_only_when_asked", "test_alg_within_3_minus_1_over_L_of_opt",
+                     "test_optimal_search_equals_brute_force", "test_device_slots_hold_what_host_slots_hold",
+                     "test_experts_of_any_other_type_are_stored_raw_and_read_back_bit_for_bit",
+                     "test_a_different_source_is_named_by_layer_tensor_and_expert",
+                     "test_truncated_file_wrong_version_and_bad_offsets_are_clear_errors",
+                     "test_a_flipped_byte_is_named_by_layer_tensor_expert_and_shard")
+
+
 def test_the_c_level_tests_pass_on_aarch64(build, tmp_path):
     files, keyword = SELECTION[:-2], SELECTION[-1]
     assert SELECTION[-2] == "-k"
-    # but the test that holds the converter's F32 rounding to PyTorch's, which the arm64 Python lacks, and
-    # the scheduler's brute-force optimality searches (Python, a minute under emulation; the scheduler's
-    # C is held to the reference algorithm by test_matches_the_reference_algorithm_1)
-    emulated_pytest([*files, "-k", f"({keyword}) and not f32_experts_are_rounded_only_when_asked and not "
-                                   "test_alg_within_3_minus_1_over_L_of_opt and not test_optimal_search_equals_brute_force"],
-                    tmp_path)
+    left_out = " ".join(f"and not {name}" for name in LEFT_OUT_EMULATED)
+    out = emulated_pytest([*files, "-k", f"({keyword}) {left_out}"], tmp_path)
+    assert int(re.search(r"(\d+) passed", out).group(1)) >= 200, out[-2000:]
 
 
 def test_recovery_on_a_cpu_without_sve(build, tmp_path):
-    """Recovery and the codecs again where NEON is the best path (the run above made SVE the default)."""
-    emulated_pytest([str(TESTS / "test_codec.py")], tmp_path, cpu="neoverse-n1")
+    """Recovery again where NEON is the best path (the run above made SVE the default): the path picked
+    at run time is all that differs between the two CPUs on the same build, so the codecs' other tests
+    (run above) are not repeated."""
+    out = emulated_pytest([str(TESTS / "test_codec.py"), "-k", "recover or bit_pattern or best_is_default"],
+                          tmp_path, cpu="neoverse-n1")
+    assert int(re.search(r"(\d+) passed", out).group(1)) >= 50, out[-2000:]
 
 
 def test_logits_on_aarch64_are_bit_identical_to_the_bf16_gguf(build, premade_models, tmp_path):
@@ -113,7 +129,7 @@ def test_logits_on_aarch64_are_bit_identical_to_the_bf16_gguf(build, premade_mod
     smallest budget (test_serve's CLI test)."""
     out = emulated_pytest([str(TESTS / "aarch64_exactness.py"), str(TESTS / "test_serve.py"), "-k",
                            "on_aarch64 or test_fork_cli_with_warmup"], tmp_path, ZIPMOE_TEST_MODELS=str(premade_models))
-    assert "10 passed" in out, out[-2000:]
+    assert "6 passed" in out, out[-2000:]
 
 def test_sve_instructions_are_confined_to_the_sve_recovery(build):
     """The library runs on cores without SVE (Cortex-A78AE, Neoverse N1): SVE instructions appear only in

@@ -276,19 +276,23 @@ def test_pools_are_planned_again_from_the_routing_seen_and_stay_exact(arch, n_se
 def test_a_re_plan_that_moves_experts_from_c_to_f_decodes_them_from_c_and_stays_exact(zipmoe_gguf, references,
                                                                                       monkeypatch):
     """Budgets where a re-plan after 4 decode steps changes the first plan's pools (C and E) to F, C and
-    E: the experts C holds that F now takes are decoded from their C entries into slots during the
-    change (ggml_zipmoe_cache_set_pools_migrating), not read again; the logits stay bit-exact."""
+    E, or to one F pool: the experts C holds that F now takes are decoded from their C entries into
+    slots during the change (ggml_zipmoe_cache_set_pools_migrating), not read again; the logits stay
+    bit-exact. The re-plan follows the rates measured on this machine (on the tiny model, 0.02-0.03 GB/s
+    reads: per-read overhead), so which budgets change is the machine's (CI's counted no move at 0.65 and
+    0.8 when one F pool, all pools 0, was not counted as F; here 0.8 goes to one F pool)."""
     path = zipmoe_gguf("deepseek2")
     _, _, everything = expert_geometry(path)
     monkeypatch.setenv("ZIPMOE_REPLAN_TOKENS", "4")
     moved = 0
-    for share in (0.65, 0.8):
+    for share in (0.5, 0.65, 0.8):
         seen = []
         logits, stats = pooled_run(path, int(everything * share), n_seq=2, while_decoding=seen)
         np.testing.assert_array_equal(logits, references("deepseek2", 2))
-        if seen[0]["memory"]["pools"]["F"] > 0:
+        pools = seen[0]["memory"]["pools"]
+        if pools["F"] > 0 or not any(pools.values()):  # F pools, or one F pool
             moved += seen[0]["migrate_experts"]
-            assert seen[0]["migrate_ns"] > 0
+            assert (seen[0]["migrate_ns"] > 0) == (seen[0]["migrate_experts"] > 0)
     assert moved > 0  # at least one of the budgets moved experts from C to F
 
 
