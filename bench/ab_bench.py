@@ -24,8 +24,7 @@ import sys
 import types
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cli_bench  # noqa: E402
+import cli_bench
 
 
 def main() -> int:

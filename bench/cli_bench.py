@@ -18,41 +18,20 @@ import argparse
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run"
+from _common import CAPPED_RUN, PERF, STATS, disk_bw, llama_completion, zipmoe_beside
+
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed.")
 CONTEXTS = {"default": [], "256": ["-c", "256", "-b", "64"]}
 # systems beyond stock and zipmoe (the defaults): one ZipMoE option changed through its environment variable
 SYSTEM_ENV = {"zipmoe-prefetch": {"ZIPMOE_PREFETCH": "1"}, "zipmoe-noprefetch": {"ZIPMOE_PREFETCH": "0"},
               "zipmoe-fpool": {"ZIPMOE_AUTO_POOLS": "0"}}
-STATS = re.compile(r"ZipMoE expert cache so far: (.*)")  # logged when a context is freed
-PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
-
-
-def zipmoe_beside(source: Path, given: Path | None) -> Path:
-    """The ZipMoE GGUF given, or the one beside source (made from it when missing)."""
-    zipmoe = given
-    if zipmoe is None:
-        zipmoe = source.with_suffix(".zipmoe.gguf")
-        if not zipmoe.exists():
-            from zipmoe_py import format as zformat
-
-            print(f"making {zipmoe} from {source} ...", flush=True)
-            zformat.repack(source, zipmoe)
-    return zipmoe.resolve()
-
-
-def llama_completion() -> Path:
-    from zipmoe_py import _paths
-
-    return _paths.program("llama-completion")
 
 
 def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) -> dict:
@@ -112,8 +91,7 @@ def main() -> int:
     if unknown:
         ap.error(f"--contexts: unknown {unknown}; known are {', '.join(CONTEXTS)}")
     model_bytes = bf16.stat().st_size
-    bw = json.loads(subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(zipmoe)], capture_output=True,
-                                   text=True).stdout.strip().splitlines()[-1])["odirect_gbps"]
+    bw = disk_bw(zipmoe)
     print(f"{bf16.name}: {model_bytes / 1e9:.2f} GB BF16, {zipmoe.stat().st_size / 1e9:.2f} GB ZipMoE; "
           f"O_DIRECT {bw:.2f} GB/s; {args.threads} threads, {args.gen_tokens} sampled tokens", flush=True)
 

@@ -25,8 +25,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from limits import fit_line  # noqa: E402
+from _common import fit_line
 
 
 def layers_of(run: dict) -> int:

@@ -44,13 +44,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import CAPPED_RUN, PERF, STATS
+
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed. ")
-STATS = re.compile(r"ZipMoE expert cache so far: (.*)")
 H2D = re.compile(r"([0-9.]+) MB to the slots' device")
 CUDA_WEIGHTS = re.compile(r"CUDA\d+ model buffer size =\s*([0-9.]+) MiB")
 GPU_SLOTS = re.compile(r"ZipMoE expert cache: (\d+) slots of ([0-9.]+) MiB in CUDA\d+ memory")
-PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 
 
 def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
@@ -97,7 +97,7 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
 
 
 def capped_run() -> Path:
-    return Path(os.environ.get("ZIPMOE_CAPPED_RUN") or Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run")
+    return Path(os.environ.get("ZIPMOE_CAPPED_RUN") or CAPPED_RUN)
 
 
 def evict(path: Path) -> None:

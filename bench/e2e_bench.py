@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from _common import CAPPED_RUN
 from accuracy_bench import parse_config  # the lossy configurations' names (bench/ is on sys.path)
 
-CAPPED_RUN = Path(__file__).resolve().parents[2] / "shared" / "tools" / "capped-run"
 
 PROBE = r"""
 import json, os, random, sys, time

@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
-STATS = re.compile(r"([0-9.]+) MB read .*?io ([0-9.]+) ms, decode ([0-9.]+) ms, recover ([0-9.]+) ms")
-ACCOUNT = re.compile(r"fetch wall ([0-9.]+) ms \(fetch lock [0-9.]+, plan [0-9.]+, thread 0 decoding ([0-9.]+), waiting "
-                     r"for reads ([0-9.]+), waiting for the other threads [0-9.]+; \d+ page faults\); \d+ graphs, "
-                     r"([0-9.]+) ms")
+from _common import ACCOUNT, COUNTERS as STATS
 
 
 def rows(path: Path) -> list[dict]:

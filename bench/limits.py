@@ -54,8 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_bench import parse_size, run_facts, save  # noqa: E402
+from _common import fit_line, parse_size, run_facts, save
 
 SEQUENTIAL_READ = 8 << 20
 DEPTHS = (1, 2, 4)
@@ -311,20 +310,6 @@ def resident_batch_tpot(gguf: Path, batch: int, prompt_tokens: int, gen_tokens: 
         lc.llama_free(ctx)
         llm.close()
     return {"tpot_s": steps, "batch": batch}
-
-
-def fit_line(points: list[tuple[int, float]]) -> dict:
-    """least squares a + b L, with each point's residual"""
-    n = len(points)
-    mean_l = sum(p[0] for p in points) / n
-    mean_t = sum(p[1] for p in points) / n
-    var = sum((p[0] - mean_l) ** 2 for p in points)
-    if var == 0:
-        raise ValueError("the truncations need at least two different layer counts")
-    slope = sum((p[0] - mean_l) * (p[1] - mean_t) for p in points) / var
-    fixed = mean_t - slope * mean_l
-    return {"fixed_s": fixed, "per_layer_s": slope,
-            "residuals_s": [t - (fixed + slope * layers) for layers, t in points]}
 
 
 def layer_count(gguf: Path) -> int:

@@ -38,11 +38,9 @@ from pathlib import Path
 
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_bench import round_order  # noqa: E402
+from _common import CAPPED_RUN, round_order
 
 ROOT = Path(__file__).resolve().parents[1]
-CAPPED_RUN = ROOT.parent / "shared" / "tools" / "capped-run"
 BIN = Path(sys.executable).parent
 PROMPTS = ["Tell me a story.", "What is a mixture of experts?", "Count to five.", "Name a colour.",
            "Why is the sky blue?", "Write a haiku about disks.", "Explain caching in one sentence.",

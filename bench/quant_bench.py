@@ -28,42 +28,21 @@ try costs a minute of loading. Saves --out (JSON, every run) and a Markdown tabl
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
-from floors import ACCOUNT, STATS as COUNTERS  # noqa: E402
+import limits as machine
+from _common import (ACCOUNT, CAPPED_RUN, COUNTERS, LOAD, PERF, PROMPT, STATS, cell, counter_lines,
+                     disk_bw, llama_completion, parse_size, round_order, run_facts, save, zipmoe_beside)
 
-# 60 tokens or so with either tokenizer: the benchmark standard asks for a prompt of at least 40
-PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
-          "so most of the weights sit idle at any moment and can wait on disk until they are needed. A cache "
-          "of the experts that were used recently, sized to the memory the machine has, keeps the hot ones at "
-          "hand, and the rest are read when the router asks for them.")
-LOAD = re.compile(r"load time =\s*([0-9.]+) ms")
 # runs the command, then prints this process's /proc/self/io, which counts the reaped child's reads too
 IO_WRAPPER = ("import subprocess, sys; r = subprocess.run(sys.argv[1:]); "
               "print('IO ' + ' '.join(open('/proc/self/io').read().split()), file=sys.stderr); sys.exit(r.returncode)")
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
-
-
-def disk_bw(path: Path) -> float:
-    out = subprocess.run([sys.executable, str(CAPPED_RUN), "--disk-bw", str(path)], capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["odirect_gbps"]
 
 
 # system -> (which file, llama-completion's extra arguments)
@@ -77,8 +56,6 @@ SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c"
 def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
     """the bound of this round: the disk's read rates measured now (one round of limits.py's read patterns on
     the file's own chunks), the decode rates and compute floor of the --limits run; a row per cap (batch 1)"""
-    import limits as machine  # limits.py imports this module: import it when used
-
     reads = machine.read_rates(zipmoe, 1, limits["reads"]["volume_bytes"])
     rows = machine.bounds(limits["facts"], reads, limits["decode"], limits["floor"], caps, [1], limits["profile"],
                           limits["threads"], limits["overhead_bytes"], limits["prompt_tokens"], limits.get("fresh_memory"))
@@ -117,8 +94,6 @@ def add_run_bounds(result: dict) -> None:
     """per ZipMoE run, the TPOT and TTFT bounds at the read rate the runtime itself saw during the run (its bytes
     read over its I/O thread's time in reads): this disk's rate drifts within minutes, so a rate measured before
     the round may not be the run's"""
-    import limits as machine
-
     if "limits" not in result:
         return
     lim = result["limits"]
@@ -137,8 +112,6 @@ def add_run_bounds(result: dict) -> None:
 
 def implied_reads(limits: dict, pools: dict) -> float:
     """the stored bytes a token reads with these pools, for the routing profile of the --limits run"""
-    import limits as machine
-
     f, _ = machine.inclusion(limits["profile"], limits["facts"]["n_expert"], limits["facts"]["k"], 1)
     return machine.implied_read_bytes(limits["facts"], f, pools)
 
@@ -178,12 +151,6 @@ def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None 
     return row
 
 
-def cell(values: list[float], fmt: str) -> str:
-    if not values:
-        return "failed"
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def optional_cell(values: list[float], fmt: str = "{:.2f}") -> str:
     """a cell of a column only some systems have: empty where this one has none"""
     return cell(values, fmt) if values else ""
@@ -197,30 +164,6 @@ def failed_words(mine: list[dict], ok: list[dict], rounds: int) -> str:
     rc = bad[0]["rc"]
     how = "killed by the cap (SIGKILL)" if rc in (-9, 137, 247) else f"rc {rc}"
     return f"{len(bad)} of {len(mine)}: {how}" + (", not rerun" if len(mine) < rounds else "")
-
-
-def run_facts(out: Path) -> dict:
-    """what every result records beside its rows: machine, date, build and the command that made it"""
-    build = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent).stdout.strip()
-    return {"machine": platform.platform(), "cpu_count": os.cpu_count(), "date": datetime.date.today().isoformat(),
-            "build": build, "command": " ".join([Path(sys.executable).name, *sys.argv]), "out": str(out)}
-
-
-def save(result: dict, out: Path, to_markdown) -> None:
-    """the result as JSON at out, its Markdown table beside it (printed too)"""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(result))
-    print(out.with_suffix(".md").read_text())
-
-
-def counter_lines(rows: list[dict], heading: str) -> list[str]:
-    """ZipMoE's counters of each run (its log line when the context was freed), by cap and round"""
-    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in rows if r.get("zipmoe_stats")]
-    if not counters:
-        return []
-    return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
 
 
 def stock_size(result: dict) -> str:
@@ -306,12 +249,6 @@ def markdown(result: dict) -> str:
                             " | | | | |" if limits else ""))
     lines += counter_lines(result["rows"], "ZipMoE's counters when the context was freed (whole run), by cap and round:")
     return "\n".join(lines) + "\n"
-
-
-def round_order(systems: list[str], r: int, rotate: bool) -> list[str]:
-    """the systems (or servers) of round r (0-based): as given, or started r places later"""
-    shift = r % len(systems) if rotate else 0
-    return systems[shift:] + systems[:shift]
 
 
 def main() -> int:

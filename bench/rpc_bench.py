@@ -32,9 +32,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_bench import CAPPED_RUN, PERF, STATS, llama_completion, zipmoe_beside  # noqa: E402
-from quant_bench import LOAD, PROMPT, cell, counter_lines, disk_bw, parse_size, run_facts, save  # noqa: E402
+from _common import (CAPPED_RUN, LOAD, PERF, PROMPT, STATS, cell, counter_lines, disk_bw, llama_completion, parse_size,
+                     run_facts, save, zipmoe_beside)
 
 
 def rpc_server() -> Path:

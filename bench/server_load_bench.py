@@ -31,9 +31,8 @@ from pathlib import Path
 
 import openai
 
-# the suite's live-server helper: this bench needs the [test] extra anyway (openai)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_server import SERVER, Server  # noqa: E402
+# the live-server helper the suite uses too: this bench needs the [test] extra anyway (openai)
+from zipmoe_py.devtools.live_server import SERVER, Server
 
 ALIAS = "bench"
 LOAD_TIMEOUT_S = 600

@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_bench import PROMPT  # noqa: E402  (the benches' prompt, so a step here is a step of their rows)
+from _common import PROMPT  # the benches' prompt, so a step here is a step of their rows
 
 
 def snapshot(llm) -> dict:

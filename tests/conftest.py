@@ -24,10 +24,14 @@ def zipmoe_command(name: str) -> str:
 
 
 def bench_module(name: str):
-    """bench/NAME.py loaded as a module (bench/ is scripts, not a package)."""
+    """bench/NAME.py loaded as a module (bench/ is scripts, not a package), as `python bench/NAME.py` runs it:
+    with bench/ on sys.path, where the scripts find bench/_common.py."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from zipmoe_py.devtools.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN
 from conftest import run, zipmoe_command
 
 REAL = {"deepseek2": DEEPSEEK_V2_LITE_CONFIG, "qwen2moe": QWEN15_MOE_A27B_CONFIG}
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def test_config_has_the_real_models_keys(arch, tiny_hf):
@@ -127,13 +125,8 @@ def test_uniform_router_spreads_routing_and_forgets_the_last_token(tmp_path):
     Measured with bench/prefetch_recall.py on text, where frequent words keep some experts busier."""
     import torch
 
+    from zipmoe_py.devtools.routing import default_text, load_model, measure, tokenize
     from zipmoe_py.devtools.tiny import make_tiny
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        from prefetch_recall import default_text, load_model, measure, tokenize
-    finally:
-        sys.path.remove(str(BENCH))
 
     stats, weights = {}, {}
     for router in ("random", "uniform"):
