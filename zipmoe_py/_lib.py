@@ -18,7 +18,8 @@ OK, ERR_ARG, ERR_NOMEM, ERR_CAPACITY, ERR_CORRUPT, ERR_IO, ERR_FORMAT, ERR_CHECK
 # enum ggml_zipmoe_codec
 CODEC_RAW, CODEC_ZSTD, CODEC_LZ4, CODEC_LZ4HC, CODEC_HUF, CODEC_FHUF, CODEC_GHUF, CODEC_COUNT = range(8)
 
-FORMAT_VERSION, CHUNK_ALIGNMENT = 2, 4096  # the newest version the library reads
+# GGML_ZIPMOE_CHUNK_ALIGNMENT (the newest file format the library reads: GGML_ZIPMOE_FORMAT_VERSION, ggml-zipmoe.h)
+CHUNK_ALIGNMENT = 4096
 # enum ggml_zipmoe_eviction (their names: eviction_names())
 EVICT_LRU, EVICT_FIFO, EVICT_MARKING, EVICT_LFU, EVICT_RANK, EVICT_SCORE = range(6)
 # enum ggml_zipmoe_rate: the scheduler's cost-model rates (their defaults: default_rate())
