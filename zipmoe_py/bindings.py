@@ -197,7 +197,7 @@ class Llama(llama_cpp.Llama):
             raise ZipMoEError(f"{source} = 'buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
                               "(make one with zipmoe-buddies)")
         if profile is not None:
-            from .buddies import load_profile
+            from .buddy_profile import load_profile
 
             load_profile(Path(profile), Path(model_path))
         if "zipmoe.budget" in options:
@@ -218,7 +218,7 @@ class Llama(llama_cpp.Llama):
         self._zipmoe_buddy_profile = given.get("buddy_profile")
         profile = None
         if self._zipmoe_buddy_profile is not None:
-            from .buddies import load_profile
+            from .buddy_profile import load_profile
 
             profile = load_profile(Path(self._zipmoe_buddy_profile), Path(model_path))
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
@@ -235,7 +235,7 @@ class Llama(llama_cpp.Llama):
                 what = "load" if "load model" in str(e) else "make a context for"
                 raise ZipMoELoadError(f"cannot {what} {model_path}: {reason}") from e
         if profile is not None:
-            from .buddies import apply_profile
+            from .buddy_profile import apply_profile
 
             apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
         self._hold_the_whole_context()

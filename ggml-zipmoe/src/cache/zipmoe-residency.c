@@ -11,11 +11,6 @@
 #include <stdio.h>
 #include <string.h>
 
-const char * ggml_zipmoe_eviction_name(int eviction) {
-    static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank", "score" };
-    return eviction >= 0 && eviction < GGML_ZIPMOE_EVICT_COUNT ? names[eviction] : NULL;
-}
-
 // one F pool of every slot in use: F holds them all, and RANK's share per layer follows the slot count
 void zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c) {
     const int32_t n_served = c->layout.n_served > 0 ? c->layout.n_served : 1;

@@ -12,11 +12,6 @@
 #include <string.h>
 #include <sys/mman.h>
 
-const char * ggml_zipmoe_pool_name(int pool) {
-    static const char * names[GGML_ZIPMOE_POOL_COUNT] = { "F", "C", "S", "E" };
-    return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
-}
-
 // the stored E bytes of one expert (gate + up + down): what its E part holds
 static uint64_t expert_e_bytes(const struct ggml_zipmoe_cache * c, int layer, int32_t e) {
     uint64_t bytes = 0;

@@ -212,6 +212,29 @@ const char * ggml_zipmoe_recover_paths(void) {
     return recover_path_names;
 }
 
+// the build info (ggml-zipmoe.h) names the recovery paths compiled in, so it is made here, above common/'s
+// version
+#if defined(__clang__)
+#    define ZIPMOE_COMPILER "clang " __clang_version__
+#elif defined(__GNUC__)
+#    define ZIPMOE_COMPILER "gcc " __VERSION__
+#else
+#    define ZIPMOE_COMPILER "unknown compiler"
+#endif
+
+static char           build_info[256];
+static pthread_once_t build_info_once = PTHREAD_ONCE_INIT;
+
+static void format_build_info(void) {
+    snprintf(build_info, sizeof(build_info), "ggml-zipmoe %s (%s; recovery: %s)", ggml_zipmoe_version(),
+             ZIPMOE_COMPILER, ggml_zipmoe_recover_paths());
+}
+
+const char * ggml_zipmoe_build_info(void) {
+    pthread_once(&build_info_once, format_build_info);
+    return build_info;
+}
+
 int ggml_zipmoe_set_recover_impl(const char * name) {
     if (name == NULL) {
         recover_chosen = best_recover_impl();

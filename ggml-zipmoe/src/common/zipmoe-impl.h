@@ -94,8 +94,14 @@ struct ggml_zipmoe_file {
 // the chunk record, or NULL when tensor/expert/chunk is out of range
 const struct zipmoe_chunk * zipmoe_file_chunk(const struct ggml_zipmoe_file * file, int tensor, int expert, int chunk);
 
-// [first, first + count) values of shard k of an expert of n values
-void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count);
+// [first, first + count) values of shard k of an expert of n values: the converter's split, shard k holds
+// [k*n/K, (k+1)*n/K) (arithmetic the codec and the format both use, so it lives here, below them)
+static inline void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count) {
+    const uint64_t lo = n * (uint64_t) k / (uint64_t) shards;
+    const uint64_t hi = n * (uint64_t) (k + 1) / (uint64_t) shards;
+    *first = lo;
+    *count = hi - lo;
+}
 // the same for a tensor's expert: a raw tensor's shards are empty (0, 0)
 void zipmoe_tensor_shard_range(const struct zipmoe_tensor * t, int shards, int k, uint64_t * first, uint64_t * count);
 

@@ -12,6 +12,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+// the names of the enums the options take (and the pools'): here, below the cache and the lossy
+// policies whose enums they name, so that the option table needs nothing above common/
+const char * ggml_zipmoe_eviction_name(int eviction) {
+    static const char * names[GGML_ZIPMOE_EVICT_COUNT] = { "lru", "fifo", "marking", "lfu", "rank", "score" };
+    return eviction >= 0 && eviction < GGML_ZIPMOE_EVICT_COUNT ? names[eviction] : NULL;
+}
+
+const char * ggml_zipmoe_substitution_name(int policy) {
+    static const char * names[GGML_ZIPMOE_SUBST_COUNT] = { "none", "smoe", "buddy" };
+    return policy >= 0 && policy < GGML_ZIPMOE_SUBST_COUNT ? names[policy] : NULL;
+}
+
+const char * ggml_zipmoe_pool_name(int pool) {
+    static const char * names[GGML_ZIPMOE_POOL_COUNT] = { "F", "C", "S", "E" };
+    return pool >= 0 && pool < GGML_ZIPMOE_POOL_COUNT ? names[pool] : NULL;
+}
+
 #define LOADER GGML_ZIPMOE_SURFACE_LOADER
 #define PYTHON GGML_ZIPMOE_SURFACE_PYTHON
 #define BOTH   (LOADER | PYTHON)

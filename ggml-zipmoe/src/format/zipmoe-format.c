@@ -36,14 +36,6 @@ void zipmoe_tensor_shard_range(const struct zipmoe_tensor * t, int shards, int k
     zipmoe_shard_range(t->n, shards, k, first, count);
 }
 
-void zipmoe_shard_range(uint64_t n, int shards, int k, uint64_t * first, uint64_t * count) {
-    // same split as the converter: shard k holds [k*n/K, (k+1)*n/K)
-    const uint64_t lo = n * (uint64_t) k / (uint64_t) shards;
-    const uint64_t hi = n * (uint64_t) (k + 1) / (uint64_t) shards;
-    *first = lo;
-    *count = hi - lo;
-}
-
 static void set_error(char * err, size_t err_size, const char * fmt, ...) {
     if (err == NULL || err_size == 0) {
         return;

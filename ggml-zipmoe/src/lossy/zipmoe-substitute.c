@@ -9,11 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char * ggml_zipmoe_substitution_name(int policy) {
-    static const char * names[GGML_ZIPMOE_SUBST_COUNT] = { "none", "smoe", "buddy" };
-    return policy >= 0 && policy < GGML_ZIPMOE_SUBST_COUNT ? names[policy] : NULL;
-}
-
 // the (k+1)-th largest of a token's n scores (k < n); NaN scores are taken as -inf
 static double kth_plus_one(const float * s, int64_t n, int64_t k, double * best) {
     int64_t filled = 0; // best[0..filled): the largest seen so far, descending
