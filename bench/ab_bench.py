@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/ab_bench.py --before OLD/zipmoe_py/bin/llama-completion \
         [--after NEW/llama-completion] --bf16 M.gguf [--zipmoe M.zipmoe.gguf] [--cap 25] \
-        [--contexts 256,default] [--rounds 3] [--out docs/benchmarks/ab.json]
+        [--contexts 256,default] [--rounds 3] [--out docs/benchmarks/cpu/ab.json]
 
 The disk of a shared VM reads anywhere from 0.5 to 2.6 GB/s from one hour to the next, so
 before/after numbers taken minutes apart are not comparable; here each round runs both builds

@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/accuracy_bench.py --model bench/work/trained/qwen2moe [--model ...]
         [--corpus python-docs | --text FILE] [--tokens 2048] [--window 256] [--ubatch 1]
-        [--budgets 10,25,50] [--configs lossless,smoe:0,smoe:0.1,...] [--out docs/benchmarks/accuracy.json]
+        [--budgets 10,25,50] [--configs lossless,smoe:0,smoe:0.1,...] [--out docs/benchmarks/accuracy/accuracy.json]
 
 A model is a trained Hugging Face checkpoint (zipmoe-train-tiny) or a BF16 GGUF; its BF16 GGUF and
 ZipMoE GGUF are made beside --work when missing. The exact run is the BF16 GGUF on the same llama.cpp

@@ -3,7 +3,7 @@
 the ZipMoE GGUF, no ZipMoE options at all, under memory caps of 25 / 50 / 75% of the BF16 model.
 
     .venv/bin/python bench/cli_bench.py --bf16 M.gguf [--zipmoe M.zipmoe.gguf] [--caps 25,50,75]
-        [--contexts default,256] [--gen-tokens 32] [--threads 2] [--out docs/benchmarks/cli_bench.json]
+        [--contexts default,256] [--gen-tokens 32] [--threads 2] [--out docs/benchmarks/cpu/cli_bench.json]
 
 Every run is `capped-run --mem CAP --evict FILE -- llama-completion -m FILE -p PROMPT -n N --temp 1
 --seed S --ignore-eos -no-cnv -t T -v [CONTEXT]` (-v: the runtime's counters are logged when the context is freed; ../shared/tools/capped-run: a child memory cgroup,
@@ -78,7 +78,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--systems", default="stock,zipmoe",
                     help=f"stock, zipmoe and/or {', '.join(SYSTEM_ENV)} (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/cli_bench.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/cpu/cli_bench.json"))
     args = ap.parse_args()
 
     bf16 = args.bf16.resolve()

@@ -15,7 +15,7 @@ expert preloaded); this script fits and extrapolates their JSON:
         --gen-tokens 16 --systems stock,zipmoe,stock,zipmoe --out bench/work/floor_ds4.json
     (the same with --layers 10)
     .venv/bin/python bench/compute_floor.py bench/work/floor_ds4.json bench/work/floor_ds10.json \\
-        --layers 27 --out docs/benchmarks/compute_floor_ds27.json
+        --layers 27 --out docs/benchmarks/bound/compute_floor_ds27.json
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ at once, stock llama.cpp (BF16 GGUF, contexts compute in parallel) against ZipMo
 slot, so both compute the same; ZipMoE's graphs take turns).
 
     .venv/bin/python bench/concurrency_bench.py --bf16 M.gguf [--zipmoe M.zipmoe.gguf]
-        [--contexts 2] [--threads 1,2] [--gen-tokens 32] [--out docs/benchmarks/concurrency.json]
+        [--contexts 2] [--threads 1,2] [--gen-tokens 32] [--out docs/benchmarks/server/concurrency.json]
 
 For each threads-per-context setting: one context alone, then N contexts in N Python threads (ctypes
 releases the GIL), each decoding --gen-tokens seeded random tokens after a short prompt; tokens/s
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, default=2, help="contexts decoding at once (default: %(default)s)")
     ap.add_argument("--threads", default="1,2", help="graph threads per context, comma-separated (default: %(default)s)")
     ap.add_argument("--gen-tokens", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/concurrency.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/server/concurrency.json"))
     args = ap.parse_args()
     bf16 = args.bf16.resolve()
     zipmoe = (args.zipmoe or bf16.with_suffix(".zipmoe.gguf")).resolve()

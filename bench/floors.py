@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ZipMoE runs against the floors their own counters imply, from the JSON of bench/cli_bench.py:
 
-    .venv/bin/python bench/floors.py docs/benchmarks/flagship_ds27.json [more.json ...] [--md OUT.md]
+    .venv/bin/python bench/floors.py docs/benchmarks/cpu/flagship_ds27.json [more.json ...] [--md OUT.md]
 
 A run's counters (the log line "ZipMoE expert cache so far", recorded as zipmoe_stats) cover its whole
 generation: the prompt and every decoded token. Its time is prompt_s + tpot_s x decode_tokens, and

@@ -7,7 +7,7 @@ rates measured in the same run.
         --layers 27 --out bench/work/floor_ds27.json
     # the rates and the bound for a model, caps, a routing profile and batch sizes
     .venv/bin/python bench/limits.py bound bench/work/ds27.zipmoe.gguf --floor bench/work/floor_ds27.json \\
-        --caps 12G,20G --profile uniform --batch 1,4 --out docs/benchmarks/limits_ds27.json
+        --caps 12G,20G --profile uniform --batch 1,4 --out docs/benchmarks/bound/limits_ds27.json
 
 Measured by `bound` (interleaved rounds, median and min-max):
   reads     O_DIRECT GB/s of the file's own chunks at the runtime's read sizes (one SM-chunk, or one

@@ -6,7 +6,7 @@ not a ZipMoE GGUF). With --before, "llama-server zipmoe-before" is the ZipMoE GG
 build's llama-server (its bin/ beside its lib/), for a change's A/B.
 
     .venv/bin/python bench/llama_server_bench.py --zipmoe M.zipmoe.gguf --bf16 M-bf16.gguf --cap 4G \\
-        [--clients 1 4 8] [--max-tokens 16] [--rounds 1] [--out docs/benchmarks/llama_server_qwen6.json]
+        [--clients 1 4 8] [--max-tokens 16] [--rounds 1] [--out docs/benchmarks/server/llama_server_qwen6.json]
 
 Each server runs under `capped-run --mem CAP --evict MODEL` (../shared/tools/capped-run: a memory
 cgroup, page cache included; the model evicted first). Once it answers, one warm-up request, then for
@@ -297,7 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "'llama-server bf16'; each round runs them in this order")
     ap.add_argument("--rotate", action="store_true",
                     help="start each round one server later (round 2 runs the second server first, ...): on the "
-                         "bench VM the first server of a round ran 4-8%% slower (BENCHMARKS, 'A change taken when it repays')")
+                         "bench VM the first server of a round ran 4-8%% slower")
     ap.add_argument("--before", type=Path, default=None,
                     help="llama-server of another build (its bin/ beside its lib/): the server 'llama-server zipmoe-before'")
     ap.add_argument("--out", type=Path, required=True)

@@ -11,7 +11,7 @@ build's llama-completion (--before), for a change's A/B; zipmoe-no-preload runs 
 (`--override-kv zipmoe.auto_pools=bool:false`), the A/B of the default pools.
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
-        [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quant_X.json]
+        [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quantized/quant_X.json]
 
 Every run is `capped-run --mem CAP --evict FILE -- python -c IO_WRAPPER llama-completion -m FILE -p
 PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T -v` (../shared/tools/capped-run: a child memory
@@ -261,7 +261,7 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=64, help="tokens sampled at temperature 1 (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/quant_bench.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized/quant_bench.json"))
     ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help=f"which of {', '.join(SYSTEMS)} to run, in this order in each round (default: %(default)s)")
     ap.add_argument("--limits", type=Path, default=None,
@@ -270,7 +270,7 @@ def main() -> int:
                     help="llama-completion of another build (its bin/ beside its lib/): the zipmoe-before system")
     ap.add_argument("--rotate", action="store_true",
                     help="start each round one system later (round 2 runs the second system first, ...): on the bench "
-                         "VM a cap's first run was up to 20%% slower than its second (BENCHMARKS, 'A cross-fitted profile')")
+                         "VM a cap's first run was up to 20%% slower than its second")
     ap.add_argument("--rerun-failed", action="store_true",
                     help="run a system again at a cap where it failed in an earlier round (default: skip it)")
     args = ap.parse_args()

@@ -4,7 +4,7 @@
 
     .venv/bin/python bench/rpc_bench.py --stock M-Q4_K_M.gguf [--zipmoe M.zipmoe.gguf]
         [--server-caps 3G,6G] [--budgets 3G=1536M,6G=3G] [--rounds 5] [--gen-tokens 64]
-        [--out docs/benchmarks/rpc_X.json]
+        [--out docs/benchmarks/rpc/rpc_X.json]
 
 Per run: two `capped-run --mem CAP -- rpc-server -H 127.0.0.1 -p PORT -t 1` (../shared/tools/capped-run:
 each its own memory cgroup, page cache included), then the client, uncapped, with the model evicted
@@ -228,7 +228,7 @@ def main() -> int:
                     help=f"systems to run, of {', '.join(SYSTEMS)} (default: %(default)s; zipmoe-device-stores: "
                          "ZIPMOE_DEVICE_STORES=1, compressed experts kept in the client's memory beside the "
                          "server's slots once decode steps miss)")
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/rpc_bench.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/rpc/rpc_bench.json"))
     args = ap.parse_args()
     systems = args.systems.split(",")
     unknown = [x for x in systems if x not in SYSTEMS]

@@ -3,7 +3,7 @@
 against one live server on 127.0.0.1 serving a ZipMoE GGUF.
 
     .venv/bin/python bench/server_load_bench.py --model M.zipmoe.gguf [--budget 2G] [--clients 8]
-        [--requests 4] [--max-tokens 16] [--n-ctx 1024] [--port P] [--out docs/benchmarks/server_load.json]
+        [--requests 4] [--max-tokens 16] [--n-ctx 1024] [--port P] [--out docs/benchmarks/server/server_load.json]
         [--extra SERVER_FLAG ...]
 
 Starts the installed zipmoe-server (the one beside this Python) and waits for /v1/models (up to 600 s:
@@ -122,7 +122,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens per request (default: %(default)s)")
     ap.add_argument("--n-ctx", type=int, default=1024, help="the server's --n_ctx (default: %(default)s)")
     ap.add_argument("--port", type=int, default=None, help="default: a free one")
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/server_load.json"))
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/server/server_load.json"))
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                     help="more zipmoe-server flags: the rest of the command line")
     args = ap.parse_args()
