@@ -193,3 +193,16 @@ def test_verbose_false_keeps_llama_cpps_warnings_quiet_and_shows_its_errors(mode
     assert proc.returncode == 0 and "raised:" in out and "checksum mismatch" in out, out + err
     assert "removing memory module entries" not in err, err
     assert "llama_model_loader" not in err and "print_info" not in err, err  # no info chatter
+
+
+def test_the_fork_cli_always_prints_why_it_could_not_load(tmp_path):
+    """llama-completion's log is written by a thread: a failed load returned from main with its error still
+    queued, and the user who mistyped a path saw nothing in about a third of the runs. Every run says it."""
+    missing = tmp_path / "missing.gguf"
+    unreadable = tmp_path / "unreadable.gguf"
+    unreadable.write_bytes(b"GGUF" + bytes(60))
+    for path in [missing] * 16 + [unreadable] * 8:
+        proc = run([_paths.program("llama-completion"), "-m", path, "-p", "Hi", "-n", 4, "-no-cnv"],
+                   stdin=subprocess.DEVNULL, timeout=60)
+        assert proc.returncode == 1, proc.returncode
+        assert str(path).encode() in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-1000:]

@@ -191,3 +191,22 @@ def test_the_loader_knows_exactly_the_tables_keys(zipmoe_gguf):
     known = re.search(rb"unknown ZipMoE option 'zipmoe.bogus': known are ([^\n]*)", proc.stderr)
     assert known, proc.stderr.decode()[-2000:]
     assert known.group(1).decode().split(", ") == [o.key for o in options.table() if o.key]
+
+
+@pytest.mark.parametrize("program", ["llama-completion", "llama-perplexity", "llama-server"])
+def test_the_fork_programs_help_has_a_zipmoe_section_from_the_table(program):
+    """--help of the fork's common-argument programs lists every option the loader reads: its override,
+    its variable, its help and default, as the table says."""
+    from zipmoe_py import _paths
+
+    proc = run([_paths.program(program), "--help"], text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    section = proc.stdout.split("----- ZipMoE options -----", 1)
+    assert len(section) == 2, proc.stdout[-2000:]
+    for o in options.table():
+        if o.key is None:
+            assert f"zipmoe.{o.name}=" not in section[1]  # the Python layer reads it, not the loader
+            continue
+        assert f"--override-kv {o.key}=" in section[1] and f" {o.env}\n" in section[1], o.name
+        assert f"{o.help} (default: {o.default_text})" in section[1], o.name
+        assert f"VALUE: {o.expects}" in section[1], o.name

@@ -8,6 +8,7 @@
 
 #include "ggml-zipmoe-options.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -174,4 +175,34 @@ std::vector<std::string> llama_zipmoe_options::given_names(
         }
     }
     return names;
+}
+
+// the override type an option's value is given with (--override-kv KEY=TYPE:VALUE)
+static const char * override_type(int32_t type) {
+    switch (type) {
+        case GGML_ZIPMOE_TYPE_BOOL: return "bool";
+        case GGML_ZIPMOE_TYPE_INT:  return "int";
+        case GGML_ZIPMOE_TYPE_REAL: return "float";
+        default:                    return "str";
+    }
+}
+
+size_t llama_zipmoe_options_usage(char * buf, size_t buf_size) {
+    std::string text =
+        "for ZipMoE GGUFs: --override-kv zipmoe.NAME=TYPE:VALUE (several comma-separated), or the environment\n"
+        "variable; an override wins over the variable, the variable over the default\n\n";
+    for (int id = 0; id < ggml_zipmoe_option_count(); ++id) {
+        const ggml_zipmoe_option * o = ggml_zipmoe_option_at(id);
+        if (o->key == nullptr) {
+            continue; // read by the Python layer only
+        }
+        char expects[512];
+        ggml_zipmoe_option_expects(id, expects, sizeof(expects));
+        text += format("%-46s %s\n", format("--override-kv %s=%s:VALUE", o->key, override_type(o->type)).c_str(), o->env);
+        text += format("        %s (default: %s)\n        VALUE: %s\n", o->help, o->default_text, expects);
+    }
+    if (buf != nullptr && buf_size > 0) {
+        snprintf(buf, buf_size, "%s", text.c_str());
+    }
+    return text.size();
 }
