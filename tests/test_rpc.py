@@ -202,3 +202,23 @@ def test_zipmoe_chat_over_rpc_answers_as_it_does_alone(zipmoe_gguf, rpc_servers)
     unreachable = run([*chat, "--rpc", f"127.0.0.1:{free_port()}", "-ngl", 99], text=True, cwd=HERE)
     assert unreachable.returncode != 0 and "Traceback" not in unreachable.stderr
     assert "--rpc: RPC server 127.0.0.1:" in unreachable.stderr and "cannot be reached" in unreachable.stderr
+
+
+def test_a_port_that_is_not_an_rpc_server_is_an_error_naming_it_not_a_hang(zipmoe_gguf):
+    """A port that accepts connections but never answers the handshake (another program's, here a socket
+    that listens and reads nothing): the handshake's wait is bounded, and the error names the endpoint."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        endpoint = f"127.0.0.1:{mute.getsockname()[1]}"
+        started = time.monotonic()
+        proc = run([zipmoe_command("llama-completion"), "-m", zipmoe_gguf("qwen2moe"), "--rpc", endpoint, "-ngl", "99",
+                    "-p", "Hello", "-n", "4", "-no-cnv"], text=True, timeout=120,
+                   env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+        assert proc.returncode not in (0, -signal.SIGABRT, -signal.SIGSEGV), proc.stderr[-2000:]
+        assert f"RPC server {endpoint}: the handshake failed" in proc.stderr, proc.stderr[-2000:]
+        assert time.monotonic() - started < 60
+        chat = run([zipmoe_command("zipmoe-chat"), zipmoe_gguf("qwen2moe"), "-p", "Hi", "-n", 4, "--rpc", endpoint,
+                    "-ngl", 99], text=True, cwd=HERE, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
+        assert chat.returncode not in (0, -signal.SIGABRT, -signal.SIGSEGV) and "Traceback" not in chat.stderr
+        assert endpoint in chat.stderr and "handshake" in chat.stderr, chat.stderr[-2000:]
