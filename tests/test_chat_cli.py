@@ -135,3 +135,22 @@ def test_gpu_layers_are_said_to_do_nothing_only_on_a_build_without_a_gpu(tiny_gg
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     warned = b"warning: -ngl 99 does nothing: this build has no GPU backend" in proc.stderr
     assert warned == (not cli._gpu_offload())  # a CUDA build offloads: no warning there
+
+
+def test_a_budget_reduced_to_fit_is_said_without_verbose(zipmoe_gguf):
+    """The README says a budget that does not fit is reduced, with a warning: zipmoe-chat says so without
+    --verbose too, as llama-completion does, in the loader's words (the numbers)."""
+    proc = _chat(zipmoe_gguf("qwen2moe"), "-p", "Hi", "--budget", "10M", "--mem-limit", "1M")
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    warnings = [line for line in proc.stderr.decode().splitlines() if line.startswith("zipmoe-chat: warning: ")]
+    assert any("zipmoe.budget of 10.0 MiB does not fit: available" in line for line in warnings), proc.stderr.decode()[-2000:]
+    assert b"UserWarning" not in proc.stderr and b"warnings.warn" not in proc.stderr
+
+
+def test_options_on_a_plain_gguf_are_named_as_flags(tiny_gguf):
+    """A ZipMoE flag on a plain GGUF does nothing: said in zipmoe-chat's words (--budget), not as a raw Python
+    warning naming the keyword argument."""
+    proc = _chat(tiny_gguf("qwen2moe"), "-p", "Hi", "--budget", "256K")
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert b"zipmoe-chat: warning: " in proc.stderr and b"is not a ZipMoE GGUF: --budget does nothing" in proc.stderr
+    assert b"UserWarning" not in proc.stderr and b"zipmoe_budget" not in proc.stderr

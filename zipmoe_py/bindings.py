@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from . import _lib, _paths
-from .errors import ZipMoEError, ZipMoELoadError
+from .errors import OptionsIgnoredWarning, ZipMoEError, ZipMoELoadError, ZipMoEWarning
 from .gguf_file import GGUF_MAGIC
 from .options import check_budget, zipmoe_overrides
 
@@ -124,13 +124,14 @@ class _LoaderErrors:
     the option, file or tensor at fault. One load at a
     time: the log callback is the process's."""
 
-    _ERROR, _CONT = 4, 5  # ggml.h ggml_log_level (llama_cpp._logger maps an older numbering)
+    _WARN, _ERROR, _CONT = 3, 4, 5  # ggml.h ggml_log_level (llama_cpp._logger maps an older numbering)
 
     def __enter__(self):
         from llama_cpp import _logger
 
         _load_lock.acquire()
         self.lines: list[str] = []
+        self.warning_lines: list[str] = []
         self._forward = _logger.llama_log_callback
         in_error = [False]
 
@@ -139,6 +140,8 @@ class _LoaderErrors:
             in_error[0] = level == self._ERROR or (level == self._CONT and in_error[0])
             if in_error[0]:
                 self.lines.append(text.decode("utf-8", "replace"))
+            elif level == self._WARN and b"zipmoe" in text.lower():
+                self.warning_lines.append(text.decode("utf-8", "replace"))
             self._forward(level, text, user_data)
 
         self._capture = capture  # kept alive while llama.cpp holds it
@@ -148,6 +151,18 @@ class _LoaderErrors:
     def __exit__(self, *exc):
         llama_cpp.llama_log_set(self._forward, ctypes.c_void_p(0))
         _load_lock.release()
+
+    def warnings(self) -> list[str]:
+        """ZipMoE's warnings from the load (a budget reduced to fit, a lossy mode), without function-name
+        prefixes; not the one for options given to a plain GGUF, which Llama words itself."""
+        found = []
+        for line in "".join(self.warning_lines).splitlines():
+            line = line.strip()
+            head, _, rest = line.partition(": ")
+            text = rest if rest and head.isidentifier() else line
+            if text and "is not a ZipMoE GGUF" not in text:
+                found.append(text)
+        return list(dict.fromkeys(found))
 
     def reason(self) -> str:
         """The loader's own words: what follows "error loading model: " or "failed to initialize
@@ -239,11 +254,13 @@ class Llama(llama_cpp.Llama):
 
             apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
         self._hold_the_whole_context()
-        ignored = sorted(f"zipmoe_{name}" for name, value in given.items() if value is not None)
+        if not self.verbose:  # with verbose, llama.cpp's log has shown them
+            for text in errors.warnings():
+                warnings.warn(ZipMoEWarning(text), stacklevel=2)
+        ignored = tuple(sorted(f"zipmoe_{name}" for name, value in given.items() if value is not None))
         if ignored and not _lib.llama_model_zipmoe_cache(self._model.model):
             # llama.cpp's loader warns too, in its log (silent with verbose=False)
-            warnings.warn(f"{model_path} is not a ZipMoE GGUF: {', '.join(ignored)} do nothing; convert it with "
-                          "zipmoe-convert to serve its experts under a budget", stacklevel=2)
+            warnings.warn(OptionsIgnoredWarning(model_path, ignored), stacklevel=2)
 
     def _hold_the_whole_context(self) -> None:
         """llama.cpp rounds the context size up (to a multiple of 256: n_ctx=16 gives 256, self.n_ctx()),

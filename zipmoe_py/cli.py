@@ -13,10 +13,11 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from . import _lib
-from .errors import ZipMoEError
+from .errors import ZipMoEError, ZipMoEWarning
 from .options import chat_flag, python_options, size_text, zipmoe_overrides
 
 HELP_TEXT = ("commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this; "
@@ -210,6 +211,16 @@ def _stream_reply(llm, messages: list[dict], args) -> str:
     return "".join(parts)
 
 
+def _warning_text(warning: Warning) -> str:
+    """A warning of the load in zipmoe-chat's words: options by their flags (--budget), not Python's."""
+    from .errors import OptionsIgnoredWarning
+    from .options import find
+
+    if isinstance(warning, OptionsIgnoredWarning):
+        return warning.worded([chat_flag(find(kwarg)) for kwarg in warning.kwargs])
+    return str(warning)
+
+
 def chat(args) -> int:
     from .bindings import Llama
 
@@ -232,8 +243,13 @@ def chat(args) -> int:
         print(f"zipmoe-chat: warning: -ngl {args.n_gpu_layers} does nothing: this build has no GPU backend "
               "(bash tools/setup.sh --cuda builds one) and no --rpc server was given; every layer runs on the CPU",
               file=sys.stderr)
-    llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
+    # the load's warnings in zipmoe-chat's words ("always": a ZipMoE warning is never lost to an earlier one)
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always", ZipMoEWarning)
+        llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
+                    n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
+    for w in raised:
+        print(f"zipmoe-chat: warning: {_warning_text(w.message)}", file=sys.stderr)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:
