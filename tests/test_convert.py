@@ -281,11 +281,14 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.parametrize("next_output", ["m.gguf", "n.gguf"])
 @pytest.mark.parametrize("killed_while", ["converting the checkpoint", "repacking"])
-def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, tiny_hf, tiny_gguf, killed_while):
+def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, tiny_hf, tiny_gguf, killed_while,
+                                                                      next_output):
     """SIGKILL leaves what no handler can remove: the work folder .zipmoe-<pid>-*/ with the half-written
     BF16 GGUF, or OUT.<pid>.*.partial, and OUT.lock (no longer locked). The converter dies with it (it
-    would go on writing in the work folder), and the next conversion in that folder removes them."""
+    would go on writing in the work folder), and the next conversion in that folder, to the same output
+    or another, removes them."""
     import signal
     import time
 
@@ -312,10 +315,28 @@ def test_the_leftovers_of_a_killed_conversion_are_removed_by_the_next(tmp_path, 
             assert time.monotonic() < deadline, f"the converter {converters} outlived its zipmoe-convert"
             time.sleep(0.1)
 
-    again = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", out, "--quiet"])
+    again = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", tmp_path / next_output, "--quiet"])
     assert again.returncode == 0, again.stderr.decode()
-    _verify(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    _verify(tmp_path / next_output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [next_output]
+
+
+def test_a_lock_that_is_not_a_conversions_is_kept(tmp_path, tiny_gguf):
+    """Only a killed conversion's lock goes: a .lock file that holds anything but a dead pid, or whose
+    writer runs, is someone else's or in use."""
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        kept = {"notes.lock": "not a pid\n", "alive.gguf.lock": f"{sleeper.pid}\n", "empty.lock": ""}
+        for name, text in kept.items():
+            (tmp_path / name).write_text(text)
+        done = run([zipmoe_command("zipmoe-convert"), tiny_gguf("qwen2moe"), "-o", tmp_path / "m.gguf", "--quiet"])
+        assert done.returncode == 0, done.stderr.decode()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "m.gguf"])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_a_running_conversions_work_folder_is_kept(tmp_path, tiny_hf, tiny_gguf):

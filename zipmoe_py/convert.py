@@ -225,6 +225,29 @@ def _work_folder(parent: Path):
             os.close(fd)
 
 
+def _remove_stale_locks(parent: Path) -> None:
+    """Remove the OUT.lock files in parent of conversions that were killed, with OUT's temporaries: ours
+    hold nothing but the writer's pid, and a lock that no process holds, whose pid is dead, guards nothing."""
+    for lock_path in parent.glob("*.lock"):
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, a link, or someone else's
+        try:
+            holder = os.read(fd, 32)
+            if not re.fullmatch(rb"\d+\n", holder) or _process_alive(int(holder)):
+                continue  # not one of ours, or its conversion may be running
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # held now, so no conversion is writing OUT; unlinked while held, as _output_lock does
+            if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
+                _remove_stale_temporaries(lock_path.with_name(lock_path.name[:-len(".lock")]))
+                os.unlink(lock_path)
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        finally:
+            os.close(fd)
+
+
 def _remove_stale_work_folders(parent: Path) -> None:
     """Remove the work folders in parent of conversions that were killed (SIGKILL, a crash):
     those whose owner.lock no process holds (or, killed before it was made, whose pid is dead)."""
@@ -389,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.keep_bf16 is not None:
                 held.enter_context(_output_lock(args.keep_bf16))
             _remove_stale_work_folders(args.outfile.parent)
+            _remove_stale_locks(args.outfile.parent)
             if args.bf16:
                 out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
                 print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
@@ -555,10 +579,11 @@ def verify_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="zipmoe-verify",
         description="Decode every routed expert of a ZipMoE GGUF, checking every chunk's checksum; with "
-                    "--against, also compare every tensor bit for bit with the BF16 GGUF it came from. "
+                    "--against, also compare every tensor bit for bit with the GGUF it was made from. "
                     "Exits 1 naming the first corrupt chunk (layer, tensor, expert, shard) or differing tensor.")
     ap.add_argument("file", type=Path, help="ZipMoE GGUF to check")
-    ap.add_argument("--against", type=Path, default=None, metavar="SOURCE.gguf", help="the BF16 GGUF it was made from")
+    ap.add_argument("--against", type=Path, default=None, metavar="SOURCE.gguf", help="the GGUF it was made from: the BF16 GGUF for BF16 experts, the quantized GGUF "
+                         "(Q4_K_M, Q8_0, ...) for a quantized model's")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
