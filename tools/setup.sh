@@ -40,6 +40,14 @@ if ! command -v patch >/dev/null; then
     echo "setup: installing patch(1)"
     apt_install patch || exit 1
 fi
+# ccache: a rebuild, or a build in a fresh clone on the same machine, compiles only what changed
+# (ggml's CMake uses it for every target when it is on the PATH; CCACHE_BASEDIR makes its hits
+# independent of the clone's folder)
+if ! command -v ccache >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing ccache (later builds reuse what did not change)"
+    apt_install ccache || echo "setup: building without ccache" >&2
+fi
+export CCACHE_BASEDIR="$root"
 if [ "$dev" = 1 ] && ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null; then
     echo "setup: installing chromium and its driver (the web UI test of llama-server)"
     apt_install chromium chromium-driver || echo "setup: the web UI test will fail without chromium" >&2
