@@ -1,5 +1,5 @@
 """The reference pool planner (ZipMoE paper section 3.4, Appendices C and D) in numpy: the algorithms
-the runtime's C planner (ggml-zipmoe/src/cache/zipmoe-planner.c) is held to.
+the runtime's C planner (ggml-zipmoe/src/policy/zipmoe-planner.c) is held to.
 
 zipmoe-plan and a model loaded with no pool options run the C planner (zipmoe_py/plan_math.py calls
 it); tests/test_default_pools.py and tests/test_planner.py check that it chooses as this module

@@ -1,6 +1,6 @@
 """ggml-zipmoe's files call each other one way (docs/ARCHITECTURE.md; the order is written in
 src/cache/zipmoe-cache-impl.h): a lower file of the expert cache never calls a function defined in a
-higher one, the lossy policies see nothing of the cache, and serving sees only the public API.
+higher one, the policies (policy/, lossy/) see nothing of the cache, and serving sees only the public API.
 
 The calls are read from the sources: every function a file defines, and every call of a function
 another file defines (comments removed).
@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "ggml-zipmoe" / "src"
 # the cache's files from the top down (zipmoe-cache-impl.h); a file may call those after it only
 CACHE_ORDER = [
     ("zipmoe-migrate.c",),
-    ("zipmoe-preload.c", "zipmoe-substitution-hook.c", "zipmoe-default-pools.c"),
+    ("zipmoe-preload.c", "zipmoe-substitution-hook.c", "zipmoe-pool-view.c"),
     ("zipmoe-cache.c", "zipmoe-stats.c"),
     ("zipmoe-fetch.c",),
     ("zipmoe-fetch-device.c",),
@@ -23,7 +23,6 @@ CACHE_ORDER = [
     ("zipmoe-stores.c",),
     ("zipmoe-prefetch.c",),
     ("zipmoe-fetch-io.c",),
-    ("zipmoe-sched.c", "zipmoe-planner.c"),
 ]
 
 DEFINITION = re.compile(r"^[a-z][\w \*]*?\b((?:ggml_)?zipmoe_\w+)\([^;{]*\)\s*\{", re.M)
@@ -61,16 +60,18 @@ def test_the_cache_files_call_downward_only():
     assert not upward, f"calls that go up or sideways: {upward}"
 
 
-def test_lossy_policies_and_serving_see_no_cache_internals():
-    for folder in ("lossy", "serving"):
+def test_policies_and_serving_see_no_cache_internals():
+    for folder in ("policy", "lossy", "serving"):
         for source in (SRC / folder).glob("*.[ch]"):
             includes = re.findall(r'#include "([^"]+)"', source.read_text())
             assert not any(i.startswith("cache/") for i in includes), f"{source.name} includes {includes}"
 
 
 # ggml-zipmoe's folders from the bottom up: a file calls functions of its own folder or of a lower level only.
-# lossy and gpu sit beside each other, under the cache that uses them; serving sits on top.
-SRC_LEVELS = {"common": 0, "codec": 1, "format": 2, "lossy": 3, "gpu": 3, "cache": 4, "serving": 5}
+# policy (the scheduler, the planner and the default pools: pure functions of what they are given), lossy and
+# gpu sit beside each other, under the cache that calls them (the fetch's schedule, the default rates, the
+# default pools on the view the cache fills); serving sits on top.
+SRC_LEVELS = {"common": 0, "codec": 1, "format": 2, "policy": 3, "lossy": 3, "gpu": 3, "cache": 4, "serving": 5}
 
 
 def test_the_library_folders_call_downward_only():
@@ -79,6 +80,7 @@ def test_the_library_folders_call_downward_only():
     graph = calls_between(files)
     folder = {f.name: f.parent.name for f in files}
     assert graph["zipmoe-fetch.c"]["zipmoe-codec.c"]  # the reader sees calls across folders
+    assert graph["zipmoe-fetch.c"]["zipmoe-sched.c"] and graph["zipmoe-pool-view.c"]["zipmoe-default-pools.c"]
     wrong = sorted((caller, callee, sorted(names)) for caller, callees in graph.items()
                    for callee, names in callees.items()
                    if folder[caller] != folder[callee] and SRC_LEVELS[folder[callee]] >= SRC_LEVELS[folder[caller]])

@@ -14,8 +14,10 @@
 //   zipmoe-fetch-io.c   the I/O thread and the staging rings it reads into
 //   zipmoe-prefetch.c   reads ahead for predicted experts, and what a fetch takes from them
 //   zipmoe-substitution-hook.c  the public calls of the lossy policy (lossy/), forwarded to c->subst
-//   zipmoe-default-pools.c  the pools a budget gets with no pool options (the planner's, or compressed)
-//   zipmoe-sched.c, zipmoe-planner.c  Algorithm 1 (the fetch's order) and Algorithms 2-4 (the pools)
+//   zipmoe-pool-view.c  what the default pools (policy/zipmoe-default-pools.c) read of the cache
+//
+// The cache calls policy/ (Algorithm 1 for the fetch's order, the default rates, the default pools on
+// the view it fills); policy/ never sees the cache's struct.
 //
 // A cache is one struct of sub-structs by concern; each file owns the sub-structs named above it.
 
@@ -46,9 +48,6 @@
 #define ZIPMOE_MAX_THREADS   256
 #define ZIPMOE_N_STAGING     8         // buffers per ring: SM-chunks, and each task's K E-chunks
 #define ZIPMOE_DECODER_BYTES (1u << 20) // a decoder's codec state (zstd's context is the largest), rounded up
-
-// pools of the hierarchy, by index (enum ggml_zipmoe_pool); NO_POOL: not cached
-#define NO_POOL (-1)
 
 // staging buffer states
 enum { STAGE_FREE = 0, STAGE_BUSY = 1 };
@@ -385,15 +384,14 @@ static inline int32_t zipmoe_cache_pass_width(const struct ggml_zipmoe_cache * c
 // The files call each other one way, from the top down; a lower file never calls a higher one
 // (the I/O thread reaches the prefetch's reads through pipe.idle_work, which prefetch registers):
 //   zipmoe-migrate.c                                 a change of pools, then fetches on the public API
-//   zipmoe-preload.c, zipmoe-substitution-hook.c,    on the public cache API (and lossy/; the default
-//   zipmoe-default-pools.c                           pools on the planner)
+//   zipmoe-preload.c, zipmoe-substitution-hook.c,    on the public cache API (and lossy/; the pool view
+//   zipmoe-pool-view.c                               on policy/'s default pools)
 //   zipmoe-cache.c, zipmoe-stats.c                   lifecycle, queries, merge; statistics
 //   zipmoe-fetch.c                                   begin / end, the schedule, the decoding threads
 //   zipmoe-fetch-device.c                            shards into slots in CUDA or a caller's device
 //   zipmoe-residency.c                               the plan of a pass, eviction, the stores
 //   zipmoe-prefetch.c                                read-ahead banks
 //   zipmoe-fetch-io.c                                the I/O thread, staging, chunk reads, a task's chunks
-//   zipmoe-sched.c, zipmoe-planner.c                 pure: Algorithm 1; Algorithms 2-4
 
 // zipmoe-preload.c: one fetch of n experts of a layer, in as many passes as it takes, each decoded on
 // n_threads threads of its own (the caller one of them)
@@ -456,9 +454,10 @@ void     zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry)
 int      zipmoe_store_migrates_from(int p);
 // an expert the pools (while migrating) send to F that C or S holds, no slot does, and was used again
 int      zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key);
-// the experts a change to f_per_layer F experts a layer would decode from C or S (as
-// zipmoe_store_migrant); *from_s (may be NULL) gets those from S, which read their E-chunks
-int32_t  zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer, int32_t * from_s);
+// the experts a change would decode from C or S into an F that holds their rank (as zipmoe_store_migrant),
+// counted by rank over the served layers into n[max_expert]; from_s[max_expert] gets those from S, which
+// read their E-chunks
+void     zipmoe_migrants_by_rank(const struct ggml_zipmoe_cache * c, int32_t * n, int32_t * from_s);
 // the whole pages within entries [first, first + n) of store p, forgotten (nothing reads them): into the
 // slots a change of pools fills, else given back to the system (zipmoe_sink_pages)
 void     zipmoe_store_release(struct ggml_zipmoe_cache * c, int p, int32_t first, int32_t n);
@@ -503,5 +502,3 @@ int      zipmoe_cache_ensure_staging(struct ggml_zipmoe_cache * c);
 int      zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last,
                             uint8_t * mem, size_t region, uint64_t * base, int * bad, int * sys_errno);
 int      zipmoe_cache_start_io(struct ggml_zipmoe_cache * c);
-// zipmoe-planner.c: the expected makespan of per-layer capacities (hierarchy order) under p's q and costs
-int      zipmoe_plan_evaluate(const struct ggml_zipmoe_plan_params * p, const int32_t capacity[4], double * makespan_s);

@@ -11,7 +11,7 @@
 // A fetch is split in two graph ops so that reading overlaps the graph's other work: begin plans
 // (zipmoe-residency.c) and starts the reads, end decodes and recovers (zipmoe-fetch.c). This file
 // holds the cache's lifecycle, its public queries and the multi-pass merge (statistics:
-// zipmoe-stats.c; the cost model's rates: zipmoe-planner.c; preload: zipmoe-preload.c);
+// zipmoe-stats.c, with the cost model's rates; preload: zipmoe-preload.c);
 // zipmoe-cache-impl.h maps the cache's state to the files.
 
 #include "cache/zipmoe-cache-impl.h"

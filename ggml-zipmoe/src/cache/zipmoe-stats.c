@@ -1,5 +1,6 @@
 // Expert cache: its statistics (ggml_zipmoe_cache_get_stats and reset, the activations the
-// planner reads, the caller's graph time for the account of a token).
+// planner reads, the caller's graph time for the account of a token) and the cost model's rates
+// (ggml_zipmoe_cache_rate: given, measured by its fetches, or policy/'s defaults).
 
 #include "cache/zipmoe-cache-impl.h"
 
@@ -127,4 +128,31 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
     zipmoe_gpu_set_h2d_bytes(c->gpu, 0);
     zipmoe_prefetch_reset_stats(c);
     zipmoe_substitution_reset_counts(c->subst);
+}
+
+double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
+    if (c == NULL) {
+        return 0.0;
+    }
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return c->plan.rate_read;
+        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.rate_decode;
+        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.rate_compute;
+        case GGML_ZIPMOE_RATE_TOUCH:   return ggml_zipmoe_default_rate(GGML_ZIPMOE_RATE_TOUCH);
+        default:                       return 0.0;
+    }
+}
+
+int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
+    if (c == NULL) {
+        return -1;
+    }
+    switch (rate) {
+        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
+        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
+        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
+                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
+        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
+        default:                       return -1;
+    }
 }

@@ -144,20 +144,19 @@ int zipmoe_store_migrant(const struct ggml_zipmoe_cache * c, int64_t key) {
     return c->pools.migrating && worth_moving(c, key) && zipmoe_dispatch_pool(c, layer, e) == GGML_ZIPMOE_POOL_F;
 }
 
-int32_t zipmoe_count_migrants(const struct ggml_zipmoe_cache * c, int32_t f_per_layer, int32_t * from_s) {
-    int32_t n = 0, s = 0;
+void zipmoe_migrants_by_rank(const struct ggml_zipmoe_cache * c, int32_t * n, int32_t * from_s) {
+    memset(n, 0, sizeof(int32_t) * (size_t) c->layout.max_expert);
+    memset(from_s, 0, sizeof(int32_t) * (size_t) c->layout.max_expert);
     for (int l = 0; l < c->layout.n_layer; l++) {
         for (int32_t e = 0; zipmoe_layer_served(c, l) && e < c->layout.layer_n_expert[l]; e++) {
             const int64_t key = (int64_t) l * c->layout.max_expert + e;
-            const int     moves = worth_moving(c, key) && expert_rank(c, l, e) < f_per_layer;
-            n += moves;
-            s += moves && c->pools.key_pool[key] == GGML_ZIPMOE_POOL_S;
+            if (worth_moving(c, key)) {
+                const int32_t rank = expert_rank(c, l, e);
+                n[rank]++;
+                from_s[rank] += c->pools.key_pool[key] == GGML_ZIPMOE_POOL_S;
+            }
         }
     }
-    if (from_s != NULL) {
-        *from_s = s;
-    }
-    return n;
 }
 
 void zipmoe_sink_open(struct ggml_zipmoe_cache * c, int32_t first, int32_t end) {

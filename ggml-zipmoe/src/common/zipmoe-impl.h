@@ -107,6 +107,9 @@ void zipmoe_tensor_shard_range(const struct zipmoe_tensor * t, int shards, int k
 
 uint64_t zipmoe_align_up(uint64_t x, uint64_t a);
 
+// pools of the hierarchy, by index (enum ggml_zipmoe_pool); NO_POOL: not cached
+#define NO_POOL (-1)
+
 // The one decode + recover routine (zipmoe-codec.c): the expert cache's workers, the reader and
 // ggml_zipmoe_decode_expert all run it. Shard k (0-based) of an expert of n values, dst the
 // expert's n BF16 values: its E-chunk (src, size stored bytes) decodes into the upper half of the

@@ -1,8 +1,10 @@
 // The default pools (ggml_zipmoe_cache_default_pools, ggml-zipmoe-policy.h): the pools a model loaded
-// with no pool options gets for the memory left, from the planner (zipmoe-planner.c) and the cache's
-// store entries, rates and pools; its re-plan (serving/zipmoe-replan.c) calls it with a profile.
+// with no pool options gets for the memory left, from the planner (zipmoe-planner.c) and what the cache
+// says of its store entries, rates and pools (a zipmoe_pool_view, made by cache/zipmoe-pool-view.c); its
+// re-plan (serving/zipmoe-replan.c) calls it with a profile.
 
-#include "cache/zipmoe-cache-impl.h"
+#include "policy/zipmoe-policy-impl.h"
+#include "common/zipmoe-impl.h"
 #include "ggml-zipmoe-options.h"
 
 #include <stdio.h>
@@ -47,53 +49,53 @@ static int fit_profile(const double * profile, int32_t N, int32_t k, double ** q
 }
 
 // a pool C store entry: an expert's SM-chunks and its largest E-chunks, as the cache makes them
-static uint64_t entry_c_bytes(const struct ggml_zipmoe_cache * c) {
-    return zipmoe_align_up(c->layout.sm_bytes + c->layout.max_e_bytes, 64);
+static uint64_t entry_c_bytes(const struct zipmoe_pool_view * v) {
+    return zipmoe_align_up(v->layout.sm_bytes + v->layout.max_e_bytes, 64);
 }
 
 // the planner's inputs for this cache: its store entries' real sizes, the delays of Algorithm 3 from
 // the rates (bytes per second), the selection probabilities q (NULL: uniform)
-static struct ggml_zipmoe_plan_params cost_model(const struct ggml_zipmoe_cache * c, int32_t k, const double * q,
+static struct ggml_zipmoe_plan_params cost_model(const struct zipmoe_pool_view * v, int32_t k, const double * q,
                                                  uint64_t budget, double read, double decode, int32_t n_threads) {
-    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
-    const double   n = 3, K = c->file->n_shards;
+    const uint64_t X = v->layout.expert_bytes; // a full expert: its slot
+    const double   n = 3, K = v->layout.n_shards;
     struct ggml_zipmoe_plan_params p = { 0 };
-    p.n_expert   = c->layout.max_expert;
+    p.n_expert   = v->layout.max_expert;
     p.k          = k;
     p.q          = q;
     p.budget     = budget;
     p.entry_bytes[GGML_ZIPMOE_POOL_F] = X;
-    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c_bytes(c);
-    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(c->layout.sm_bytes, 64);
-    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(c->layout.max_e_bytes, 64);
-    p.u          = c->layout.sm_bytes / n / read;
-    p.v          = c->layout.rho * c->layout.sm_bytes / (n * K) / read; // the mean E-chunk
+    p.entry_bytes[GGML_ZIPMOE_POOL_C] = entry_c_bytes(v);
+    p.entry_bytes[GGML_ZIPMOE_POOL_S] = zipmoe_align_up(v->layout.sm_bytes, 64);
+    p.entry_bytes[GGML_ZIPMOE_POOL_E] = zipmoe_align_up(v->layout.max_e_bytes, 64);
+    p.u          = v->layout.sm_bytes / n / read;
+    p.v          = v->layout.rho * v->layout.sm_bytes / (n * K) / read; // the mean E-chunk
     p.c          = X / (n * K) / decode;
     p.threads    = n_threads;
     p.n_shards   = (int32_t) K;
     p.n_tensors  = 3;
-    p.n_layer    = c->layout.n_served;
+    p.n_layer    = v->layout.n_served;
     p.grid_steps = 20;
     return p;
 }
 
 // experts per served layer that one F pool of n_slots holds
-static int32_t f_per_layer(const struct ggml_zipmoe_cache * c, int32_t n_slots) {
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+static int32_t f_per_layer(const struct zipmoe_pool_view * v, int32_t n_slots) {
+    const int32_t L = v->layout.n_served, N = v->layout.max_expert;
     return n_slots / L < N ? n_slots / L : N;
 }
 
 // the per-layer capacities of the pools the cache has now, packed in hierarchy order
-static void current_pools(const struct ggml_zipmoe_cache * c, int32_t now[4]) {
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+static void current_pools(const struct zipmoe_pool_view * v, int32_t now[4]) {
+    const int32_t L = v->layout.n_served, N = v->layout.max_expert;
     memset(now, 0, 4 * sizeof(int32_t));
-    if (c->pools.n_active == 1 && c->pools.active[0] == GGML_ZIPMOE_POOL_F) {
-        now[GGML_ZIPMOE_POOL_F] = f_per_layer(c, c->slots.n_used);
+    if (v->one_f_pool) {
+        now[GGML_ZIPMOE_POOL_F] = f_per_layer(v, v->n_used);
         return;
     }
     int32_t left = N;
     for (int i = 0; i < 4; i++) {
-        const int32_t held = i == 0 ? c->pools.f_capacity / L : c->pools.store[i].n_entries / L;
+        const int32_t held = i == 0 ? v->f_capacity / L : v->n_entries[i] / L;
         now[i] = held < left ? held : left;
         left -= now[i];
     }
@@ -112,18 +114,34 @@ static int rank_pool(const int32_t capacity[4], int inclusive, int32_t rank) {
     return NO_POOL;
 }
 
+// the pools whose experts a change into host slots decodes into F (as the cache's stores migrate them)
+static int migrates_from(int p) {
+    return p == GGML_ZIPMOE_POOL_C || p == GGML_ZIPMOE_POOL_S;
+}
+
+// the experts of C or S that F decodes if it holds f_per_layer per layer (*from_s: those from S)
+static int32_t count_migrants(const struct zipmoe_pool_view * v, int32_t f_per_layer, int32_t * from_s) {
+    int32_t n = 0, s = 0;
+    for (int32_t r = 0; r < f_per_layer && r < v->layout.max_expert; r++) {
+        n += v->migrants[r];
+        s += v->migrants_from_s[r];
+    }
+    *from_s = s;
+    return n;
+}
+
 // an expert's mean stored E-chunks (rho of its SM-chunks' bytes)
-static double mean_e_bytes(const struct ggml_zipmoe_cache * c) {
-    return c->layout.rho * (double) c->layout.sm_bytes;
+static double mean_e_bytes(const struct zipmoe_pool_view * v) {
+    return v->layout.rho * (double) v->layout.sm_bytes;
 }
 
 // stored bytes an expert moved from pool `from` (NO_POOL: none) to pool `to` reads on its next use. A
 // change keeps an expert's entry only in its own pool (zipmoe_cache_resize_stores), so `to` reads all it
 // keeps (a miss, for F), but two: C or S into host slots decodes its entry (set_pools_migrating; S's
 // E-chunks counted with the migrants), and F's experts keep their entries in an inclusive C
-static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, int host, int now_inclusive) {
-    const double sm = (double) c->layout.sm_bytes, e = mean_e_bytes(c);
-    if ((zipmoe_store_migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host) ||
+static double fill_bytes(const struct zipmoe_pool_view * v, int from, int to, int host, int now_inclusive) {
+    const double sm = (double) v->layout.sm_bytes, e = mean_e_bytes(v);
+    if ((migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host) ||
         (from == GGML_ZIPMOE_POOL_F && to == GGML_ZIPMOE_POOL_C && now_inclusive)) {
         return 0;
     }
@@ -139,42 +157,37 @@ static double fill_bytes(const struct ggml_zipmoe_cache * c, int from, int to, i
 // the pages that the entries the stores give up move into them where slots take pages (given_up_bytes).
 // C's and S's experts that F takes are decoded only if used again (zipmoe_count_migrants); the others'
 // next use, if any, is a miss.
-static double given_up_bytes(const struct ggml_zipmoe_cache * c, const int32_t next[4],
+static double given_up_bytes(const struct zipmoe_pool_view * v, const int32_t next[4],
                              const int32_t capacity[4]) {
     // the pages move where the change migrates (an F that takes experts, or one F pool) into host slots
     // that take them (zipmoe_cache_change_pools opens the sink)
     const int migrates = capacity[GGML_ZIPMOE_POOL_F] > 0 ||
                          capacity[GGML_ZIPMOE_POOL_C] + capacity[GGML_ZIPMOE_POOL_S] + capacity[GGML_ZIPMOE_POOL_E] == 0;
-    if (!c->slots.take_pages || !zipmoe_cache_slots_in_host(c) || !migrates) {
+    if (!v->moves_pages || !migrates) {
         return 0;
     }
     double bytes = 0;
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; p++) {
-        const struct zipmoe_store * s = &c->pools.store[p];
-        const int32_t kept = next[p] * c->layout.n_served;
+        const int32_t kept = next[p] * v->layout.n_served;
         // whole huge-page blocks move: an entry alone holds a block less than its size (runs of neighbours
-        // hold more), and the last layer's migrants give theirs once their slots are written
-        const double blocks = s->entry_size > ZIPMOE_MOVE_BLOCK ? (double) (s->entry_size - ZIPMOE_MOVE_BLOCK) : 0;
-        // the entries written have their pages; the populator faults only a window past them in
-        int32_t held = 0;
-        for (int32_t i = 0; i < s->n_entries; i++) {
-            held += s->entry_key[i] >= 0;
-        }
-        bytes += held > kept ? (double) (held - kept) * blocks : 0;
+        // hold more; v->entry_blocks), and the last layer's migrants give theirs once their slots are
+        // written. The entries written have their pages; the populator faults only a window past them in
+        const int32_t held = v->n_held[p];
+        bytes += held > kept ? (double) (held - kept) * v->entry_blocks[p] : 0;
     }
     return bytes;
 }
 
-static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4], double read, double decode,
+static void refill_cost(const struct zipmoe_pool_view * v, const int32_t now[4], double read, double decode,
                         int32_t n_threads, struct ggml_zipmoe_default_pools * out) {
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    const int32_t L = v->layout.n_served, N = v->layout.max_expert;
     int32_t next[4];
     memcpy(next, out->capacity, sizeof(next));
     if (next[0] + next[1] + next[2] + next[3] == 0) { // one F pool of n_slots
-        next[GGML_ZIPMOE_POOL_F] = f_per_layer(c, out->n_slots);
+        next[GGML_ZIPMOE_POOL_F] = f_per_layer(v, out->n_slots);
     }
-    const int    host = zipmoe_cache_slots_in_host(c);
-    const double X    = (double) c->layout.expert_bytes;
+    const int    host = v->host;
+    const double X    = (double) v->layout.expert_bytes;
     double  read_bytes = 0, decoded = 0;
     int32_t filled     = 0; // ranks a layer that F fills on their next use
     for (int32_t r = 0; r < N; r++) {
@@ -182,21 +195,21 @@ static void refill_cost(const struct ggml_zipmoe_cache * c, const int32_t now[4]
         if (to == NO_POOL || to == from) {
             continue;
         }
-        read_bytes += fill_bytes(c, from, to, host, c->pools.inclusive);
+        read_bytes += fill_bytes(v, from, to, host, v->inclusive);
         // from C or S into host slots: the experts the change decodes are counted whole below
-        const int migrated = zipmoe_store_migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host;
+        const int migrated = migrates_from(from) && to == GGML_ZIPMOE_POOL_F && host;
         decoded += to == GGML_ZIPMOE_POOL_F && !migrated ? X : 0;
         filled += to == GGML_ZIPMOE_POOL_F && !migrated;
     }
     int32_t       from_s   = 0;
-    const int32_t migrants = host ? zipmoe_count_migrants(c, next[GGML_ZIPMOE_POOL_F], &from_s) : 0;
+    const int32_t migrants = host ? count_migrants(v, next[GGML_ZIPMOE_POOL_F], &from_s) : 0;
     decoded += X * migrants / L;
-    read_bytes += mean_e_bytes(c) * from_s / L; // S's E-chunks
+    read_bytes += mean_e_bytes(v) * from_s / L; // S's E-chunks
     // the slots written: the migrants' and the fills', of the new ones (those past the slots in use)
-    const int32_t added     = host && out->n_slots > c->slots.n_used ? out->n_slots - c->slots.n_used : 0;
+    const int32_t added     = host && out->n_slots > v->n_used ? out->n_slots - v->n_used : 0;
     const int32_t new_slots = added < migrants + filled * L ? added : migrants + filled * L;
-    const double  touch     = ggml_zipmoe_cache_rate(c, GGML_ZIPMOE_RATE_TOUCH);
-    const double  spared    = given_up_bytes(c, next, out->capacity);
+    const double  touch     = v->rate_touch;
+    const double  spared    = given_up_bytes(v, next, out->capacity);
     const double  touched   = new_slots * X > spared ? new_slots * X - spared : 0;
     out->refill_s = (read > 0 ? read_bytes * L / read : 0) + (decode > 0 ? decoded * L / (decode * n_threads) : 0) +
                     (touch > 0 ? touched / (touch * n_threads) : 0);
@@ -210,11 +223,11 @@ enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };
 // other (at most k) per layer in E. Rank dispatch on a flat profile moves experts between partial
 // pools on noise, which the planner does not model (BENCHMARKS, "Every expert kept compressed": the
 // full Qwen1.5-MoE geometry at 20 GiB decodes 1.66x faster than with the planner's partial pools)
-static int compressed_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, uint64_t work,
+static int compressed_pools(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, uint64_t work,
                             int observed, int32_t capacity[4]) {
-    const int32_t  L = c->layout.n_served, N = c->layout.max_expert;
-    const uint64_t X = c->layout.expert_bytes, entry_c = entry_c_bytes(c);
-    const uint64_t entry_e = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    const int32_t  L = v->layout.n_served, N = v->layout.max_expert;
+    const uint64_t X = v->layout.expert_bytes, entry_c = entry_c_bytes(v);
+    const uint64_t entry_e = zipmoe_align_up(v->layout.max_e_bytes, 64);
     memset(capacity, 0, 4 * sizeof(int32_t));
     if (budget >= entry_c * N * L + work) {
         const uint64_t f = (budget - entry_c * N * L - work) / (X * L);
@@ -233,12 +246,12 @@ static int compressed_pools(const struct ggml_zipmoe_cache * c, uint64_t budget,
 }
 
 // out's pools and reason for compressed_pools' choice (held), whose expected makespan is makespan_s
-static void take_compressed(const struct ggml_zipmoe_cache * c, int held, const int32_t capacity[4], double makespan_s,
+static void take_compressed(const struct zipmoe_pool_view * v, int held, const int32_t capacity[4], double makespan_s,
                             uint64_t budget, int32_t work_slots, const char * source,
                             struct ggml_zipmoe_default_pools * out) {
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    const int32_t L = v->layout.n_served, N = v->layout.max_expert;
     char          all_c[32], room[32];
-    ggml_zipmoe_size_text(entry_c_bytes(c) * (uint64_t) N * (uint64_t) L, all_c, sizeof(all_c));
+    ggml_zipmoe_size_text(entry_c_bytes(v) * (uint64_t) N * (uint64_t) L, all_c, sizeof(all_c));
     ggml_zipmoe_size_text(budget, room, sizeof(room));
     memcpy(out->capacity, capacity, sizeof(out->capacity));
     out->inclusive           = held == HELD_ALL_IN_C;
@@ -257,16 +270,16 @@ static void take_compressed(const struct ggml_zipmoe_cache * c, int held, const 
 
 #define ZIPMOE_POOLS_GAIN 0.9 // pools on an observed profile: at most this share of one F pool's makespan
 
-int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t budget, int32_t k, int32_t n_threads,
-                                    int32_t work_slots, double rate_read, double rate_decode, const double * profile,
-                                    struct ggml_zipmoe_default_pools * out) {
-    if (c == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
+int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, int32_t n_threads,
+                         int32_t work_slots, double rate_read, double rate_decode, const double * profile,
+                         struct ggml_zipmoe_default_pools * out) {
+    if (v == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
         return GGML_ZIPMOE_ERR_ARG;
     }
     memset(out, 0, sizeof(*out));
-    const int32_t  L = c->layout.n_served;
-    const int32_t  N = c->layout.max_expert;
-    const uint64_t X = c->layout.expert_bytes; // a full expert: its slot
+    const int32_t  L = v->layout.n_served;
+    const int32_t  N = v->layout.max_expert;
+    const uint64_t X = v->layout.expert_bytes; // a full expert: its slot
     out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
     if (L < 1 || N < 1 || k > N) {
         snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
@@ -293,9 +306,9 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     if (profile != NULL && fit_profile(profile, N, k, &q, &source) != GGML_ZIPMOE_OK) {
         return GGML_ZIPMOE_ERR_NOMEM;
     }
-    const double read   = rate_read > 0 ? rate_read : c->plan.rate_read;
-    const double decode = rate_decode > 0 ? rate_decode : c->plan.rate_decode;
-    struct ggml_zipmoe_plan_params p = cost_model(c, k, q, budget - work, read, decode, n_threads);
+    const double read   = rate_read > 0 ? rate_read : v->rate_read;
+    const double decode = rate_decode > 0 ? rate_decode : v->rate_decode;
+    struct ggml_zipmoe_plan_params p = cost_model(v, k, q, budget - work, read, decode, n_threads);
     struct ggml_zipmoe_plan_result best, f_best;
     int status = ggml_zipmoe_plan_pools(&p, &best);
     struct ggml_zipmoe_plan_params f_only = p;
@@ -307,7 +320,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     // every expert kept compressed: with the built-in profile it is taken whenever it fits; with an
     // observed one, when the planner expects it to be the fastest
     int32_t held_capacity[4], evaluated[4];
-    const int held = compressed_pools(c, budget, k, work, profile != NULL, held_capacity);
+    const int held = compressed_pools(v, budget, k, work, profile != NULL, held_capacity);
     double held_makespan_s = 0;
     if (status == GGML_ZIPMOE_OK && held != HELD_NONE) {
         memcpy(evaluated, held_capacity, sizeof(evaluated));
@@ -317,7 +330,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     int32_t now[4] = { 0 };
     if (status == GGML_ZIPMOE_OK) {
         // the pools the cache has now, under the same profile: a caller changes them only for a real gain
-        current_pools(c, now);
+        current_pools(v, now);
         status = zipmoe_plan_evaluate(&p, now, &out->current_makespan_s);
     }
     free(q);
@@ -333,8 +346,8 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     const double f_only_s = profile == NULL ? f_best.expected_makespan_s : ZIPMOE_POOLS_GAIN * f_best.expected_makespan_s;
     if (held != HELD_NONE && (profile == NULL || (held_makespan_s <= best.expected_makespan_s &&
                                                   held_makespan_s < f_only_s))) {
-        take_compressed(c, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
-        refill_cost(c, now, read, decode, n_threads, out);
+        take_compressed(v, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
+        refill_cost(v, now, read, decode, n_threads, out);
         return GGML_ZIPMOE_OK;
     }
     const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
@@ -343,7 +356,7 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
                  "threads) expects %.2f ms per layer, pools no better%s (%.2f ms)", source, read / 1e9, decode / 1e9,
                  n_threads, f_best.expected_makespan_s * 1e3, profile != NULL ? " by a tenth" : "",
                  best.expected_makespan_s * 1e3);
-        refill_cost(c, now, read, decode, n_threads, out);
+        refill_cost(v, now, read, decode, n_threads, out);
         return GGML_ZIPMOE_OK;
     }
     memcpy(out->capacity, best.capacity, sizeof(best.capacity));
@@ -351,18 +364,18 @@ int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cache * c, uint64_t
     snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %s: "
              "%.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
              n_threads, room, best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
-    refill_cost(c, now, read, decode, n_threads, out);
+    refill_cost(v, now, read, decode, n_threads, out);
     return GGML_ZIPMOE_OK;
 }
 
-int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * c, int32_t n_device_slots, uint64_t host_bytes,
-                                   int32_t work_slots, struct ggml_zipmoe_default_pools * out) {
-    if (c == NULL || out == NULL || work_slots < 1 || n_device_slots < 0) {
+int zipmoe_device_pools(const struct zipmoe_pool_view * v, int32_t n_device_slots, uint64_t host_bytes,
+                        int32_t work_slots, struct ggml_zipmoe_default_pools * out) {
+    if (v == NULL || out == NULL || work_slots < 1 || n_device_slots < 0) {
         return GGML_ZIPMOE_ERR_ARG;
     }
     memset(out, 0, sizeof(*out));
     out->n_slots = n_device_slots;
-    const int32_t L = c->layout.n_served, N = c->layout.max_expert;
+    const int32_t L = v->layout.n_served, N = v->layout.max_expert;
     if (L < 1 || N < 1) {
         snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
         return GGML_ZIPMOE_OK;
@@ -379,7 +392,7 @@ int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * c, int32_t n
         return GGML_ZIPMOE_OK;
     }
     const int32_t  rest    = N - (f < N ? f : N);
-    const uint64_t entry_c = entry_c_bytes(c), entry_e = zipmoe_align_up(c->layout.max_e_bytes, 64);
+    const uint64_t entry_c = entry_c_bytes(v), entry_e = zipmoe_align_up(v->layout.max_e_bytes, 64);
     const uint64_t per_layer = host_bytes / (uint64_t) L;
     int32_t held_c = 0, held_e = 0;
     if (per_layer >= entry_c * (uint64_t) rest) {

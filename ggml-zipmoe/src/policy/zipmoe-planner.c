@@ -5,9 +5,10 @@
 // profile with the modified IPF (ggml_zipmoe_plan_fit) or, with none, taken from a built-in uniform
 // profile (q_r = k / N: every expert equally likely, the worst case for a cache). tests/planner.py
 // is the reference in Python; tests/test_default_pools.py holds the two to the same choices. The
-// rates its costs take (ggml_zipmoe_cache_rate: given, default or measured) are defined here too.
+// default rates its costs take (ggml_zipmoe_default_rate) are defined here too; a cache's own (given,
+// default or measured: ggml_zipmoe_cache_rate) are the cache's (cache/zipmoe-stats.c).
 
-#include "cache/zipmoe-cache-impl.h"
+#include "policy/zipmoe-policy-impl.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -22,33 +23,6 @@
 // a migration's new slots (BENCHMARKS, "A change taken when it repays"). Not measured: the stores'
 // populate, the one timed first write, ran at 0.6 GB/s beside the load's threads
 #define ZIPMOE_TOUCH_BYTES_PER_S   1.5e9
-
-double ggml_zipmoe_cache_rate(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return 0.0;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.rate_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.rate_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.rate_compute;
-        case GGML_ZIPMOE_RATE_TOUCH:   return ZIPMOE_TOUCH_BYTES_PER_S;
-        default:                       return 0.0;
-    }
-}
-
-int ggml_zipmoe_cache_rate_origin(const struct ggml_zipmoe_cache * c, int rate) {
-    if (c == NULL) {
-        return -1;
-    }
-    switch (rate) {
-        case GGML_ZIPMOE_RATE_READ:    return c->plan.measure_read;
-        case GGML_ZIPMOE_RATE_DECODE:  return c->plan.measure_decode;
-        case GGML_ZIPMOE_RATE_COMPUTE: return c->plan.compute_given ? GGML_ZIPMOE_RATE_GIVEN
-                                                                     : GGML_ZIPMOE_RATE_DEFAULT;
-        case GGML_ZIPMOE_RATE_TOUCH:   return GGML_ZIPMOE_RATE_DEFAULT;
-        default:                       return -1;
-    }
-}
 
 double ggml_zipmoe_default_rate(int rate) {
     switch (rate) {

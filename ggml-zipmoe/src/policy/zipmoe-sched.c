@@ -3,7 +3,7 @@
 // runtime's execution model (ggml-zipmoe-policy.h), so that "no additional idle period" and
 // "compute-dominant" are judged on the timeline the threads will actually follow.
 
-#include "cache/zipmoe-sched.h"
+#include "policy/zipmoe-sched.h"
 
 #include <math.h>
 #include <stdbool.h>
