@@ -11,7 +11,11 @@
 #include "ggml-backend.h"
 
 #include <algorithm>
+#include <cinttypes>
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <stdexcept>
 
 void llama_zipmoe::check_model(const llama_model & model) {
@@ -51,13 +55,8 @@ void llama_zipmoe::check_model(const llama_model & model) {
 // upstream common's fit_params_min_ctx: the least context its fit gives a model that does not fit
 static constexpr uint32_t k_unset_context_floor = 4096;
 
-uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
-                                          uint32_t n_streams) const {
-    const uint32_t n_train = hparams.n_ctx_train;
-    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
-        return n_train; // a KV cache of another shape than one cell per token and layer
-    }
-    // one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
+// one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
+static uint64_t kv_bytes_per_token(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) {
     uint64_t per_token = 0;
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         per_token += ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
@@ -65,6 +64,83 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
             per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
         }
     }
+    return per_token;
+}
+
+// the peak heap of loading a vocabulary, per token: Qwen2's (151,936 tokens, 151,387 merges) took about
+// 35 MiB beyond the file's metadata, measured with llama-completion under memory cgroups
+static constexpr uint64_t k_vocab_bytes_per_token = 240;
+// heap growth and allocator slack beside the vocabulary and beside a context's KV cache (compute buffers
+// are touched in part): below these, the kernel killed a tiny model's runs
+static constexpr uint64_t k_load_slack    = 8ull << 20;
+static constexpr uint64_t k_context_slack = 16ull << 20;
+
+// what a hard memory limit (a cgroup's) leaves this process now, with the heap the allocator holds free
+// (a model loaded and freed before, as common's fit does, leaves its vocabulary's heap to the next);
+// UINT64_MAX where none applies
+static uint64_t hard_limit_headroom(ggml_zipmoe_memory & mem) {
+    if (ggml_zipmoe_memory_available(nullptr, &mem) != GGML_ZIPMOE_OK || mem.cgroup_limit == UINT64_MAX) {
+        return UINT64_MAX;
+    }
+    uint64_t free_heap = 0;
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+    free_heap = mallinfo2().fordblks;
+#endif
+    return (mem.cgroup_limit > mem.cgroup_used ? mem.cgroup_limit - mem.cgroup_used : 0) + free_heap;
+}
+
+static std::string hard_limit_text(const ggml_zipmoe_memory & mem, uint64_t headroom) {
+    return format("the memory limit of its cgroup (v%d %s: %s, %s in use) leaves %s (with the heap's free bytes)",
+                  mem.cgroup_version, mem.cgroup_path, llama_zipmoe_size_text(mem.cgroup_limit).c_str(),
+                  llama_zipmoe_size_text(mem.cgroup_used).c_str(), llama_zipmoe_size_text(headroom).c_str());
+}
+
+void llama_zipmoe::check_load_fits(const gguf_context * meta) const {
+    const int64_t tokens = meta != nullptr ? gguf_find_key(meta, "tokenizer.ggml.tokens") : -1;
+    const uint64_t vocab = tokens >= 0 ? (uint64_t) gguf_get_arr_n(meta, tokens) * k_vocab_bytes_per_token : 0;
+    ggml_zipmoe_memory mem;
+    const uint64_t headroom = hard_limit_headroom(mem);
+    if (headroom < vocab + k_load_slack) {
+        throw std::runtime_error(format("%s cannot be loaded: %s, and loading its vocabulary's tables alone takes about %s "
+                                        "(%" PRId64 " tokens); the kernel would kill the process. Raise the limit",
+                                        fname.c_str(), hard_limit_text(mem, headroom).c_str(),
+                                        llama_zipmoe_size_text(vocab + k_load_slack).c_str(),
+                                        (int64_t) gguf_get_arr_n(meta, tokens)));
+    }
+}
+
+void llama_zipmoe::check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k,
+                                      ggml_type type_v) const {
+    const uint64_t per_token = kv_bytes_per_token(hparams, type_k, type_v);
+    ggml_zipmoe_memory mem;
+    const uint64_t headroom = hard_limit_headroom(mem);
+    const ggml_zipmoe_serving_plan plan = serving_plan();
+    const uint64_t slots = (uint64_t) std::max(1, n_expert_used) * info.expert_bytes;
+    const uint64_t need  = (uint64_t) n_ctx * per_token + plan.cache_buffers + slots + k_context_slack;
+    if (headroom >= need) {
+        return;
+    }
+    const uint64_t other = need - (uint64_t) n_ctx * per_token;
+    const uint64_t fits  = per_token > 0 && headroom > other ? (headroom - other) / per_token / 256 * 256 : 0;
+    throw std::runtime_error(format("a context of %u tokens does not fit: %s, and it needs %s: its KV cache %s, the "
+                                    "expert cache's buffers %s, one token's experts %s and %s of slack; the kernel "
+                                    "would kill the process. %s, or raise the limit", n_ctx,
+                                    hard_limit_text(mem, headroom).c_str(), llama_zipmoe_size_text(need).c_str(),
+                                    llama_zipmoe_size_text((uint64_t) n_ctx * per_token).c_str(),
+                                    llama_zipmoe_size_text(plan.cache_buffers).c_str(),
+                                    llama_zipmoe_size_text(slots).c_str(),
+                                    llama_zipmoe_size_text(k_context_slack).c_str(),
+                                    fits > 0 ? format("Give a smaller context (-c %u or less fits)", (unsigned) fits).c_str()
+                                             : "No context fits"));
+}
+
+uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
+                                          uint32_t n_streams) const {
+    const uint32_t n_train = hparams.n_ctx_train;
+    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
+        return n_train; // a KV cache of another shape than one cell per token and layer
+    }
+    const uint64_t per_token = kv_bytes_per_token(hparams, type_k, type_v);
     // as upstream's fit (common/fit.cpp) sizes an unset context: what the model leaves of the memory,
     // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in
     // BF16: each expert slot speeds decoding up, while KV cells are only ever used by a long context

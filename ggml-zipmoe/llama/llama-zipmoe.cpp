@@ -163,6 +163,13 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
         throw std::runtime_error(err);
     }
     ggml_zipmoe_serving_get_info(serving, &info);
+    try {
+        check_load_fits(meta);
+    } catch (...) {
+        ggml_zipmoe_serving_free(serving);
+        ggml_zipmoe_file_close(file);
+        throw;
+    }
 }
 
 llama_zipmoe::~llama_zipmoe() {

@@ -161,6 +161,14 @@ struct llama_zipmoe {
     uint32_t unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
                                 uint32_t n_streams) const;
 
+    // where a memory cgroup's hard limit applies (the kernel kills a process past it), throws naming the
+    // numbers when the limit cannot hold what must be resident: at load, the vocabulary's tables beside what
+    // the process uses already; for a context of n_ctx tokens, its KV cache (cleared, so all resident),
+    // the cache's own buffers and the fewest slots. A soft limit (MemAvailable, zipmoe.mem_limit) only
+    // sizes the slots; paged weights never count, as a mapped model may page.
+    void check_load_fits(const gguf_context * meta) const;
+    void check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k, ggml_type type_v) const;
+
     // a context was made / is freed: the slots in use are sized again for every live context.
     // attach throws (context creation fails) when pools cannot fit.
     void attach(llama_context * lctx);
