@@ -230,6 +230,30 @@ def test_buddy_substitution_from_the_environment_needs_a_profile_too(model):
         Llama(model_path=str(model[0]), n_ctx=128, verbose=False, kv_overrides={"zipmoe.substitution": "buddy"})
 
 
+def test_a_budget_below_one_expert_is_the_loaders_one_check_named_as_given(model):
+    from zipmoe_py import Llama
+    from zipmoe_py.errors import ZipMoELoadError
+
+    path, one = model
+    said = rf"cannot load .*: {{}} of 1024 bytes cannot hold one expert \({one} bytes: gate \+ up \+ down\); give at least"
+    with pytest.raises(ZipMoELoadError, match=said.format("zipmoe_budget")):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_budget="1K")
+    with pytest.raises(ZipMoELoadError, match=said.format(r"zipmoe\.budget")):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, kv_overrides={"zipmoe.budget": 1024})
+
+
+def test_a_llama_checks_its_arguments_once(model, monkeypatch):
+    from zipmoe_py import Llama, bindings
+
+    checked = []
+    real = bindings._check_arguments
+    monkeypatch.setattr(bindings, "_check_arguments", lambda *args: checked.append(args) or real(*args))
+    path, one = model
+    llm = Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_budget=5 * one)
+    assert len(checked) == 1 and not hasattr(llm, "_zipmoe_checked")
+    llm.close()
+
+
 def test_a_llama_pickles_with_its_options_and_gives_the_same_logits(model):
     import pickle
 

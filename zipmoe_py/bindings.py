@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 import threading
 import warnings
@@ -18,7 +19,7 @@ from pathlib import Path
 from . import _lib, _paths
 from .errors import OptionsIgnoredWarning, ZipMoEError, ZipMoELoadError, ZipMoEWarning
 from .gguf_file import GGUF_MAGIC
-from .options import check_budget, zipmoe_overrides
+from .options import find, zipmoe_overrides
 
 
 def _loaded_library_path(module) -> Path | None:
@@ -82,6 +83,52 @@ def _zipmoe_kwargs(kwargs: dict, pop: bool = False) -> dict:
         raise ZipMoEError(f"unknown option(s) {', '.join(unknown)}; ZipMoE's options are {', '.join(sorted(known))}")
     get = kwargs.pop if pop else kwargs.get
     return {known[k]: get(k) for k in list(kwargs) if k in known}
+
+
+class _Checked:
+    """What Llama's arguments said once checked (_check_arguments): the zipmoe_* options given
+    ({name: value}), the KV overrides they make, the buddy profile read, the rpc-server hosts."""
+
+    def __init__(self, given: dict, overrides: dict, profile, rpc_servers):
+        self.given, self.overrides, self.profile, self.rpc_servers = given, overrides, profile, rpc_servers
+
+
+def _check_arguments(model_path, kwargs: dict) -> _Checked:
+    """Llama's arguments checked, once per Llama: the zipmoe_* options (parsed, and held together), the
+    model file, the rpc-server hosts (added as devices), the buddy profile (read, and held to the model)
+    and a plan (made for this model). The budget against the model's experts is the loader's check
+    (serving/zipmoe-serving.c), which every front end reaches; Llama names the option as it was given
+    (_as_given)."""
+    given = _zipmoe_kwargs(kwargs)
+    check_model_file(model_path)
+    rpc_servers = kwargs.get("rpc_servers")
+    if rpc_servers:
+        from .devices import add_rpc_servers
+
+        add_rpc_servers(rpc_servers)
+    overrides = zipmoe_overrides(given)
+    profile = given.get("buddy_profile")
+    substitution, source = _effective_substitution(kwargs)
+    if substitution == "buddy" and profile is None:
+        raise ZipMoEError(f"{source} = 'buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
+                          "(make one with zipmoe-buddies)")
+    if profile is not None:
+        from .buddy_profile import load_profile
+
+        profile = load_profile(Path(profile), Path(model_path))
+    if given.get("plan") is not None:
+        _check_plan_matches(Path(given["plan"]), Path(model_path))
+    return _Checked(given, overrides, profile, rpc_servers)
+
+
+def _as_given(reason: str, given: dict) -> str:
+    """The loader's reason with the options the caller gave as keyword arguments named so (zipmoe_budget,
+    not the KV override zipmoe.budget they travel as)."""
+    for name, value in given.items():
+        option = find(name)
+        if value is not None and option.key:
+            reason = re.sub(rf"(?<![\w.-]){re.escape(option.key)}(?![\w.])", option.kwarg, reason)
+    return reason
 
 
 def _effective_substitution(kwargs: dict) -> tuple[str | None, str]:
@@ -198,53 +245,32 @@ class Llama(llama_cpp.Llama):
     def __new__(cls, model_path: str | None = None, *args, **kwargs):
         if model_path is None:
             return super().__new__(cls)  # unpickling and copy: __setstate__ calls __init__, which checks
-        # checked before the object exists: llama_cpp.Llama.__del__ fails on a half-built instance
-        given = _zipmoe_kwargs(kwargs)
-        check_model_file(model_path)
-        if kwargs.get("rpc_servers"):
-            from .devices import add_rpc_servers
-
-            add_rpc_servers(kwargs["rpc_servers"])
-        options = zipmoe_overrides(given)
-        profile = given.get("buddy_profile")
-        substitution, source = _effective_substitution(kwargs)
-        if substitution == "buddy" and profile is None:
-            raise ZipMoEError(f"{source} = 'buddy' needs zipmoe_buddy_profile, a buddy profile of this model "
-                              "(make one with zipmoe-buddies)")
-        if profile is not None:
-            from .buddy_profile import load_profile
-
-            load_profile(Path(profile), Path(model_path))
-        if "zipmoe.budget" in options:
-            check_budget(Path(model_path), options["zipmoe.budget"])
-        if given.get("plan") is not None:
-            _check_plan_matches(Path(given["plan"]), Path(model_path))
-        return super().__new__(cls)
+        # checked before the object exists (llama_cpp.Llama.__del__ fails on a half-built instance), and
+        # handed to __init__, which does not check again
+        checked = _check_arguments(model_path, kwargs)
+        self = super().__new__(cls)
+        self._zipmoe_checked = checked
+        return self
 
     def __init__(self, model_path: str, *args, **kwargs):
-        given = _zipmoe_kwargs(kwargs, pop=True)  # again: __setstate__ comes here without __new__'s checks
-        check_model_file(model_path)
-        # rpc-server hosts as devices for n_gpu_layers (llama.cpp's --rpc; llama-cpp-python 0.3.36 has no such argument)
+        # __new__'s checks; __setstate__ (unpickling, copy) comes here without them
+        checked = self.__dict__.pop("_zipmoe_checked", None) or _check_arguments(model_path, kwargs)
+        given = checked.given
+        _zipmoe_kwargs(kwargs, pop=True)
+        # rpc-server hosts as devices for n_gpu_layers (llama.cpp's --rpc; llama-cpp-python 0.3.36 has no such
+        # argument): added by the check
         self._zipmoe_rpc_servers = kwargs.pop("rpc_servers", None)
-        if self._zipmoe_rpc_servers:
-            from .devices import add_rpc_servers
-
-            add_rpc_servers(self._zipmoe_rpc_servers)
         self._zipmoe_buddy_profile = given.get("buddy_profile")
-        profile = None
-        if self._zipmoe_buddy_profile is not None:
-            from .buddy_profile import load_profile
-
-            profile = load_profile(Path(self._zipmoe_buddy_profile), Path(model_path))
+        profile = checked.profile
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
-        overrides.update(zipmoe_overrides(given))
+        overrides.update(checked.overrides)
         if overrides:
             kwargs["kv_overrides"] = overrides
         with _LoaderErrors() as errors:
             try:
                 super().__init__(model_path, *args, **kwargs)
             except ValueError as e:
-                reason = errors.reason()
+                reason = _as_given(errors.reason(), given)
                 if not reason:
                     raise
                 what = "load" if "load model" in str(e) else "make a context for"

@@ -246,20 +246,5 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def check_budget(model_path: Path, budget: int) -> None:
-    """A budget below one expert (gate + up + down) cannot work: say so before llama.cpp's loader does."""
-    from . import format as zformat
-
-    try:
-        zf = zformat.ZipMoEFile(model_path)
-    except ZipMoEError:
-        return  # not a ZipMoE GGUF: the budget does not apply
-    with zf:
-        one = zf.expert_bytes().one_expert
-    if budget < one:
-        raise ZipMoEError(f"zipmoe_budget of {budget} bytes cannot hold one expert of {Path(model_path).name} "
-                          f"({one} bytes: gate + up + down); give at least that, better a layer's top-k experts")
-
-
 if __name__ == "__main__":  # python -m zipmoe_py.options: README.md's options table
     print(markdown_table())

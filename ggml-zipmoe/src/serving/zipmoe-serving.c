@@ -165,7 +165,9 @@ static int choose_capacity(struct ggml_zipmoe_serving * s, char * err, size_t er
         in->capacity = pools[0] * in->n_moe_layers + s->p.work_slots;
     } else if (s->p.budget != 0) {
         if (s->p.budget < in->expert_bytes) {
-            snprintf(err, err_size, "%s of %llu bytes cannot hold one expert (%llu bytes: gate + up + down)",
+            // the one check of a budget against the model's experts (Llama's too: it names the option as given)
+            snprintf(err, err_size, "%s of %llu bytes cannot hold one expert (%llu bytes: gate + up + down); give "
+                     "at least that, better a layer's top-k experts",
                      budget_name(s), (unsigned long long) s->p.budget, (unsigned long long) in->expert_bytes);
             return GGML_ZIPMOE_ERR_ARG;
         }
