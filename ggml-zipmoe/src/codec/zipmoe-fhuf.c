@@ -323,50 +323,59 @@ static const uint64_t * build_tables(struct zipmoe_fhuf_decoder * dec, const uin
     return E + FH_TSIZE;
 }
 
-int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src, size_t n, uint8_t * dst,
-                           size_t dst_size) {
-    if (dec == NULL || (src == NULL && n > 0) || (dst == NULL && dst_size > 0) || n < 2) {
-        return ZIPMOE_FHUF_ERR_CORRUPT;
-    }
-    size_t   pos = 1;
+// the header: mode and size (dst_size). A raw or run-length body is written here: FHUF_DONE; a
+// Huffman body is left to the caller at *pos: FHUF_HUF; else ZIPMOE_FHUF_ERR_CORRUPT
+enum { FHUF_DONE = 0, FHUF_HUF = 1 };
+
+static int read_mode(const uint8_t * src, size_t n, size_t * pos, uint8_t * dst, size_t dst_size) {
     uint64_t size;
-    if (get_varint(src, n, &pos, &size) || size != dst_size) {
+    *pos = 1;
+    if (get_varint(src, n, pos, &size) || size != dst_size) {
         return ZIPMOE_FHUF_ERR_CORRUPT;
     }
     switch (src[0]) {
         case MODE_TAG | MODE_RAW:
-            if (n - pos != dst_size) {
+            if (n - *pos != dst_size) {
                 return ZIPMOE_FHUF_ERR_CORRUPT;
             }
             if (dst_size) {
-                memcpy(dst, src + pos, dst_size);
+                memcpy(dst, src + *pos, dst_size);
             }
-            return 0;
+            return FHUF_DONE;
         case MODE_TAG | MODE_RLE:
-            if (n - pos != 1 || dst_size == 0) {
+            if (n - *pos != 1 || dst_size == 0) {
                 return ZIPMOE_FHUF_ERR_CORRUPT;
             }
-            memset(dst, src[pos], dst_size);
-            return 0;
+            memset(dst, src[*pos], dst_size);
+            return FHUF_DONE;
         case MODE_TAG | MODE_HUF:
-            break;
+            return FHUF_HUF;
         default:
             return ZIPMOE_FHUF_ERR_CORRUPT;
     }
-    if (n - pos < 3) {
+}
+
+// a Huffman body's code: its stream count, the symbols [lo, hi] and their lengths (4 bits each) into
+// len[256], the shortest; a complete code only (every table index then decodes to >= 1 symbol)
+struct fh_code {
+    unsigned S, lo, hi, minlen;
+};
+
+static int read_code(const uint8_t * src, size_t n, size_t * pos, size_t dst_size, uint8_t len[256],
+                     struct fh_code * code) {
+    if (n - *pos < 3) {
         return ZIPMOE_FHUF_ERR_CORRUPT;
     }
-    const unsigned S  = src[pos];
-    const unsigned lo = src[pos + 1];
-    const unsigned hi = src[pos + 2];
-    pos += 3;
-    if (S < 1 || S > FHUF_MAXSTREAMS || hi < lo || dst_size == 0 || n - pos < (hi - lo + 2) / 2) {
+    const unsigned S  = src[*pos];
+    const unsigned lo = src[*pos + 1];
+    const unsigned hi = src[*pos + 2];
+    *pos += 3;
+    if (S < 1 || S > FHUF_MAXSTREAMS || hi < lo || dst_size == 0 || n - *pos < (hi - lo + 2) / 2) {
         return ZIPMOE_FHUF_ERR_CORRUPT;
     }
-    uint8_t  len[256] = { 0 };
     unsigned kraft = 0, used = 0, minlen = FHUF_MAXLEN;
     for (unsigned s = lo; s <= hi; s++) {
-        const unsigned l = (src[pos + (s - lo) / 2] >> (4 * ((s - lo) & 1))) & 15;
+        const unsigned l = (src[*pos + (s - lo) / 2] >> (4 * ((s - lo) & 1))) & 15;
         if (l > FHUF_MAXLEN) {
             return ZIPMOE_FHUF_ERR_CORRUPT;
         }
@@ -377,33 +386,36 @@ int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src
             minlen = l < minlen ? l : minlen;
         }
     }
-    pos += (hi - lo + 2) / 2;
-    // complete code only: every table index then decodes to >= 1 symbol
+    *pos += (hi - lo + 2) / 2;
     if (used < 2 || kraft != (1u << FHUF_MAXLEN)) {
         return ZIPMOE_FHUF_ERR_CORRUPT;
     }
-    size_t ssize[FHUF_MAXSTREAMS];
+    *code = (struct fh_code) { S, lo, hi, minlen };
+    return 0;
+}
+
+// the S streams' sizes: S - 1 varints, the last stream the rest of src
+static int read_stream_sizes(const uint8_t * src, size_t n, size_t * pos, unsigned S, size_t ssize[FHUF_MAXSTREAMS]) {
     size_t sum = 0;
     for (unsigned i = 0; i + 1 < S; i++) {
         uint64_t v;
-        if (get_varint(src, n, &pos, &v) || v > n) {
+        if (get_varint(src, n, pos, &v) || v > n) {
             return ZIPMOE_FHUF_ERR_CORRUPT;
         }
         ssize[i] = (size_t) v;
         sum += ssize[i];
     }
-    if (sum > n - pos) {
+    if (sum > n - *pos) {
         return ZIPMOE_FHUF_ERR_CORRUPT;
     }
-    ssize[S - 1] = n - pos - sum;
+    ssize[S - 1] = n - *pos - sum;
+    return 0;
+}
 
-    const uint64_t * const tab =
-        FH_CACHE && dec->valid && memcmp(dec->len, len, 256) == 0 ? dec->multi + FH_TSIZE : build_tables(dec, len, lo, hi, minlen);
-    dec->valid = 1;
-
-    struct fh_stream st[FHUF_MAXSTREAMS];
-    size_t           start[FHUF_MAXSTREAMS];
-    uint8_t *        o = dst;
+// stream i reads from start[i] and writes its share of dst (dst_size / S, the first dst_size % S one more)
+static void start_streams(struct fh_stream st[FHUF_MAXSTREAMS], size_t start[FHUF_MAXSTREAMS], unsigned S, size_t pos,
+                          const size_t ssize[FHUF_MAXSTREAMS], uint8_t * dst, size_t dst_size) {
+    uint8_t * o = dst;
     for (unsigned i = 0; i < S; i++) {
         const size_t seg = dst_size / S + (i < dst_size % S);
         start[i]         = pos;
@@ -415,6 +427,34 @@ int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src
         pos += ssize[i];
         o += seg;
     }
+}
+
+int zipmoe_fhuf_decompress(struct zipmoe_fhuf_decoder * dec, const uint8_t * src, size_t n, uint8_t * dst,
+                           size_t dst_size) {
+    if (dec == NULL || (src == NULL && n > 0) || (dst == NULL && dst_size > 0) || n < 2) {
+        return ZIPMOE_FHUF_ERR_CORRUPT;
+    }
+    size_t pos;
+    const int mode = read_mode(src, n, &pos, dst, dst_size);
+    if (mode != FHUF_HUF) {
+        return mode;
+    }
+    uint8_t        len[256] = { 0 };
+    struct fh_code code;
+    size_t         ssize[FHUF_MAXSTREAMS];
+    if (read_code(src, n, &pos, dst_size, len, &code) || read_stream_sizes(src, n, &pos, code.S, ssize)) {
+        return ZIPMOE_FHUF_ERR_CORRUPT;
+    }
+    const unsigned S = code.S;
+
+    const uint64_t * const tab = FH_CACHE && dec->valid && memcmp(dec->len, len, 256) == 0
+                                     ? dec->multi + FH_TSIZE
+                                     : build_tables(dec, len, code.lo, code.hi, code.minlen);
+    dec->valid = 1;
+
+    struct fh_stream st[FHUF_MAXSTREAMS];
+    size_t           start[FHUF_MAXSTREAMS];
+    start_streams(st, start, S, pos, ssize, dst, dst_size);
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     // the kernel's unconditional 8-byte stores rely on the little-endian entry layout
     for (unsigned g = 0; g + FH_GROUP <= S; g += FH_GROUP) {
