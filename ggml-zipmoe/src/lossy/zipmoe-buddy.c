@@ -6,6 +6,7 @@
 #include "lossy/zipmoe-lossy-impl.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,6 +59,138 @@ float ggml_zipmoe_buddy_tae(const float * chosen_scores, int64_t n_used, float t
     return (float) tae_of(w, n_used);
 }
 
+// the arguments of ggml_zipmoe_buddy_route are usable (the buddy lists' entries too)
+static bool route_args_ok(const float * scores, int64_t n_expert, int64_t scores_stride, const int32_t * ids,
+                          int64_t n_used, int64_t n_tokens, int64_t ids_stride, const uint8_t * resident,
+                          const int32_t * buddies, const float * q, int32_t k_max,
+                          const struct ggml_zipmoe_buddy_params * p, const int32_t * out) {
+    return !(scores == NULL || ids == NULL || out == NULL || resident == NULL || n_expert < 1 || n_used < 1 ||
+             n_used > 64 || n_tokens < 0 || scores_stride < n_expert || ids_stride < n_used || !valid_params(p) ||
+             (out == ids && ids_stride != n_used) || k_max < 0 || (k_max > 0 && (buddies == NULL || q == NULL)));
+}
+
+// the distribution gate (eq. 2): the batch's share of distinct requested experts not resident is below
+// beta (and some are missing); requested[n_expert] is zeroed scratch
+static bool batch_gate_open(const int32_t * out, int64_t n, const uint8_t * resident, uint8_t * requested,
+                            float beta) {
+    int64_t n_req = 0, n_missing = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t e = out[i];
+        if (!requested[e]) {
+            requested[e] = 1;
+            n_req++;
+            n_missing += !resident[e];
+        }
+    }
+    return n_missing > 0 && (double) n_missing / (double) n_req < (double) beta;
+}
+
+// the token's gates: its renormalized weights' TAE (eq. 1) above gate_tau, and no clear first choice
+// (the margin gate: first less second under gamma)
+static bool token_gates_open(const float * s, const int32_t * row, int64_t n_used,
+                             const struct ggml_zipmoe_buddy_params * p, float gate_tau) {
+    float  chosen[64];
+    double w[64];
+    for (int64_t i = 0; i < n_used; i++) {
+        chosen[i] = s[row[i]];
+    }
+    if (!renormalized(chosen, n_used, p->temperature, w)) {
+        return false;
+    }
+    if (!(tae_of(w, n_used) > gate_tau)) {
+        return false;
+    }
+    double first = 0, second = 0;
+    for (int64_t i = 0; i < n_used; i++) {
+        if (w[i] > first) {
+            second = first;
+            first  = w[i];
+        } else if (w[i] > second) {
+            second = w[i];
+        }
+    }
+    return !(n_used > 1 && first - second >= (double) p->gamma);
+}
+
+// local compatibility (eq. 3): the token's log scores into logs[n_expert], their mean and standard
+// deviation (1 where they do not vary)
+static void standardized_logs(const float * s, int64_t n_expert, double * logs, double * mean, double * sd) {
+    double m = 0, var = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        logs[e] = log(s[e] == s[e] && s[e] > 0 ? (double) s[e] : 1e-30);
+        m += logs[e];
+    }
+    m /= (double) n_expert;
+    for (int64_t e = 0; e < n_expert; e++) {
+        var += (logs[e] - m) * (logs[e] - m);
+    }
+    var /= (double) n_expert;
+    *mean = m;
+    *sd   = var > 0 ? sqrt(var) : 1.0;
+}
+
+// the token's scores, standardized (standardized_logs; with eta 0 none are read)
+struct token_logs {
+    const double * logs;
+    double         mean, sd;
+};
+
+// the buddy of expert e to take: resident and not in the token, the first of its list with eta 0, else the
+// best by psi (q weighted by the buddy's standardized score) among its first `search`; -1 if none
+static int32_t pick_buddy(int32_t e, const int32_t * buddies, const float * q, int32_t k_max,
+                          const struct ggml_zipmoe_buddy_params * p, const uint8_t * resident, const uint8_t * in_token,
+                          const struct token_logs * tl) {
+    int32_t best = -1;
+    double  best_psi = -INFINITY;
+    const int32_t h = p->search < k_max ? p->search : k_max;
+    for (int32_t r = 0; r < h; r++) {
+        const int32_t b = buddies[(int64_t) e * k_max + r];
+        if (b < 0) {
+            break;
+        }
+        if (!resident[b] || in_token[b]) {
+            continue;
+        }
+        if (p->eta == 0) {
+            return b; // Alg. 1: the first suitable buddy in the list's order
+        }
+        const double psi = (double) q[(int64_t) e * k_max + r] * (1.0 + p->eta * (tl->logs[b] - tl->mean) / tl->sd);
+        if (psi > best_psi) {
+            best_psi = psi;
+            best     = b;
+        }
+    }
+    return best;
+}
+
+// one token's row: up to rho of its experts not resident replaced by buddies; the experts replaced.
+// in_token[n_expert] is zeroed scratch, zeroed again on return (ids_row: the token's original ids)
+static int32_t replace_in_token(int32_t * row, const int32_t * ids_row, int64_t n_used, const int32_t * buddies,
+                                const float * q, int32_t k_max, const struct ggml_zipmoe_buddy_params * p,
+                                const uint8_t * resident, uint8_t * in_token, const struct token_logs * tl) {
+    for (int64_t i = 0; i < n_used; i++) {
+        in_token[row[i]] = 1;
+    }
+    int32_t done = 0;
+    for (int64_t i = 0; i < n_used && done < p->rho; i++) {
+        const int32_t e = row[i];
+        if (resident[e]) {
+            continue;
+        }
+        const int32_t best = pick_buddy(e, buddies, q, k_max, p, resident, in_token, tl);
+        if (best >= 0) {
+            row[i] = best;
+            in_token[best] = 1; // no duplicate buddy within a token
+            done++;
+        }
+    }
+    for (int64_t i = 0; i < n_used; i++) {
+        in_token[row[i]] = 0;
+        in_token[ids_row[i]] = 0;
+    }
+    return done;
+}
+
 int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expert, int64_t scores_stride, const int32_t * ids,
                             int64_t n_used, int64_t n_tokens, int64_t ids_stride, const uint8_t * resident,
                             const int32_t * buddies, const float * q, int32_t k_max, float tau,
@@ -65,9 +198,8 @@ int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expert, int64_t scor
     if (n_replaced != NULL) {
         *n_replaced = 0;
     }
-    if (scores == NULL || ids == NULL || out == NULL || resident == NULL || n_expert < 1 || n_used < 1 ||
-        n_used > 64 || n_tokens < 0 || scores_stride < n_expert || ids_stride < n_used || !valid_params(p) ||
-        (out == ids && ids_stride != n_used) || k_max < 0 || (k_max > 0 && (buddies == NULL || q == NULL))) {
+    if (!route_args_ok(scores, n_expert, scores_stride, ids, n_used, n_tokens, ids_stride, resident, buddies, q,
+                       k_max, p, out)) {
         return GGML_ZIPMOE_ERR_ARG;
     }
     if (!zipmoe_copy_ids(ids, n_used, n_tokens, ids_stride, n_expert, out)) {
@@ -92,100 +224,20 @@ int ggml_zipmoe_buddy_route(const float * scores, int64_t n_expert, int64_t scor
         free(logs);
         return GGML_ZIPMOE_ERR_NOMEM;
     }
-    // the distribution gate (eq. 2): the batch's share of distinct requested experts not resident
-    int64_t n_req = 0, n_missing = 0;
-    for (int64_t i = 0; i < n_tokens * n_used; i++) {
-        const int32_t e = out[i];
-        if (!requested[e]) {
-            requested[e] = 1;
-            n_req++;
-            n_missing += !resident[e];
-        }
-    }
     int64_t replaced = 0;
-    if (n_missing > 0 && (double) n_missing / (double) n_req < (double) p->beta) {
+    if (batch_gate_open(out, n_tokens * n_used, resident, requested, p->beta)) {
         for (int64_t t = 0; t < n_tokens; t++) {
             const float * s   = scores + t * scores_stride;
             int32_t *     row = out + t * n_used;
-            float  chosen[64];
-            double w[64];
-            for (int64_t i = 0; i < n_used; i++) {
-                chosen[i] = s[row[i]];
-            }
-            if (!renormalized(chosen, n_used, p->temperature, w)) {
+            if (!token_gates_open(s, row, n_used, p, gate_tau)) {
                 continue;
             }
-            // the TAE gate (eq. 1) and the margin gate
-            if (!(tae_of(w, n_used) > gate_tau)) {
-                continue;
-            }
-            double first = 0, second = 0;
-            for (int64_t i = 0; i < n_used; i++) {
-                if (w[i] > first) {
-                    second = first;
-                    first  = w[i];
-                } else if (w[i] > second) {
-                    second = w[i];
-                }
-            }
-            if (n_used > 1 && first - second >= (double) p->gamma) {
-                continue;
-            }
-            // local compatibility (eq. 3): the token's standardized log scores
-            double mean = 0, var = 0;
+            struct token_logs tl = { logs, 0, 1.0 };
             if (p->eta > 0) {
-                for (int64_t e = 0; e < n_expert; e++) {
-                    logs[e] = log(s[e] == s[e] && s[e] > 0 ? (double) s[e] : 1e-30);
-                    mean += logs[e];
-                }
-                mean /= (double) n_expert;
-                for (int64_t e = 0; e < n_expert; e++) {
-                    var += (logs[e] - mean) * (logs[e] - mean);
-                }
-                var /= (double) n_expert;
+                standardized_logs(s, n_expert, logs, &tl.mean, &tl.sd);
             }
-            const double sd = var > 0 ? sqrt(var) : 1.0;
-            for (int64_t i = 0; i < n_used; i++) {
-                in_token[row[i]] = 1;
-            }
-            int32_t done = 0;
-            for (int64_t i = 0; i < n_used && done < p->rho; i++) {
-                const int32_t e = row[i];
-                if (resident[e]) {
-                    continue;
-                }
-                int32_t best = -1;
-                double  best_psi = -INFINITY;
-                const int32_t h = p->search < k_max ? p->search : k_max;
-                for (int32_t r = 0; r < h; r++) {
-                    const int32_t b = buddies[(int64_t) e * k_max + r];
-                    if (b < 0) {
-                        break;
-                    }
-                    if (!resident[b] || in_token[b]) {
-                        continue;
-                    }
-                    if (p->eta == 0) {
-                        best = b; // Alg. 1: the first suitable buddy in the list's order
-                        break;
-                    }
-                    const double psi = (double) q[(int64_t) e * k_max + r] * (1.0 + p->eta * (logs[b] - mean) / sd);
-                    if (psi > best_psi) {
-                        best_psi = psi;
-                        best     = b;
-                    }
-                }
-                if (best >= 0) {
-                    row[i] = best;
-                    in_token[best] = 1; // no duplicate buddy within a token
-                    done++;
-                }
-            }
-            for (int64_t i = 0; i < n_used; i++) {
-                in_token[row[i]] = 0;
-                in_token[ids[t * ids_stride + i]] = 0;
-            }
-            replaced += done;
+            replaced += replace_in_token(row, ids + t * ids_stride, n_used, buddies, q, k_max, p, resident, in_token,
+                                         &tl);
         }
     }
     free(requested);
