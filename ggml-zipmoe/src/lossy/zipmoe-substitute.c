@@ -71,6 +71,100 @@ int zipmoe_copy_ids(const int32_t * ids, int64_t n_used, int64_t n_tokens, int64
     return 1;
 }
 
+// a route's working memory: per token its (k+1)-th score (beta), per expert the top-score set C, the
+// batch's users and this token's choices, the candidates of one token
+struct smoe_scratch {
+    double *                best;   // [n_used + 1] kth_plus_one's
+    double *                beta;   // [n_tokens]
+    uint8_t *               top;    // [n_expert]
+    int32_t *               users;  // [n_expert]
+    uint8_t *               chosen; // [n_expert]
+    struct smoe_candidate * alt;    // [n_expert]
+    struct smoe_candidate * low;    // [n_used]
+};
+
+static void smoe_scratch_free(struct smoe_scratch * w) {
+    free(w->best);
+    free(w->beta);
+    free(w->top);
+    free(w->users);
+    free(w->chosen);
+    free(w->alt);
+    free(w->low);
+}
+
+static int smoe_scratch_new(struct smoe_scratch * w, int64_t n_expert, int64_t n_used, int64_t n_tokens) {
+    w->best   = malloc(sizeof(double) * (size_t) (n_used + 1));
+    w->beta   = malloc(sizeof(double) * (size_t) n_tokens);
+    w->top    = calloc((size_t) n_expert, 1);
+    w->users  = calloc((size_t) n_expert, sizeof(int32_t));
+    w->chosen = calloc((size_t) n_expert, 1);
+    w->alt    = malloc(sizeof(*w->alt) * (size_t) n_expert);
+    w->low    = malloc(sizeof(*w->low) * (size_t) n_used);
+    if (!w->best || !w->beta || !w->top || !w->users || !w->chosen || !w->alt || !w->low) {
+        smoe_scratch_free(w);
+        return GGML_ZIPMOE_ERR_NOMEM;
+    }
+    return GGML_ZIPMOE_OK;
+}
+
+// the top-score set C over the batch (a score above (1 + alpha) beta), and how many tokens chose each expert
+static void batch_top_set(const float * scores, int64_t n_expert, int64_t scores_stride, const int32_t * out,
+                          int64_t n_used, int64_t n_tokens, float alpha, struct smoe_scratch * w) {
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const float * s = scores + t * scores_stride;
+        w->beta[t] = kth_plus_one(s, n_expert, n_used, w->best);
+        const double top_above = (1.0 + (double) alpha) * w->beta[t];
+        for (int64_t i = 0; i < n_used; i++) {
+            const int32_t e = out[t * n_used + i];
+            w->users[e]++;
+            if ((double) s[e] > top_above) {
+                w->top[e] = 1;
+            }
+        }
+    }
+}
+
+// one token's row (scores s, beta its (k+1)-th): its low-score experts replaced by the best alternatives
+// in [(1 - alpha) beta, beta), as many as both have; the experts replaced
+static int32_t replace_in_row(const float * s, int32_t * row, int64_t n_expert, int64_t n_used, double beta,
+                              float alpha, const uint8_t * resident, int batch_aware, struct smoe_scratch * w) {
+    const double top_above = (1.0 + (double) alpha) * beta;
+    const double alt_from  = (1.0 - (double) alpha) * beta;
+    int32_t n_low = 0, n_alt = 0;
+    for (int64_t i = 0; i < n_used; i++) {
+        const int32_t e = row[i];
+        w->chosen[e] = 1;
+        // low-score, not resident and not wanted by the batch anyway: may be replaced
+        if (!((double) s[e] > top_above) && !resident[e] && !w->top[e]) {
+            w->low[n_low++] = (struct smoe_candidate) { e, (int32_t) i, 0, s[e] };
+        }
+    }
+    if (n_low > 0) {
+        for (int32_t e = 0; e < n_expert; e++) {
+            const double v = (double) s[e];
+            // users counts this token's own choices, which chosen[] excludes here
+            if (!w->chosen[e] && v >= alt_from && v < beta &&
+                (resident[e] || w->top[e] || (batch_aware && w->users[e] > 0))) {
+                w->alt[n_alt++] = (struct smoe_candidate) { e, -1, batch_aware ? w->users[e] : 0, s[e] };
+            }
+        }
+    }
+    for (int64_t i = 0; i < n_used; i++) {
+        w->chosen[row[i]] = 0;
+    }
+    const int32_t n = n_low < n_alt ? n_low : n_alt;
+    if (n == 0) {
+        return 0;
+    }
+    qsort(w->alt, (size_t) n_alt, sizeof(*w->alt), better_alternative);
+    qsort(w->low, (size_t) n_low, sizeof(*w->low), lower_replaceable);
+    for (int32_t j = 0; j < n; j++) {
+        row[w->low[j].position] = w->alt[j].expert;
+    }
+    return n;
+}
+
 int ggml_zipmoe_smoe_route(const float * scores, int64_t n_expert, int64_t scores_stride, const int32_t * ids,
                            int64_t n_used, int64_t n_tokens, int64_t ids_stride, const uint8_t * resident,
                            float alpha, int batch_aware, int32_t * out, int64_t * n_replaced) {
@@ -88,85 +182,21 @@ int ggml_zipmoe_smoe_route(const float * scores, int64_t n_expert, int64_t score
     if (alpha == 0.0f || n_used >= n_expert || n_tokens == 0) {
         return GGML_ZIPMOE_OK; // no score lies in [beta, beta): nothing is replaced
     }
-
-    double *                best   = malloc(sizeof(double) * (size_t) (n_used + 1));
-    double *                beta   = malloc(sizeof(double) * (size_t) n_tokens);
-    uint8_t *               top    = calloc((size_t) n_expert, 1);
-    int32_t *               users  = calloc((size_t) n_expert, sizeof(int32_t));
-    uint8_t *               chosen = calloc((size_t) n_expert, 1);
-    struct smoe_candidate * alt    = malloc(sizeof(*alt) * (size_t) n_expert);
-    struct smoe_candidate * low    = malloc(sizeof(*low) * (size_t) n_used);
-    int status = GGML_ZIPMOE_OK;
-    if (!best || !beta || !top || !users || !chosen || !alt || !low) {
-        status = GGML_ZIPMOE_ERR_NOMEM;
-        goto done;
+    struct smoe_scratch w;
+    if (smoe_scratch_new(&w, n_expert, n_used, n_tokens) != GGML_ZIPMOE_OK) {
+        return GGML_ZIPMOE_ERR_NOMEM;
     }
-
-    // the top-score set C over the batch, and how many tokens chose each expert
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const float * s = scores + t * scores_stride;
-        beta[t] = kth_plus_one(s, n_expert, n_used, best);
-        const double top_above = (1.0 + (double) alpha) * beta[t];
-        for (int64_t i = 0; i < n_used; i++) {
-            const int32_t e = out[t * n_used + i];
-            users[e]++;
-            if ((double) s[e] > top_above) {
-                top[e] = 1;
-            }
-        }
-    }
-
+    batch_top_set(scores, n_expert, scores_stride, out, n_used, n_tokens, alpha, &w);
     int64_t replaced = 0;
     for (int64_t t = 0; t < n_tokens; t++) {
-        const float * s         = scores + t * scores_stride;
-        int32_t *     row       = out + t * n_used;
-        const double  top_above = (1.0 + (double) alpha) * beta[t];
-        const double  alt_from  = (1.0 - (double) alpha) * beta[t];
-        int32_t n_low = 0, n_alt = 0;
-        for (int64_t i = 0; i < n_used; i++) {
-            const int32_t e = row[i];
-            chosen[e] = 1;
-            // low-score, not resident and not wanted by the batch anyway: may be replaced
-            if (!((double) s[e] > top_above) && !resident[e] && !top[e]) {
-                low[n_low++] = (struct smoe_candidate) { e, (int32_t) i, 0, s[e] };
-            }
-        }
-        if (n_low > 0) {
-            for (int32_t e = 0; e < n_expert; e++) {
-                const double v = (double) s[e];
-                // users counts this token's own choices, which chosen[] excludes here
-                if (!chosen[e] && v >= alt_from && v < beta[t] && (resident[e] || top[e] || (batch_aware && users[e] > 0))) {
-                    alt[n_alt++] = (struct smoe_candidate) { e, -1, batch_aware ? users[e] : 0, s[e] };
-                }
-            }
-        }
-        for (int64_t i = 0; i < n_used; i++) {
-            chosen[row[i]] = 0;
-        }
-        const int32_t n = n_low < n_alt ? n_low : n_alt;
-        if (n == 0) {
-            continue;
-        }
-        qsort(alt, (size_t) n_alt, sizeof(*alt), better_alternative);
-        qsort(low, (size_t) n_low, sizeof(*low), lower_replaceable);
-        for (int32_t j = 0; j < n; j++) {
-            row[low[j].position] = alt[j].expert;
-        }
-        replaced += n;
+        replaced += replace_in_row(scores + t * scores_stride, out + t * n_used, n_expert, n_used, w.beta[t], alpha,
+                                   resident, batch_aware, &w);
     }
     if (n_replaced != NULL) {
         *n_replaced = replaced;
     }
-
-done:
-    free(best);
-    free(beta);
-    free(top);
-    free(users);
-    free(chosen);
-    free(alt);
-    free(low);
-    return status;
+    smoe_scratch_free(&w);
+    return GGML_ZIPMOE_OK;
 }
 
 struct zipmoe_substitution * zipmoe_substitution_new(int n_layer, const int32_t * layer_n_expert) {
