@@ -244,28 +244,25 @@ static int check_args(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tas
     return GGML_ZIPMOE_OK;
 }
 
-int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tasks,
-                         const struct ggml_zipmoe_sched_params * params,
-                         void * work, size_t work_size,
-                         struct ggml_zipmoe_sched_result * result) {
-    const int status = check_args(tasks, n_tasks, params, work, result);
-    if (status != GGML_ZIPMOE_OK) {
-        return status;
-    }
-    const int32_t K = params->n_shards;
-    const int32_t L = params->n_threads;
-    if (work_size < GGML_ZIPMOE_SCHED_WORK_SIZE(n_tasks, K, L)) {
-        return GGML_ZIPMOE_ERR_CAPACITY;
-    }
-    result->n_io = result->n_dec = result->n_order = result->n_blocks = 0;
-    if (result->block_start != NULL) {
-        result->block_start[0] = 0;
-    }
-    if (n_tasks == 0) {
-        return GGML_ZIPMOE_OK;
-    }
+// sigma_I and sigma_II (the Type-I and Type-II tasks by priority) and how far each is placed
+struct sched_queues {
+    int32_t * sigma_1;
+    int32_t * sigma_2;
+    int32_t   n_1, n_2;
+    int32_t   i_1, i_2;
+};
 
-    const size_t nk = (size_t) n_tasks * (size_t) K;
+static bool queues_left(const struct sched_queues * q) {
+    return q->i_1 < q->n_1 || q->i_2 < q->n_2;
+}
+
+// the model of params' costs for tasks, its arrays in work; the queues' and blocks' arrays after them
+static struct zipmoe_sched_model sched_model(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tasks,
+                                             const struct ggml_zipmoe_sched_params * params, void * work,
+                                             struct sched_queues * q, int32_t ** blk, int32_t ** trial) {
+    const int32_t K  = params->n_shards;
+    const int32_t L  = params->n_threads;
+    const size_t  nk = (size_t) n_tasks * (size_t) K;
     struct zipmoe_sched_model m = {
         .tasks     = tasks,
         .n_shards  = K,
@@ -283,13 +280,18 @@ int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * tasks, int32_t n_
     m.dec_index  = wi;
     m.release    = wi + nk;
     m.heap       = wi + 2 * nk;
-    int32_t * sigma_1 = wi + 3 * nk; // sigma_I, sigma_II: the Type-I and Type-II tasks by priority
-    int32_t * sigma_2 = sigma_1 + n_tasks;
-    int32_t * blk     = sigma_2 + n_tasks;
-    int32_t * trial   = blk + n_tasks;
+    q->sigma_1   = wi + 3 * nk;
+    q->sigma_2   = q->sigma_1 + n_tasks;
+    *blk         = q->sigma_2 + n_tasks;
+    *trial       = *blk + n_tasks;
+    return m;
+}
 
-    int32_t n_1 = 0;
-    int32_t n_2 = 0;
+// the tasks to place (not F) into sigma_I (those that read their SM-chunks) and sigma_II, each by priority;
+// no task in a block yet
+static void sched_queues_fill(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tasks,
+                              struct ggml_zipmoe_sched_result * result, struct sched_queues * q) {
+    q->n_1 = q->n_2 = q->i_1 = q->i_2 = 0;
     for (int32_t j = 0; j < n_tasks; j++) {
         if (result->task_block != NULL) {
             result->task_block[j] = -1;
@@ -298,63 +300,98 @@ int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * tasks, int32_t n_
             continue;
         }
         if (reads_sm(tasks[j].state)) {
-            sigma_1[n_1++] = j;
+            q->sigma_1[q->n_1++] = j;
         } else {
-            sigma_2[n_2++] = j;
+            q->sigma_2[q->n_2++] = j;
         }
     }
-    sort_tasks(tasks, sigma_1, n_1);
-    sort_tasks(tasks, sigma_2, n_2);
+    sort_tasks(tasks, q->sigma_1, q->n_1);
+    sort_tasks(tasks, q->sigma_2, q->n_2);
+}
 
-    struct ggml_zipmoe_sched_op * io  = result->io;
-    struct ggml_zipmoe_sched_op * dec = result->dec;
-    int32_t i_1 = 0;
-    int32_t i_2 = 0;
+// task j into the block (blk, len) after the committed ones: at the first position that adds no idle time
+// over cur, else at fallback_pos; the block with j into trial, its timing into *cur
+static void place_task(const struct zipmoe_sched_model * m, const int32_t * blk, int32_t len, int32_t j,
+                       int32_t * trial, struct ggml_zipmoe_sched_result * result, struct zipmoe_sched_timing * cur) {
+    for (int32_t pos = 0; pos <= len; pos++) {
+        struct zipmoe_sched_timing t;
+        insert_at(trial, blk, len, pos, j);
+        eval_block(m, trial, len + 1, result->io, result->n_io, result->dec, result->n_dec, &t);
+        if (t.idle <= cur->idle + m->tol) {
+            *cur = t;
+            return;
+        }
+    }
+    insert_at(trial, blk, len, fallback_pos(m->tasks, blk, len, j), j);
+    eval_block(m, trial, len + 1, result->io, result->n_io, result->dec, result->n_dec, cur);
+}
+
+// the next block: the head of sigma_I (else of sigma_II), grown with U = (sigma_II, sigma_I)'s head
+// while it is not compute-dominant; its length
+static int32_t next_block(const struct zipmoe_sched_model * m, struct sched_queues * q, int32_t * blk,
+                          int32_t * trial, struct ggml_zipmoe_sched_result * result) {
+    int32_t len = 0;
+    blk[len++] = q->i_1 < q->n_1 ? q->sigma_1[q->i_1++] : q->sigma_2[q->i_2++];
+    struct zipmoe_sched_timing cur;
+    eval_block(m, blk, len, result->io, result->n_io, result->dec, result->n_dec, &cur);
+    while (queues_left(q) && !cur.dominant) {
+        const int32_t j = q->i_2 < q->n_2 ? q->sigma_2[q->i_2++] : q->sigma_1[q->i_1++];
+        place_task(m, blk, len, j, trial, result, &cur);
+        len++;
+        memcpy(blk, trial, (size_t) len * sizeof(int32_t));
+    }
+    return len;
+}
+
+// the block committed: its reads and decompressions, and the blocks for callers that want them (the
+// fetch reads only io and dec)
+static void commit_block(const struct ggml_zipmoe_sched_task * tasks, int32_t K, const int32_t * blk, int32_t len,
+                         struct ggml_zipmoe_sched_result * result) {
+    emit_block(tasks, K, blk, len, result->io, &result->n_io, result->dec, &result->n_dec);
+    for (int32_t i = 0; i < len; i++) {
+        if (result->task_block != NULL) {
+            result->task_block[blk[i]] = result->n_blocks;
+        }
+        if (result->order != NULL) {
+            result->order[result->n_order] = blk[i];
+        }
+        result->n_order++;
+    }
+    result->n_blocks++;
+    if (result->block_start != NULL) {
+        result->block_start[result->n_blocks] = result->n_order;
+    }
+}
+
+int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * tasks, int32_t n_tasks,
+                         const struct ggml_zipmoe_sched_params * params,
+                         void * work, size_t work_size,
+                         struct ggml_zipmoe_sched_result * result) {
+    const int status = check_args(tasks, n_tasks, params, work, result);
+    if (status != GGML_ZIPMOE_OK) {
+        return status;
+    }
+    if (work_size < GGML_ZIPMOE_SCHED_WORK_SIZE(n_tasks, params->n_shards, params->n_threads)) {
+        return GGML_ZIPMOE_ERR_CAPACITY;
+    }
+    result->n_io = result->n_dec = result->n_order = result->n_blocks = 0;
+    if (result->block_start != NULL) {
+        result->block_start[0] = 0;
+    }
+    if (n_tasks == 0) {
+        return GGML_ZIPMOE_OK;
+    }
+    struct sched_queues q;
+    int32_t * blk;
+    int32_t * trial;
+    const struct zipmoe_sched_model m = sched_model(tasks, n_tasks, params, work, &q, &blk, &trial);
+    sched_queues_fill(tasks, n_tasks, result, &q);
     // Algorithm 1 loops while Type-I tasks remain, which would leave Type-II tasks unscheduled
     // when a compute-dominant last Type-I block stops early or there is no Type-I task: those
     // then form blocks of their own, based on the Type-II task of largest p
-    while (i_1 < n_1 || i_2 < n_2) {
-        int32_t len = 0;
-        blk[len++] = i_1 < n_1 ? sigma_1[i_1++] : sigma_2[i_2++];
-        struct zipmoe_sched_timing cur;
-        eval_block(&m, blk, len, io, result->n_io, dec, result->n_dec, &cur);
-
-        // U = (sigma_II, sigma_I) without the tasks already placed: its head is the next task
-        while ((i_1 < n_1 || i_2 < n_2) && !cur.dominant) {
-            const int32_t j = i_2 < n_2 ? sigma_2[i_2++] : sigma_1[i_1++];
-            bool placed = false;
-            for (int32_t pos = 0; pos <= len && !placed; pos++) {
-                struct zipmoe_sched_timing t;
-                insert_at(trial, blk, len, pos, j);
-                eval_block(&m, trial, len + 1, io, result->n_io, dec, result->n_dec, &t);
-                if (t.idle <= cur.idle + m.tol) {
-                    placed = true;
-                    cur = t;
-                }
-            }
-            if (!placed) {
-                insert_at(trial, blk, len, fallback_pos(tasks, blk, len, j), j);
-                eval_block(&m, trial, len + 1, io, result->n_io, dec, result->n_dec, &cur);
-            }
-            len++;
-            memcpy(blk, trial, (size_t) len * sizeof(int32_t));
-        }
-
-        emit_block(tasks, K, blk, len, io, &result->n_io, dec, &result->n_dec);
-        // the blocks, for callers that want them (the fetch reads only io and dec)
-        for (int32_t i = 0; i < len; i++) {
-            if (result->task_block != NULL) {
-                result->task_block[blk[i]] = result->n_blocks;
-            }
-            if (result->order != NULL) {
-                result->order[result->n_order] = blk[i];
-            }
-            result->n_order++;
-        }
-        result->n_blocks++;
-        if (result->block_start != NULL) {
-            result->block_start[result->n_blocks] = result->n_order;
-        }
+    while (queues_left(&q)) {
+        const int32_t len = next_block(&m, &q, blk, trial, result);
+        commit_block(tasks, params->n_shards, blk, len, result);
     }
     return GGML_ZIPMOE_OK;
 }
