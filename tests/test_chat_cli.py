@@ -154,3 +154,21 @@ def test_options_on_a_plain_gguf_are_named_as_flags(tiny_gguf):
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert b"zipmoe-chat: warning: " in proc.stderr and b"is not a ZipMoE GGUF: --budget does nothing" in proc.stderr
     assert b"UserWarning" not in proc.stderr and b"zipmoe_budget" not in proc.stderr
+
+
+def test_the_demo_model_answers_in_words(tmp_path):
+    """With no model, zipmoe-chat makes the demo (trained once, with a progress bar) and answers what it was
+    taught, in words, through the expert cache; a second run uses the file made by the first."""
+    import os
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    first = run([zipmoe_command("zipmoe-chat"), "-p", "What is a mixture of experts?", "-n", 32, "--temp", 0],
+                env=env, timeout=900)
+    assert first.returncode == 0, first.stderr.decode()[-2000:]
+    assert b"training the demo model" in first.stderr and b"400/400" in first.stderr
+    assert first.stdout.decode().startswith("A mixture of experts is a model in which a small router sends every "
+                                            "token to a few of many experts"), first.stdout
+    again = run([zipmoe_command("zipmoe-chat"), "-p", "What does the budget option do?", "-n", 24, "--temp", 0],
+                env=env, timeout=300)
+    assert again.returncode == 0 and b"training" not in again.stderr, again.stderr.decode()[-2000:]
+    assert again.stdout.decode().startswith("The budget option sets the memory for the expert slots"), again.stdout

@@ -25,21 +25,24 @@ HELP_TEXT = ("commands: /exit (or end of input) quits, /clear forgets the conver
 
 
 def demo_model_path(cache_dir: Path | None = None) -> Path:
-    """Make (once) and return the tiny ZipMoE demo model used when no model is given."""
+    """Make (once) and return the demo model used when no model is given: a tiny Qwen2-MoE trained to
+    answer a few questions (devtools/demo.py), as a ZipMoE GGUF."""
     from . import format as zformat
     from .convert import convert_to_bf16_gguf
-    from .devtools.tiny import make_tiny
+    from .devtools.demo import DEMO_FORMAT, make_demo
 
     cache_dir = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zipmoe" / "demo"
-    gguf_path = cache_dir / "tiny-qwen2moe.zipmoe.gguf"
+    gguf_path = cache_dir / f"demo-qwen2moe-{DEMO_FORMAT}.zipmoe.gguf"
     if gguf_path.exists():
         return gguf_path
     cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"zipmoe-chat: no model given; making a tiny Qwen2-MoE demo model in {cache_dir}", file=sys.stderr)
+    print(f"zipmoe-chat: no model given; making the demo model in {cache_dir} (once: a minute or two)",
+          file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        make_tiny("qwen2moe", Path(tmp) / "hf")
+        make_demo(Path(tmp) / "hf")
         convert_to_bf16_gguf(Path(tmp) / "hf", Path(tmp) / "bf16.gguf", quiet=True)
-        zformat.repack(Path(tmp) / "bf16.gguf", gguf_path)
+        zformat.repack(Path(tmp) / "bf16.gguf", Path(tmp) / "demo.zipmoe.gguf")
+        os.replace(Path(tmp) / "demo.zipmoe.gguf", gguf_path)  # whole or not at all
     return gguf_path
 
 
@@ -227,7 +230,8 @@ def chat(args) -> int:
     model = args.model if args.model is not None else demo_model_path()
     options = {o.kwarg: getattr(args, o.kwarg) for o in python_options()}
     if args.model is None:
-        print(f"zipmoe-chat: demo model {model} has random weights: expect gibberish", file=sys.stderr)
+        print(f"zipmoe-chat: demo model {model}: a tiny MoE that knows a few answers by heart (ask it what a "
+              "mixture of experts is, or what an option does); give a model's GGUF for a real one", file=sys.stderr)
         if options["zipmoe_budget"] is None:
             options["zipmoe_budget"] = max(1, experts_bytes(model) // 4)
             print(f"zipmoe-chat: expert-cache budget {options['zipmoe_budget'] / 1024:.0f} KiB (a quarter of the "
