@@ -96,143 +96,197 @@ void ggml_zipmoe_file_close(struct ggml_zipmoe_file * file) {
     free(file);
 }
 
-// fills t from the metadata of tensor name; returns false with err set when anything is off
-static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
-                        uint64_t file_size, struct zipmoe_tensor * t, char * err, size_t err_size) {
-    const char * path = file->path;
-    char key[512];
+#define ZIPMOE_KEY_BYTES 512 // a metadata key or chunk tensor name made from a tensor's name (64 past it)
 
-    t->layer = expert_tensor_layer(name);
-    const size_t name_len = strlen(name);
-    if (t->layer < 0 || name_len + 64 > sizeof(key)) {
-        set_error(err, err_size, "%s: zipmoe.tensors names '%s', which is not a routed-expert tensor", path, name);
-        return false;
-    }
-    t->name = strdup(name);
-    if (t->name == NULL) {
-        set_error(err, err_size, "%s: out of memory", path);
-        return false;
-    }
-
+// t's ggml type from zipmoe.tensor.NAME.type: BF16 experts are split; from format version 3, an expert of
+// any other ggml type is stored raw
+static bool tensor_type(const struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                        struct zipmoe_tensor * t, char * err, size_t err_size) {
+    char key[ZIPMOE_KEY_BYTES];
     snprintf(key, sizeof(key), "zipmoe.tensor.%s.type", name);
     uint32_t type = 0;
     if (!typed_u32(ctx, key, &type)) {
-        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not a u32", path, key);
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not a u32", file->path, key);
         return false;
     }
-    // BF16 experts are split; from format version 3, an expert of any other ggml type is stored raw
     t->type = (int) type;
     t->raw  = type != GGML_TYPE_BF16;
     if (t->raw && (file->version < 3 || type >= GGML_TYPE_COUNT || ggml_blck_size((enum ggml_type) type) <= 0 ||
                    ggml_type_size((enum ggml_type) type) == 0)) {
-        set_error(err, err_size, "%s: ZipMoE metadata: %s is %u, %s", path, key, type,
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is %u, %s", file->path, key, type,
                   file->version < 3 ? "not BF16 (30), the only type format versions 1 and 2 have"
                                     : "not a ggml type this build serves");
         return false;
     }
+    return true;
+}
 
+// t's shape from zipmoe.tensor.NAME.shape, and its sizes: values, SM-chunk, bytes in a slot
+static bool tensor_shape(const struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                         struct zipmoe_tensor * t, char * err, size_t err_size) {
+    char key[ZIPMOE_KEY_BYTES];
     snprintf(key, sizeof(key), "zipmoe.tensor.%s.shape", name);
     const uint64_t * shape = (const uint64_t *) typed_array(ctx, key, GGUF_TYPE_UINT64, 3);
     if (shape == NULL || shape[0] < 1 || shape[1] < 1 || shape[2] < 1 || shape[0] > ZIPMOE_MAX_DIM ||
         shape[1] > ZIPMOE_MAX_DIM || shape[2] > ZIPMOE_MAX_EXPERTS) {
-        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not 3 sizes in range", path, key);
+        set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or not 3 sizes in range", file->path, key);
         return false;
     }
     for (int d = 0; d < 3; d++) {
         t->ne[d] = (int64_t) shape[d];
     }
     t->n = shape[0] * shape[1];
-    if (t->raw && shape[0] % (uint64_t) ggml_blck_size((enum ggml_type) type) != 0) {
+    const enum ggml_type type = (enum ggml_type) t->type;
+    if (t->raw && shape[0] % (uint64_t) ggml_blck_size(type) != 0) {
         set_error(err, err_size, "%s: ZipMoE metadata: %s is %llu wide, not a whole number of %s blocks of %lld",
-                  path, name, (unsigned long long) shape[0], ggml_type_name((enum ggml_type) type),
-                  (long long) ggml_blck_size((enum ggml_type) type));
+                  file->path, name, (unsigned long long) shape[0], ggml_type_name(type),
+                  (long long) ggml_blck_size(type));
         return false;
     }
-    t->sm_size = t->raw ? (uint64_t) ggml_row_size((enum ggml_type) type, t->ne[0]) * shape[1] : t->n;
+    t->sm_size = t->raw ? (uint64_t) ggml_row_size(type, t->ne[0]) * shape[1] : t->n;
     t->bytes   = t->raw ? t->sm_size : 2 * t->n;
+    return true;
+}
 
-    // the chunks live in the I8 tensor named like the served one with .zipmoe for .weight
-    char blob[512];
-    snprintf(blob, sizeof(blob), "%.*s.zipmoe", (int) (name_len - strlen(".weight")), name);
+// where the chunks of tensor name live: the I8 tensor named like it with .zipmoe for .weight
+static bool chunk_tensor(const struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                         uint64_t * offset, uint64_t * size, char * err, size_t err_size) {
+    char blob[ZIPMOE_KEY_BYTES];
+    snprintf(blob, sizeof(blob), "%.*s.zipmoe", (int) (strlen(name) - strlen(".weight")), name);
     const int64_t tid = gguf_find_tensor(ctx, blob);
     const int64_t * bne = tid < 0 ? NULL : gguf_get_tensor_ne(ctx, tid);
     if (tid < 0 || gguf_get_tensor_type(ctx, tid) != GGML_TYPE_I8 || bne[1] != 1 || bne[2] != 1 || bne[3] != 1) {
-        set_error(err, err_size, "%s: ZipMoE metadata: chunk tensor %s is missing or malformed", path, blob);
+        set_error(err, err_size, "%s: ZipMoE metadata: chunk tensor %s is missing or malformed", file->path, blob);
         return false;
     }
-    const uint64_t blob_offset = gguf_get_data_offset(ctx) + gguf_get_tensor_offset(ctx, tid);
-    const uint64_t blob_size   = gguf_get_tensor_size(ctx, tid);
-    if (blob_offset % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
-        set_error(err, err_size, "%s: chunk tensor %s starts at offset %llu, not a multiple of %d", path, blob,
-                  (unsigned long long) blob_offset, GGML_ZIPMOE_CHUNK_ALIGNMENT);
+    *offset = gguf_get_data_offset(ctx) + gguf_get_tensor_offset(ctx, tid);
+    *size   = gguf_get_tensor_size(ctx, tid);
+    if (*offset % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
+        set_error(err, err_size, "%s: chunk tensor %s starts at offset %llu, not a multiple of %d", file->path, blob,
+                  (unsigned long long) *offset, GGML_ZIPMOE_CHUNK_ALIGNMENT);
         return false;
     }
+    return true;
+}
 
-    const int      per      = 1 + file->n_shards;
-    const uint64_t n_chunks = shape[2] * (uint64_t) per;
-    const char *   what[4]  = { "chunk_offset", "chunk_size", "chunk_checksum", "chunk_codec" };
-    const void *   arrays[4];
+// the chunk index of tensor name: its n_chunks offsets, sizes, checksums (u64) and codecs (u8)
+struct chunk_index {
+    const uint64_t * offsets;
+    const uint64_t * sizes;
+    const uint64_t * checksums;
+    const uint8_t *  codecs;
+};
+
+static bool chunk_index(const struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                        uint64_t n_chunks, struct chunk_index * index, char * err, size_t err_size) {
+    const char * what[4] = { "chunk_offset", "chunk_size", "chunk_checksum", "chunk_codec" };
+    const void * arrays[4];
     for (int a = 0; a < 4; a++) {
+        char key[ZIPMOE_KEY_BYTES];
         snprintf(key, sizeof(key), "zipmoe.tensor.%s.%s", name, what[a]);
         arrays[a] = typed_array(ctx, key, a == 3 ? GGUF_TYPE_UINT8 : GGUF_TYPE_UINT64, n_chunks);
         if (arrays[a] == NULL) {
-            set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or does not hold %llu %s", path, key,
+            set_error(err, err_size, "%s: ZipMoE metadata: %s is missing or does not hold %llu %s", file->path, key,
                       (unsigned long long) n_chunks, a == 3 ? "u8" : "u64");
             return false;
         }
     }
-    const uint64_t * offsets   = (const uint64_t *) arrays[0];
-    const uint64_t * sizes     = (const uint64_t *) arrays[1];
-    const uint64_t * checksums = (const uint64_t *) arrays[2];
-    const uint8_t *  codecs    = (const uint8_t *) arrays[3];
+    index->offsets   = (const uint64_t *) arrays[0];
+    index->sizes     = (const uint64_t *) arrays[1];
+    index->checksums = (const uint64_t *) arrays[2];
+    index->codecs    = (const uint8_t *) arrays[3];
+    return true;
+}
 
+// what is wrong with chunk j of t (chunk c of its expert: 0 the SM-chunk, k > 0 the E-chunk of shard
+// k - 1) in a chunk tensor of blob_size bytes, or NULL
+static const char * chunk_problem(const struct ggml_zipmoe_file * file, const struct zipmoe_tensor * t,
+                                  const struct chunk_index * index, uint64_t j, int c, uint64_t blob_size) {
+    uint64_t first = 0, count = t->sm_size;
+    if (c > 0) {
+        zipmoe_tensor_shard_range(t, file->n_shards, c - 1, &first, &count);
+    }
+    const uint64_t size = index->sizes[j], offset = index->offsets[j];
+    const uint8_t  codec = index->codecs[j];
+    if (size > blob_size || offset > blob_size - size) {
+        return "lies outside its tensor";
+    } else if (offset % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
+        return "is not aligned to 4096 bytes";
+    } else if (codec >= GGML_ZIPMOE_CODEC_COUNT) {
+        return "has an unknown codec";
+    } else if (codec == GGML_ZIPMOE_CODEC_GHUF && file->version < 2) {
+        return "uses codec ghuf, which format version 1 does not have";
+    } else if (c == 0 && (codec != GGML_ZIPMOE_CODEC_RAW || size != t->sm_size)) {
+        return t->raw ? "is not a raw chunk of the expert's bytes" : "is not a raw chunk of one byte per value";
+    } else if (t->raw && c > 0 && (codec != GGML_ZIPMOE_CODEC_RAW || size != 0)) {
+        return "is not empty, as a raw tensor's E-chunks are";
+    } else if (codec == GGML_ZIPMOE_CODEC_RAW && size != count) {
+        return "is raw but its size is not its value count";
+    } else if (count > 0 && size == 0) {
+        return "is empty";
+    }
+    return NULL;
+}
+
+// t's chunks from the index, each checked, at their place in the file
+static bool load_chunks(struct ggml_zipmoe_file * file, const char * name, const struct chunk_index * index,
+                        uint64_t n_chunks, uint64_t blob_offset, uint64_t blob_size, struct zipmoe_tensor * t,
+                        char * err, size_t err_size) {
+    const int per = 1 + file->n_shards;
     t->chunks = (struct zipmoe_chunk *) calloc(n_chunks, sizeof(*t->chunks));
     if (t->chunks == NULL) {
-        set_error(err, err_size, "%s: out of memory", path);
+        set_error(err, err_size, "%s: out of memory", file->path);
         return false;
     }
     for (uint64_t j = 0; j < n_chunks; j++) {
         const int expert = (int) (j / per), c = (int) (j % per);
-        uint64_t first = 0, count = t->sm_size;
-        if (c > 0) {
-            zipmoe_tensor_shard_range(t, file->n_shards, c - 1, &first, &count);
-        }
-        const char * problem = NULL;
-        if (sizes[j] > blob_size || offsets[j] > blob_size - sizes[j]) {
-            problem = "lies outside its tensor";
-        } else if (offsets[j] % GGML_ZIPMOE_CHUNK_ALIGNMENT != 0) {
-            problem = "is not aligned to 4096 bytes";
-        } else if (codecs[j] >= GGML_ZIPMOE_CODEC_COUNT) {
-            problem = "has an unknown codec";
-        } else if (codecs[j] == GGML_ZIPMOE_CODEC_GHUF && file->version < 2) {
-            problem = "uses codec ghuf, which format version 1 does not have";
-        } else if (c == 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != t->sm_size)) {
-            problem = t->raw ? "is not a raw chunk of the expert's bytes" : "is not a raw chunk of one byte per value";
-        } else if (t->raw && c > 0 && (codecs[j] != GGML_ZIPMOE_CODEC_RAW || sizes[j] != 0)) {
-            problem = "is not empty, as a raw tensor's E-chunks are";
-        } else if (codecs[j] == GGML_ZIPMOE_CODEC_RAW && sizes[j] != count) {
-            problem = "is raw but its size is not its value count";
-        } else if (count > 0 && sizes[j] == 0) {
-            problem = "is empty";
-        }
+        const char * problem = chunk_problem(file, t, index, j, c, blob_size);
         if (problem != NULL) {
             char what[32];
             snprintf(what, sizeof(what), c == 0 ? "SM-chunk" : "E-chunk (shard %d)", c - 1);
-            set_error(err, err_size, "%s: layer %d, tensor %s, expert %d, %s %s (corrupt index)", path, t->layer,
+            set_error(err, err_size, "%s: layer %d, tensor %s, expert %d, %s %s (corrupt index)", file->path, t->layer,
                       name, expert, what, problem);
             return false;
         }
-        t->chunks[j].offset   = blob_offset + offsets[j];
-        t->chunks[j].size     = sizes[j];
-        t->chunks[j].checksum = checksums[j];
-        t->chunks[j].codec    = codecs[j];
-        if (sizes[j] > file->max_chunk_size) {
-            file->max_chunk_size = sizes[j];
+        t->chunks[j].offset   = blob_offset + index->offsets[j];
+        t->chunks[j].size     = index->sizes[j];
+        t->chunks[j].checksum = index->checksums[j];
+        t->chunks[j].codec    = index->codecs[j];
+        if (index->sizes[j] > file->max_chunk_size) {
+            file->max_chunk_size = index->sizes[j];
         }
+    }
+    return true;
+}
+
+// fills t from the metadata of tensor name; returns false with err set when anything is off
+static bool load_tensor(struct ggml_zipmoe_file * file, const struct gguf_context * ctx, const char * name,
+                        uint64_t file_size, struct zipmoe_tensor * t, char * err, size_t err_size) {
+    t->layer = expert_tensor_layer(name);
+    if (t->layer < 0 || strlen(name) + 64 > ZIPMOE_KEY_BYTES) {
+        set_error(err, err_size, "%s: zipmoe.tensors names '%s', which is not a routed-expert tensor", file->path,
+                  name);
+        return false;
+    }
+    t->name = strdup(name);
+    if (t->name == NULL) {
+        set_error(err, err_size, "%s: out of memory", file->path);
+        return false;
+    }
+    uint64_t blob_offset = 0, blob_size = 0;
+    if (!tensor_type(file, ctx, name, t, err, err_size) || !tensor_shape(file, ctx, name, t, err, err_size) ||
+        !chunk_tensor(file, ctx, name, &blob_offset, &blob_size, err, err_size)) {
+        return false;
+    }
+    const uint64_t     n_chunks = (uint64_t) t->ne[2] * (uint64_t) (1 + file->n_shards);
+    struct chunk_index index;
+    if (!chunk_index(file, ctx, name, n_chunks, &index, err, err_size) ||
+        !load_chunks(file, name, &index, n_chunks, blob_offset, blob_size, t, err, err_size)) {
+        return false;
     }
     if (blob_offset + blob_size > file_size) {
         set_error(err, err_size, "%s: the chunks of tensor %s lie beyond the end of the file (%llu bytes): "
-                  "the file is truncated", path, name, (unsigned long long) file_size);
+                  "the file is truncated", file->path, name, (unsigned long long) file_size);
         return false;
     }
     if (t->sm_size > file->max_sm_size) {
