@@ -270,27 +270,24 @@ static void take_compressed(const struct zipmoe_pool_view * v, int held, const i
 
 #define ZIPMOE_POOLS_GAIN 0.9 // pools on an observed profile: at most this share of one F pool's makespan
 
-int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, int32_t n_threads,
-                         int32_t work_slots, double rate_read, double rate_decode, const double * profile,
-                         struct ggml_zipmoe_default_pools * out) {
-    if (v == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
-        return GGML_ZIPMOE_ERR_ARG;
-    }
-    memset(out, 0, sizeof(*out));
+// one F pool where pools cannot help: no layer to plan for, every expert fits full, or too few slots for
+// pools' working slots and one F expert per layer. Returns 1 with out said so, else 0
+static int one_f_pool_plainly(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, int32_t work_slots,
+                              struct ggml_zipmoe_default_pools * out) {
     const int32_t  L = v->layout.n_served;
     const int32_t  N = v->layout.max_expert;
     const uint64_t X = v->layout.expert_bytes; // a full expert: its slot
     out->n_slots = L > 0 && N > 0 ? (int32_t) (budget / X < (uint64_t) N * L ? budget / X : (uint64_t) N * L) : 0;
     if (L < 1 || N < 1 || k > N) {
         snprintf(out->why, sizeof(out->why), "one F pool: no layer to plan for");
-        return GGML_ZIPMOE_OK;
+        return 1;
     }
     char room[32], all_f[32];
     ggml_zipmoe_size_text(budget, room, sizeof(room));
     if (budget >= X * N * L) {
         ggml_zipmoe_size_text(X * (uint64_t) N * (uint64_t) L, all_f, sizeof(all_f));
         snprintf(out->why, sizeof(out->why), "one F pool: every expert fits full (%s of %s)", all_f, room);
-        return GGML_ZIPMOE_OK;
+        return 1;
     }
     const uint64_t work = (uint64_t) work_slots * X;
     if (budget <= work + X * L) {
@@ -298,8 +295,67 @@ int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int
         snprintf(out->why, sizeof(out->why), "one F pool: %s holds %llu full experts, too few for pools, "
                  "which need more than %d working slots and one expert per MoE layer in F (%d)",
                  room, (unsigned long long) (budget / X), work_slots, work_slots + L);
+        return 1;
+    }
+    return 0;
+}
+
+// the candidates the planner weighs for a budget: its pools (best), one F pool (f_best), the pools that
+// keep every expert compressed (held, held_capacity, held_makespan_s) and the pools the cache has now (now)
+struct pool_candidates {
+    struct ggml_zipmoe_plan_result best, f_best;
+    int     held;
+    int32_t held_capacity[4];
+    double  held_makespan_s;
+    int32_t now[4];
+};
+
+// the candidates under p (the planner's inputs, budget less the working slots `work`); the current pools'
+// expected makespan into out. OK, or the planner's error
+static int plan_candidates(const struct zipmoe_pool_view * v, const struct ggml_zipmoe_plan_params * p,
+                           uint64_t budget, int32_t k, uint64_t work, int observed, struct pool_candidates * c,
+                           struct ggml_zipmoe_default_pools * out) {
+    int status = ggml_zipmoe_plan_pools(p, &c->best);
+    struct ggml_zipmoe_plan_params f_only = *p;
+    memset(f_only.entry_bytes + 1, 0, 3 * sizeof(uint64_t));
+    f_only.budget = budget; // one F pool needs no working slots of its own
+    if (status == GGML_ZIPMOE_OK) {
+        status = ggml_zipmoe_plan_pools(&f_only, &c->f_best);
+    }
+    // every expert kept compressed: with the built-in profile it is taken whenever it fits; with an
+    // observed one, when the planner expects it to be the fastest
+    int32_t evaluated[4];
+    c->held            = compressed_pools(v, budget, k, work, observed, c->held_capacity);
+    c->held_makespan_s = 0;
+    if (status == GGML_ZIPMOE_OK && c->held != HELD_NONE) {
+        memcpy(evaluated, c->held_capacity, sizeof(evaluated));
+        evaluated[GGML_ZIPMOE_POOL_C] -= evaluated[GGML_ZIPMOE_POOL_F]; // an inclusive C's hits, as exclusive pools
+        status = zipmoe_plan_evaluate(p, evaluated, &c->held_makespan_s);
+    }
+    memset(c->now, 0, sizeof(c->now));
+    if (status == GGML_ZIPMOE_OK) {
+        // the pools the cache has now, under the same profile: a caller changes them only for a real gain
+        current_pools(v, c->now);
+        status = zipmoe_plan_evaluate(p, c->now, &out->current_makespan_s);
+    }
+    return status;
+}
+
+int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, int32_t n_threads,
+                         int32_t work_slots, double rate_read, double rate_decode, const double * profile,
+                         struct ggml_zipmoe_default_pools * out) {
+    if (v == NULL || out == NULL || k < 1 || n_threads < 1 || work_slots < 1) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    memset(out, 0, sizeof(*out));
+    if (one_f_pool_plainly(v, budget, k, work_slots, out)) {
         return GGML_ZIPMOE_OK;
     }
+    const int32_t  L = v->layout.n_served;
+    const int32_t  N = v->layout.max_expert;
+    const uint64_t work = (uint64_t) work_slots * v->layout.expert_bytes;
+    char room[32];
+    ggml_zipmoe_size_text(budget, room, sizeof(room));
 
     double *     q      = NULL;
     const char * source = "uniform profile";
@@ -308,63 +364,38 @@ int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int
     }
     const double read   = rate_read > 0 ? rate_read : v->rate_read;
     const double decode = rate_decode > 0 ? rate_decode : v->rate_decode;
-    struct ggml_zipmoe_plan_params p = cost_model(v, k, q, budget - work, read, decode, n_threads);
-    struct ggml_zipmoe_plan_result best, f_best;
-    int status = ggml_zipmoe_plan_pools(&p, &best);
-    struct ggml_zipmoe_plan_params f_only = p;
-    memset(f_only.entry_bytes + 1, 0, 3 * sizeof(uint64_t));
-    f_only.budget = budget; // one F pool needs no working slots of its own
-    if (status == GGML_ZIPMOE_OK) {
-        status = ggml_zipmoe_plan_pools(&f_only, &f_best);
-    }
-    // every expert kept compressed: with the built-in profile it is taken whenever it fits; with an
-    // observed one, when the planner expects it to be the fastest
-    int32_t held_capacity[4], evaluated[4];
-    const int held = compressed_pools(v, budget, k, work, profile != NULL, held_capacity);
-    double held_makespan_s = 0;
-    if (status == GGML_ZIPMOE_OK && held != HELD_NONE) {
-        memcpy(evaluated, held_capacity, sizeof(evaluated));
-        evaluated[GGML_ZIPMOE_POOL_C] -= evaluated[GGML_ZIPMOE_POOL_F]; // an inclusive C's hits, as exclusive pools
-        status = zipmoe_plan_evaluate(&p, evaluated, &held_makespan_s);
-    }
-    int32_t now[4] = { 0 };
-    if (status == GGML_ZIPMOE_OK) {
-        // the pools the cache has now, under the same profile: a caller changes them only for a real gain
-        current_pools(v, now);
-        status = zipmoe_plan_evaluate(&p, now, &out->current_makespan_s);
-    }
+    const struct ggml_zipmoe_plan_params p = cost_model(v, k, q, budget - work, read, decode, n_threads);
+    struct pool_candidates c;
+    const int status = plan_candidates(v, &p, budget, k, work, profile != NULL, &c, out);
     free(q);
     if (status != GGML_ZIPMOE_OK) {
         return status;
     }
-    out->expected_makespan_s = best.expected_makespan_s;
-    out->f_only_makespan_s   = f_best.expected_makespan_s;
+    out->expected_makespan_s = c.best.expected_makespan_s;
+    out->f_only_makespan_s   = c.f_best.expected_makespan_s;
     // pools planned on an observed profile must expect a tenth less than one F pool: the makespan leaves
     // out what they cost beyond it (the stores' first writes, decoding on the graph's threads, a change's
     // migration into new slots), and the full Qwen1.5-MoE geometry at 12 GiB decoded at 1.3-1.5x one F
     // pool's step with pools expected 1% faster (BENCHMARKS, "A cross-fitted profile")
-    const double f_only_s = profile == NULL ? f_best.expected_makespan_s : ZIPMOE_POOLS_GAIN * f_best.expected_makespan_s;
-    if (held != HELD_NONE && (profile == NULL || (held_makespan_s <= best.expected_makespan_s &&
-                                                  held_makespan_s < f_only_s))) {
-        take_compressed(v, held, held_capacity, held_makespan_s, budget, work_slots, source, out);
-        refill_cost(v, now, read, decode, n_threads, out);
-        return GGML_ZIPMOE_OK;
-    }
-    const int pools = best.capacity[1] + best.capacity[2] + best.capacity[3] > 0;
-    if (!pools || best.expected_makespan_s >= f_only_s) {
+    const double f_only_s = profile == NULL ? c.f_best.expected_makespan_s
+                                            : ZIPMOE_POOLS_GAIN * c.f_best.expected_makespan_s;
+    if (c.held != HELD_NONE && (profile == NULL || (c.held_makespan_s <= c.best.expected_makespan_s &&
+                                                    c.held_makespan_s < f_only_s))) {
+        take_compressed(v, c.held, c.held_capacity, c.held_makespan_s, budget, work_slots, source, out);
+    } else if (c.best.capacity[1] + c.best.capacity[2] + c.best.capacity[3] == 0 ||
+               c.best.expected_makespan_s >= f_only_s) {
         snprintf(out->why, sizeof(out->why), "one F pool: the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d "
                  "threads) expects %.2f ms per layer, pools no better%s (%.2f ms)", source, read / 1e9, decode / 1e9,
-                 n_threads, f_best.expected_makespan_s * 1e3, profile != NULL ? " by a tenth" : "",
-                 best.expected_makespan_s * 1e3);
-        refill_cost(v, now, read, decode, n_threads, out);
-        return GGML_ZIPMOE_OK;
+                 n_threads, c.f_best.expected_makespan_s * 1e3, profile != NULL ? " by a tenth" : "",
+                 c.best.expected_makespan_s * 1e3);
+    } else {
+        memcpy(out->capacity, c.best.capacity, sizeof(c.best.capacity));
+        out->n_slots = c.best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
+        snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for "
+                 "%s: %.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
+                 n_threads, room, c.best.expected_makespan_s * 1e3, c.f_best.expected_makespan_s * 1e3);
     }
-    memcpy(out->capacity, best.capacity, sizeof(best.capacity));
-    out->n_slots = best.capacity[GGML_ZIPMOE_POOL_F] * L + work_slots;
-    snprintf(out->why, sizeof(out->why), "the planner (%s, read %.2f GB/s, decode %.2f GB/s x %d threads) for %s: "
-             "%.2f ms per layer expected, against %.2f ms with one F pool", source, read / 1e9, decode / 1e9,
-             n_threads, room, best.expected_makespan_s * 1e3, f_best.expected_makespan_s * 1e3);
-    refill_cost(v, now, read, decode, n_threads, out);
+    refill_cost(v, c.now, read, decode, n_threads, out);
     return GGML_ZIPMOE_OK;
 }
 
