@@ -273,85 +273,121 @@ static bool adopt_pools(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_z
     return true;
 }
 
+// the pools the planner would take now, into *choice: with the rates the fetches measured (kept for later
+// plans for the memory left), on the observed profile unless the routing seen is as even as a uniform
+// router's (then what it shows beyond the built-in profile is noise, and partial pools planned on noise
+// move experts between them, reads, on every change of rank). False where the planner failed
+static bool plan_from_routing(struct ggml_zipmoe_serving * s, const struct routing_halves * h,
+                              struct ggml_zipmoe_default_pools * choice) {
+    struct zipmoe_routing_profile * r = &s->routing;
+    memset(choice, 0, sizeof(*choice));
+    // the first plan had only the default rates (or those given); by now the fetches have measured
+    // this machine's (zipmoe-fetch.c: calibrate), and later plans for the memory left keep them
+    s->plan_rates[0] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_READ);
+    s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
+    r->even_z = routing_even_z(s, h);
+    r->even   = r->even_z < ZIPMOE_EVEN_Z;
+    return ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, h->k, s->auto_threads, s->p.work_slots,
+                                           s->plan_rates[0], s->plan_rates[1], r->even ? NULL : r->observed,
+                                           choice) == GGML_ZIPMOE_OK;
+}
+
+// what a change to the pools of choice would be worth
+struct replan_weighing {
+    int32_t n;        // slots it would use
+    double  expected; // its expected makespan per layer
+    double  repaid;   // steps until its gain repays its fills (refill_s), INFINITY with no gain
+    double  horizon;  // the steps it must repay in
+    bool    in_use;   // the pools in use already
+    bool    same;     // no gain of a tenth or more
+};
+
+// choice weighed against the pools in use; false where its slots do not fit the cache's
+static bool weigh_change(const struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_default_pools * choice,
+                         struct replan_weighing * w) {
+    const bool    use_pools = choice->capacity[1] + choice->capacity[2] + choice->capacity[3] > 0;
+    const int32_t capacity  = ggml_zipmoe_cache_slot_capacity(s->cache);
+    const int32_t fewest    = MIN(capacity, s->p.n_expert_used);
+    if (use_pools && (choice->n_slots < fewest || choice->n_slots > capacity)) {
+        return false;
+    }
+    w->n        = MIN(capacity, MAX(fewest, choice->n_slots));
+    w->expected = use_pools ? choice->expected_makespan_s : choice->f_only_makespan_s;
+    // a change costs its fills (refill_s: reads, decodes, first touches of new slots): the planner's
+    // expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite
+    // sequences at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64
+    // tokens, reading three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
+    const double gain_s = (choice->current_makespan_s - w->expected) * s->info.n_moe_layers; // per step
+    w->repaid = gain_s > 0 ? choice->refill_s / gain_s : INFINITY;                          // in steps
+    w->in_use = use_pools == s->auto_active && w->n == s->n_slots && choice->inclusive == s->auto_choice.inclusive &&
+                memcmp(choice->capacity, s->auto_choice.capacity, sizeof(choice->capacity)) == 0;
+    w->same   = w->in_use || w->expected >= 0.9 * choice->current_makespan_s;
+    // the steps it repays in: those seen, and at a prompt's re-plan (one decode step) the steps the first
+    // re-plan would have waited for
+    w->horizon = (double) MAX(s->routing.token_steps, (uint64_t) s->p.replan_tokens);
+    return true;
+}
+
+// the pools in use kept: said in the plan's reason and the log (seen: the steps the plan was made from,
+// read_so_far: the bytes read until now)
+static void keep_pools(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_default_pools * choice,
+                       const struct replan_weighing * w, int32_t k, const char * seen, double read_so_far) {
+    const struct zipmoe_routing_profile * r = &s->routing;
+    char repay[64], why[sizeof(s->plan.pools_why) + 200];
+    if (w->in_use || !isfinite(w->repaid)) {
+        snprintf(repay, sizeof(repay), "%s", w->in_use ? "no change: the pools in use" : "never repaid: no gain");
+    } else {
+        snprintf(repay, sizeof(repay), "repaid in %.0f steps", ceil(w->repaid));
+    }
+    snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
+             "ms with these; the change would take %.1f s, %s)", s->auto_choice.why,
+             r->even ? "built-in profile, the routing seen being even" : "observed profile", w->expected * 1e3,
+             choice->current_makespan_s * 1e3, choice->refill_s, repay);
+    snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
+    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %s (%d experts per MoE layer a step, %.1f "
+                       "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
+                       "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill, "
+                       "%s; planned again after %llu (%s)",
+                       seen, k, read_so_far / 1e6, r->even_z,
+                       r->even ? ", so planned for the built-in profile" : "", choice->capacity[0],
+                       choice->capacity[1], choice->capacity[2], choice->capacity[3], w->expected * 1e3,
+                       choice->current_makespan_s * 1e3, choice->refill_s, repay,
+                       (unsigned long long) r->next_replan, choice->why);
+}
+
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
 // (a change keeps the store entries that still fit; the rest fill again on demand). Returns 1 if the slots changed.
 static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     struct ggml_zipmoe_default_pools choice;
-    memset(&choice, 0, sizeof(choice));
-    // the first plan had only the default rates (or those given); by now the fetches have measured
-    // this machine's (zipmoe-fetch.c: calibrate), and later plans for the memory left keep them
-    s->plan_rates[0] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_READ);
-    s->plan_rates[1] = ggml_zipmoe_cache_rate(s->cache, GGML_ZIPMOE_RATE_DECODE);
-    // routing as even as a uniform router's: what it shows beyond the built-in profile is noise, and
-    // partial pools planned on noise move experts between them (reads) on every change of rank
-    r->even_z = routing_even_z(s, h);
-    r->even   = r->even_z < ZIPMOE_EVEN_Z;
-    const int32_t k = h->k;
-    if (ggml_zipmoe_cache_default_pools(s->cache, s->auto_budget, k, s->auto_threads, s->p.work_slots,
-                                        s->plan_rates[0], s->plan_rates[1], r->even ? NULL : r->observed,
-                                        &choice) != GGML_ZIPMOE_OK) {
+    if (!plan_from_routing(s, h, &choice)) {
         return 0;
     }
+    const int32_t k = h->k;
     // the reads until now, so that a log reader can tell the steady state's bytes per token from the warm-up's
     struct ggml_zipmoe_cache_stats st;
     ggml_zipmoe_cache_get_stats(s->cache, &st);
     const double read_so_far = (double) st.bytes_read;
-    const bool    use_pools = choice.capacity[1] + choice.capacity[2] + choice.capacity[3] > 0;
-    const int32_t capacity  = ggml_zipmoe_cache_slot_capacity(s->cache);
-    const int32_t fewest    = MIN(capacity, s->p.n_expert_used);
-    if (use_pools && (choice.n_slots < fewest || choice.n_slots > capacity)) {
+    struct replan_weighing w;
+    if (!weigh_change(s, &choice, &w)) {
         return 0;
     }
-    const int32_t n        = MIN(capacity, MAX(fewest, choice.n_slots));
-    const double  expected = use_pools ? choice.expected_makespan_s : choice.f_only_makespan_s;
-    // a change costs its fills (refill_s: reads, decodes, first touches of new slots): the planner's
-    // expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite
-    // sequences at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64
-    // tokens, reading three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
-    const double  gain_s   = (choice.current_makespan_s - expected) * s->info.n_moe_layers; // per step
-    const double  repaid   = gain_s > 0 ? choice.refill_s / gain_s : INFINITY;              // in steps
-    const bool    in_use   = use_pools == s->auto_active && n == s->n_slots && choice.inclusive == s->auto_choice.inclusive &&
-                             memcmp(choice.capacity, s->auto_choice.capacity, sizeof(choice.capacity)) == 0;
-    const bool    same     = in_use || expected >= 0.9 * choice.current_makespan_s;
-    // the steps it repays in: those seen, and at a prompt's re-plan (one decode step) the steps the first
-    // re-plan would have waited for
-    const double  horizon  = (double) MAX(r->token_steps, (uint64_t) s->p.replan_tokens);
     char seen[96];
     snprintf(seen, sizeof(seen), "%llu decode steps%s", (unsigned long long) r->token_steps,
              h->counts == r->token_counts ? " and the prompt before them" : "");
-    if (!same && repaid > horizon) {
+    if (!w.same && w.repaid > w.horizon) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
         // change at 16 steps repaid in 21 and decoded from C on the path until 32 (BENCHMARKS, "A
         // change taken when it repays")
-        const uint64_t at = (uint64_t) MIN(ceil(repaid), 2.0 * (double) r->token_steps);
+        const uint64_t at = (uint64_t) MIN(ceil(w.repaid), 2.0 * (double) r->token_steps);
         r->next_replan = MAX(at, r->token_steps + MAX(1, r->token_steps / 8));
     }
-    if (same || repaid > horizon) {
-        char repay[64], why[sizeof(s->plan.pools_why) + 200];
-        if (in_use || !isfinite(repaid)) {
-            snprintf(repay, sizeof(repay), "%s", in_use ? "no change: the pools in use" : "never repaid: no gain");
-        } else {
-            snprintf(repay, sizeof(repay), "repaid in %.0f steps", ceil(repaid));
-        }
-        snprintf(why, sizeof(why), "%s (kept after a re-plan from the %s: %.2f ms per layer expected, against %.2f "
-                 "ms with these; the change would take %.1f s, %s)", s->auto_choice.why,
-                 r->even ? "built-in profile, the routing seen being even" : "observed profile", expected * 1e3,
-                 choice.current_makespan_s * 1e3, choice.refill_s, repay);
-        snprintf(s->plan.pools_why, sizeof(s->plan.pools_why), "%.*s", (int) sizeof(s->plan.pools_why) - 1, why);
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %s (%d experts per MoE layer a step, %.1f "
-                           "MB read so far; routing z = %.1f against a uniform router's%s): kept, the change to F %d, "
-                           "C %d, S %d, E %d expecting %.2f against %.2f ms per layer and taking %.1f s to fill, "
-                           "%s; planned again after %llu (%s)",
-                           seen, k, read_so_far / 1e6, r->even_z,
-                           r->even ? ", so planned for the built-in profile" : "", choice.capacity[0],
-                           choice.capacity[1], choice.capacity[2], choice.capacity[3], expected * 1e3,
-                           choice.current_makespan_s * 1e3, choice.refill_s, repay,
-                           (unsigned long long) r->next_replan, choice.why);
+    if (w.same || w.repaid > w.horizon) {
+        keep_pools(s, &choice, &w, k, seen, read_so_far);
         return 0;
     }
-    if (!adopt_pools(s, n, &choice, "ZipMoE pools from the observed routing")) {
+    if (!adopt_pools(s, w.n, &choice, "ZipMoE pools from the observed routing")) {
         return 0; // nothing changed
     }
     r->adopted = true;
@@ -363,8 +399,8 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
                        "moved from C/S to F in %.2f s (%.1f MB of the stores' pages moved into the slots): %s",
                        seen,
                        k, read_so_far / 1e6, r->even_z, r->even ? ", so planned for the built-in profile" : "",
-                       choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], n,
-                       expected * 1e3, choice.current_makespan_s * 1e3,
+                       choice.capacity[0], choice.capacity[1], choice.capacity[2], choice.capacity[3], w.n,
+                       w.expected * 1e3, choice.current_makespan_s * 1e3,
                        (unsigned long long) (moved.migrate_experts - st.migrate_experts),
                        (moved.migrate_ns - st.migrate_ns) / 1e9, (moved.moved_page_bytes - st.moved_page_bytes) / 1e6,
                        choice.why);
