@@ -114,6 +114,128 @@ def _compress_expert(values: np.ndarray, codec: str, level: int | None, shards: 
     return chunks, np.bincount(exp, minlength=256)
 
 
+def _source_experts(src: Path, header) -> list:
+    """The routed-expert tensors of src, checked: a GGUF not yet ZipMoE, 3-D experts of a type ggml knows."""
+    if "zipmoe.format_version" in header.kv:
+        raise ZipMoEError(f"{src} is already a ZipMoE GGUF")
+    experts = [t for t in header.tensors if EXPERT_TENSOR.match(t.name)]
+    if not experts:
+        raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
+    for t in experts:
+        if len(t.dims) != 3:
+            raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
+        gf.expert_row_bytes(t)  # a type ggml knows, whole blocks per row
+    return experts
+
+
+@dataclass
+class _RepackLayout:
+    """The output's header: the source's metadata and ZipMoE's, each expert tensor's served type and chunk
+    index, then the tensor infos. Every number has a fixed width, so a header of placeholder offsets has the
+    final one's length."""
+    header: object  # gguf_file's header of the source
+    experts: list
+    codec: str
+    level: int | None
+    shards: int
+    f32_to_bf16_experts: bool
+
+    def __post_init__(self):
+        # the type each expert tensor is served as: BF16 (split, F32 too when asked to round), or its own (raw)
+        self.served = {t.name: gf.GGML_TYPE_BF16 if t.type == gf.GGML_TYPE_BF16 or
+                       (t.type == gf.GGML_TYPE_F32 and self.f32_to_bf16_experts) else t.type for t in self.experts}
+        self.raw_tensors = {name for name, typ in self.served.items() if typ != gf.GGML_TYPE_BF16}
+        self.version = RAW_FORMAT_VERSION if self.raw_tensors else \
+            GHUF_FORMAT_VERSION if self.codec == "ghuf" else FORMAT_VERSION
+        self.expert_names = {t.name for t in self.experts}
+        self.n_chunks = {t.name: t.dims[2] * (1 + self.shards) for t in self.experts}
+
+    def kv_bytes(self, index: dict) -> bytes:
+        header, codec = self.header, self.codec
+        out = [kv.raw for key, kv in header.kv.items() if key != "general.alignment"]
+        out.append(gf.pack_kv("general.alignment", gf.T_U32, CHUNK_ALIGNMENT))
+        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32, self.version))
+        out.append(gf.pack_kv("zipmoe.shards", gf.T_U32, self.shards))
+        out.append(gf.pack_kv("zipmoe.codec", gf.T_STRING, codec))
+        out.append(gf.pack_kv("zipmoe.codec_level", gf.T_I32,
+                              _codec.DEFAULT_LEVELS[codec] if self.level is None else self.level))
+        out.append(gf.pack_kv("zipmoe.checksum", gf.T_STRING, CHECKSUM))
+        out.append(gf.pack_kv("zipmoe.chunk_alignment", gf.T_U32, CHUNK_ALIGNMENT))
+        out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in self.experts], gf.T_STRING))
+        for t in self.experts:
+            offsets, sizes, codecs, sums = index.get(t.name) or ([0] * self.n_chunks[t.name],) * 4
+            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, self.served[t.name]))
+            out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_size"), gf.T_ARRAY, sizes, gf.T_U64))
+            out.append(gf.pack_kv(_key(t.name, "chunk_codec"), gf.T_ARRAY, codecs, gf.T_U8))
+            out.append(gf.pack_kv(_key(t.name, "chunk_checksum"), gf.T_ARRAY, sums, gf.T_U64))
+        return b"".join(out)
+
+    def header_bytes(self, index: dict, infos: list[tuple[str, list[int], int, int]]) -> bytes:
+        header = self.header
+        n_kv = len(header.kv) - ("general.alignment" in header.kv) + 8 + 6 * len(self.experts)
+        head = b"GGUF" + struct.pack("<IQQ", 3, len(infos), n_kv) + self.kv_bytes(index)
+        head += b"".join(gf.pack_tensor_info(*info) for info in infos)
+        return head + b"\0" * (_align(len(head)) - len(head))
+
+    def header_length(self) -> int:
+        """The header's length, from placeholder infos"""
+        placeholder = [(blob_name(t.name), [0], gf.GGML_TYPE_I8, 0) if t.name in self.expert_names
+                       else (t.name, t.dims, t.type, 0) for t in self.header.tensors]
+        return len(self.header_bytes({}, placeholder))
+
+
+def _pad(out, base: int) -> int:
+    """out padded to CHUNK_ALIGNMENT from base; its position from base"""
+    rel = out.tell() - base
+    if rel % CHUNK_ALIGNMENT:
+        out.write(b"\0" * (CHUNK_ALIGNMENT - rel % CHUNK_ALIGNMENT))
+        rel = out.tell() - base
+    return rel
+
+
+def _copy_tensor(smap, out, begin: int, nbytes: int) -> None:
+    """A tensor that is not a routed expert, copied as it is, 64 MiB at a time"""
+    for off in range(0, nbytes, 64 << 20):
+        out.write(smap[begin + off: begin + min(nbytes, off + (64 << 20))])
+
+
+def _write_expert_tensor(t, layout: _RepackLayout, smap, out, begin: int, pool, on_expert) -> tuple:
+    """Expert tensor t's chunks (decoded by pool's threads, written in order, each aligned in its chunk
+    tensor); on_expert(source bytes) after each expert. Returns its TensorStats, its chunk index
+    (offsets, sizes, codecs, checksums) and the chunk tensor's size."""
+    n = t.dims[0] * t.dims[1]
+    layer = int(EXPERT_TENSOR.match(t.name).group(1))
+    raw = t.name in layout.raw_tensors
+    one = gf.expert_row_bytes(t) * t.dims[1]  # one expert's bytes in the source
+    st = TensorStats(t.name, layer, bf16_bytes=(one if raw else BF16_BYTES * n) * t.dims[2], raw=raw)
+    offsets, sizes, codecs, sums = [], [], [], []
+    dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
+
+    def expert(e):
+        # a copy, not a view: no view may outlive the mmap, even when an error unwinds
+        data = smap[begin + e * one: begin + (e + 1) * one]
+        if raw:
+            return _raw_expert(data, layout.shards)
+        return _compress_expert(np.frombuffer(data, dtype), layout.codec, layout.level, layout.shards)
+
+    blob_start = out.tell()
+    # map() keeps results in order; the window of experts in flight stays near the pool's workers
+    for chunks, hist in pool.map(expert, range(t.dims[2])):
+        st.exp_histogram += hist
+        for blob, cid in chunks:
+            rel = _pad(out, blob_start)
+            out.write(blob)
+            offsets.append(rel)
+            sizes.append(len(blob))
+            codecs.append(cid)
+            sums.append(_codec.checksum(blob))
+        on_expert(one)
+    st.stored_bytes = sum(sizes)
+    return st, (offsets, sizes, codecs, sums), out.tell() - blob_start
+
+
 def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: int | None = None,
            shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None,
            f32_to_bf16_experts: bool = False) -> RepackResult:
@@ -129,54 +251,8 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     if not 1 <= shards <= 64:
         raise ZipMoEError(f"--shards must be between 1 and 64, got {shards}")
     header = gf.read_header(src)
-    if "zipmoe.format_version" in header.kv:
-        raise ZipMoEError(f"{src} is already a ZipMoE GGUF")
-    experts = [t for t in header.tensors if EXPERT_TENSOR.match(t.name)]
-    if not experts:
-        raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
-    for t in experts:
-        if len(t.dims) != 3:
-            raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
-        gf.expert_row_bytes(t)  # a type ggml knows, whole blocks per row
-    # the type each expert tensor is served as: BF16 (split, F32 too when asked to round), or its own (raw)
-    served = {t.name: gf.GGML_TYPE_BF16 if t.type == gf.GGML_TYPE_BF16 or
-              (t.type == gf.GGML_TYPE_F32 and f32_to_bf16_experts) else t.type for t in experts}
-    raw_tensors = {name for name, typ in served.items() if typ != gf.GGML_TYPE_BF16}
-    version = RAW_FORMAT_VERSION if raw_tensors else GHUF_FORMAT_VERSION if codec == "ghuf" else FORMAT_VERSION
-    expert_names = {t.name for t in experts}
-    n_chunks = {t.name: t.dims[2] * (1 + shards) for t in experts}
-
-    def kv_bytes(index: dict) -> bytes:
-        out = [kv.raw for key, kv in header.kv.items() if key != "general.alignment"]
-        out.append(gf.pack_kv("general.alignment", gf.T_U32, CHUNK_ALIGNMENT))
-        out.append(gf.pack_kv("zipmoe.format_version", gf.T_U32, version))
-        out.append(gf.pack_kv("zipmoe.shards", gf.T_U32, shards))
-        out.append(gf.pack_kv("zipmoe.codec", gf.T_STRING, codec))
-        out.append(gf.pack_kv("zipmoe.codec_level", gf.T_I32,
-                              _codec.DEFAULT_LEVELS[codec] if level is None else level))
-        out.append(gf.pack_kv("zipmoe.checksum", gf.T_STRING, CHECKSUM))
-        out.append(gf.pack_kv("zipmoe.chunk_alignment", gf.T_U32, CHUNK_ALIGNMENT))
-        out.append(gf.pack_kv("zipmoe.tensors", gf.T_ARRAY, [t.name for t in experts], gf.T_STRING))
-        for t in experts:
-            offsets, sizes, codecs, sums = index.get(t.name) or ([0] * n_chunks[t.name],) * 4
-            out.append(gf.pack_kv(_key(t.name, "type"), gf.T_U32, served[t.name]))
-            out.append(gf.pack_kv(_key(t.name, "shape"), gf.T_ARRAY, t.dims, gf.T_U64))
-            out.append(gf.pack_kv(_key(t.name, "chunk_offset"), gf.T_ARRAY, offsets, gf.T_U64))
-            out.append(gf.pack_kv(_key(t.name, "chunk_size"), gf.T_ARRAY, sizes, gf.T_U64))
-            out.append(gf.pack_kv(_key(t.name, "chunk_codec"), gf.T_ARRAY, codecs, gf.T_U8))
-            out.append(gf.pack_kv(_key(t.name, "chunk_checksum"), gf.T_ARRAY, sums, gf.T_U64))
-        return b"".join(out)
-
-    def header_bytes(index: dict, infos: list[tuple[str, list[int], int, int]]) -> bytes:
-        n_kv = len(header.kv) - ("general.alignment" in header.kv) + 8 + 6 * len(experts)
-        head = b"GGUF" + struct.pack("<IQQ", 3, len(infos), n_kv) + kv_bytes(index)
-        head += b"".join(gf.pack_tensor_info(*info) for info in infos)
-        return head + b"\0" * (_align(len(head)) - len(head))
-
-    # placeholder infos: every number has a fixed width, so the real header has the same length
-    placeholder = [(blob_name(t.name), [0], gf.GGML_TYPE_I8, 0) if t.name in expert_names
-                   else (t.name, t.dims, t.type, 0) for t in header.tensors]
-    head_len = len(header_bytes({}, placeholder))
+    layout = _RepackLayout(header, _source_experts(src, header), codec, level, shards, f32_to_bf16_experts)
+    head_len = layout.header_length()
 
     workers = threads or os.cpu_count() or 1
     partial = dst.with_name(dst.name + ".partial")
@@ -184,64 +260,29 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     index: dict[str, tuple[list, list, list, list]] = {}
     infos = []
     done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done)
+
     try:
         with open(src, "rb") as fin, mmap.mmap(fin.fileno(), 0, access=mmap.ACCESS_READ) as smap, \
                 open(partial, "wb") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
             out.write(b"\0" * head_len)
-            data_start = head_len
             for t in header.tensors:
-                pos = out.tell() - data_start
-                if pos % CHUNK_ALIGNMENT:
-                    out.write(b"\0" * (CHUNK_ALIGNMENT - pos % CHUNK_ALIGNMENT))
-                    pos = out.tell() - data_start
+                pos = _pad(out, head_len)
                 begin = header.data_offset + t.offset
-                if t.name not in expert_names:
-                    nbytes = t.nbytes()
-                    for off in range(0, nbytes, 64 << 20):
-                        out.write(smap[begin + off: begin + min(nbytes, off + (64 << 20))])
+                if t.name not in layout.expert_names:
+                    _copy_tensor(smap, out, begin, t.nbytes())
                     infos.append((t.name, t.dims, t.type, pos))
-                    done += nbytes
-                    if progress:
-                        progress(done)
+                    advance(t.nbytes())
                     continue
-                n = t.dims[0] * t.dims[1]
-                layer = int(EXPERT_TENSOR.match(t.name).group(1))
-                raw = t.name in raw_tensors
-                one = gf.expert_row_bytes(t) * t.dims[1]  # one expert's bytes in the source
-                st = TensorStats(t.name, layer, bf16_bytes=(one if raw else BF16_BYTES * n) * t.dims[2], raw=raw)
-                offsets, sizes, codecs, sums = [], [], [], []
-                dtype = np.float32 if t.type == gf.GGML_TYPE_F32 else np.uint16
-
-                def expert(e, begin=begin, one=one, dtype=dtype, raw=raw):
-                    # a copy, not a view: no view may outlive the mmap, even when an error unwinds
-                    data = smap[begin + e * one: begin + (e + 1) * one]
-                    if raw:
-                        return _raw_expert(data, shards)
-                    return _compress_expert(np.frombuffer(data, dtype), codec, level, shards)
-
-                blob_start = out.tell()
-                # map() keeps results in order; the window of experts in flight stays near `workers`
-                for chunks, hist in pool.map(expert, range(t.dims[2])):
-                    st.exp_histogram += hist
-                    for blob, cid in chunks:
-                        rel = out.tell() - blob_start
-                        if rel % CHUNK_ALIGNMENT:
-                            out.write(b"\0" * (CHUNK_ALIGNMENT - rel % CHUNK_ALIGNMENT))
-                            rel = out.tell() - blob_start
-                        out.write(blob)
-                        offsets.append(rel)
-                        sizes.append(len(blob))
-                        codecs.append(cid)
-                        sums.append(_codec.checksum(blob))
-                    done += one
-                    if progress:
-                        progress(done)
-                blob_size = out.tell() - blob_start
-                st.stored_bytes = sum(sizes)
-                index[t.name] = (offsets, sizes, codecs, sums)
+                st, index[t.name], blob_size = _write_expert_tensor(t, layout, smap, out, begin, pool, advance)
                 infos.append((blob_name(t.name), [blob_size], gf.GGML_TYPE_I8, pos))
                 stats.append(st)
-            head = header_bytes(index, infos)
+            head = layout.header_bytes(index, infos)
             assert len(head) == head_len, "ZipMoE header length changed between placeholder and final"
             out.seek(0)
             out.write(head)
