@@ -436,3 +436,14 @@ def test_checkpoint_conversion_logs_the_final_path_of_the_kept_bf16(tmp_path, ti
     assert f"Model successfully exported to {kept}\n" in err and ".partial" not in err
     _verify(tmp_path / "z.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.gguf", "z.gguf"]
+
+
+def test_verify_help_says_against_is_the_gguf_the_file_was_made_from(capsys):
+    """--against is the BF16 GGUF for BF16 experts and the quantized GGUF for a quantized model's: the help
+    says both, not "the BF16 GGUF" alone."""
+    from zipmoe_py.convert import verify_main
+
+    with pytest.raises(SystemExit):
+        verify_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--against SOURCE.gguf the GGUF it was made from: the BF16 GGUF for BF16 experts, the quantized GGUF" in text
