@@ -12,6 +12,42 @@ import pytest
 ARCHS = ["deepseek2", "qwen2moe"]
 VENV_BIN = Path(sys.executable).parent
 
+# The slow tier: what `pytest -m "not slow"` (the fast tier, a few minutes on 2 cores) leaves out. Whole
+# files by what they run, and single tests of over 10 s; `pytest tests` runs both tiers.
+SLOW_FILES = {
+    "test_aarch64.py": "the fork emulated under qemu-user",
+    "test_fuzz.py": "the libFuzzer harness",
+    "test_sanitizers.py": "the library built and run under ASan and UBSan",
+    "test_llama_server.py": "llama-server processes, the web UI in headless Chromium",
+    "test_rpc.py": "rpc-server processes, the exactness matrix over RPC",
+    "test_quantized.py": "llama-quantize into every type, the exactness matrix per type",
+    "test_convert.py": "Hugging Face conversions, killed conversions",
+    "test_concurrency.py": "contexts and threads at once",
+    "test_faults.py": "every read of a generation failed in turn",
+    "test_memory.py": "memory limits through child processes",
+    "test_long_run.py": "two thousand tokens",
+    "test_readme.py": "the README's commands as written",
+    "test_train_tiny.py": "training runs",
+    "test_accuracy_bench.py": "the accuracy harness on trained models",
+    "test_light_install.py": "a second install without torch",
+    "test_upstream.py": "llama-cpp-python's own tests",
+    "test_tiny.py": "checkpoints made and routed again",
+    "test_server.py": "zipmoe-server processes",
+}
+SLOW_TESTS = {
+    "test_chat_cli.py::test_the_demo_model_answers_in_words": "trains the demo model",
+    "test_serve.py::test_resident_memory_stays_within_the_budget": "a child process per budget",
+    "test_pools.py::test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it": "four migrations",
+    "test_format.py::test_stock_gguf_py_reads_it_and_a_loader_without_zipmoe_refuses_it": "gguf-py's reader",
+    "test_format.py::test_both_tiny_models_convert_to_zipmoe_and_verify": "both models converted and verified",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
 
 def zipmoe_command(name: str) -> str:
     """A console script installed beside the Python running the tests."""
