@@ -4,7 +4,7 @@ KV overrides of the fork's model loader.
 The table is the single source: names, KV keys, environment variables, types, ranges, defaults and
 help come from C, and values are checked by C (ggml_zipmoe_option_parse, ggml_zipmoe_options_check).
 From it come Llama's zipmoe_* keyword arguments and docstring (bindings), zipmoe-chat's flags (cli),
-zipmoe-server's flags and config fields (server) and README.md's options table (markdown_table).
+zipmoe-server's flags and config fields (server) and docs/OPTIONS.md's options table (markdown_table).
 Parsing an option never loads libllama: this module imports neither llama_cpp nor the planner.
 """
 from __future__ import annotations
@@ -233,7 +233,7 @@ def python_docstring() -> str:
 
 
 def markdown_table() -> str:
-    """README.md's options table (tests/test_options_table.py compares it with the README)."""
+    """docs/OPTIONS.md's options table (tests/test_option_table.py compares it with the file)."""
     rows = ["| Python `Llama(...)` / `zipmoe-server` | `zipmoe-chat` | `--override-kv` key / environment | default | what |",
             "| --- | --- | --- | --- | --- |"]
     for o in table():
@@ -246,5 +246,5 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # python -m zipmoe_py.options: README.md's options table
+if __name__ == "__main__":  # python -m zipmoe_py.options: docs/OPTIONS.md's options table
     print(markdown_table())

@@ -3,7 +3,7 @@
 // Every surface derives from this table: the fork's model loader (KV overrides --override-kv
 // zipmoe.NAME=TYPE:VALUE, environment variables ZIPMOE_NAME) validates against it, and the Python
 // layer (zipmoe_py/options.py) builds from it Llama's zipmoe_* keyword arguments and docstring,
-// zipmoe-chat's and zipmoe-server's flags and README.md's options table. Ranges, defaults and help
+// zipmoe-chat's and zipmoe-server's flags and docs/OPTIONS.md's options table. Ranges, defaults and help
 // texts are written here and nowhere else.
 //
 // Precedence, for the loader: a KV override, else the environment variable, else the default.
