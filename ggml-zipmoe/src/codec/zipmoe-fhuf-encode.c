@@ -181,56 +181,62 @@ static int64_t store_raw(const uint8_t * src, size_t n, uint8_t * dst, size_t ca
     return (int64_t) (h + n);
 }
 
-int64_t zipmoe_fhuf_compress(const uint8_t * src, size_t n, uint8_t * dst, size_t dst_capacity) {
-    if (dst == NULL || (src == NULL && n > 0)) {
-        return ZIPMOE_FHUF_ERR_ARG;
-    }
-    if (n == 0) {
-        return store_raw(src, n, dst, dst_capacity);
-    }
-    const unsigned S = n >= FHUF_MIN_MULTI ? FHUF_ENC_STREAMS : 1;
-    uint64_t       seg_hist[FHUF_MAXSTREAMS][256];
-    uint64_t       cnt[256] = { 0 };
-    size_t         seg_len[FHUF_MAXSTREAMS];
-    {
-        const uint8_t * p = src;
-        for (unsigned i = 0; i < S; i++) {
-            seg_len[i] = n / S + (i < n % S);
-            histogram(p, seg_len[i], seg_hist[i]);
-            for (int s = 0; s < 256; s++) {
-                cnt[s] += seg_hist[i][s];
-            }
-            p += seg_len[i];
+// histogram each of the S segments (split as evenly as n allows) and their sum
+static void segment_histograms(const uint8_t * src, size_t n, unsigned S, size_t seg_len[],
+                               uint64_t seg_hist[][256], uint64_t cnt[256]) {
+    memset(cnt, 0, 256 * sizeof(uint64_t));
+    const uint8_t * p = src;
+    for (unsigned i = 0; i < S; i++) {
+        seg_len[i] = n / S + (i < n % S);
+        histogram(p, seg_len[i], seg_hist[i]);
+        for (int s = 0; s < 256; s++) {
+            cnt[s] += seg_hist[i][s];
         }
+        p += seg_len[i];
     }
-    int m = 0, lo = 256, hi = -1;
+}
+
+// the number of distinct symbols, and the smallest (*lo) and largest (*hi) of them
+static int symbol_range(const uint64_t cnt[256], int * lo, int * hi) {
+    int m = 0;
+    *lo   = 256;
+    *hi   = -1;
     for (int s = 0; s < 256; s++) {
         if (cnt[s]) {
             m++;
-            lo = lo < s ? lo : s;
-            hi = s;
+            *lo = *lo < s ? *lo : s;
+            *hi = s;
         }
     }
-    if (m == 1) {
-        const size_t h = 1 + varint_len(n);
-        if (dst_capacity < h + 1) {
-            return ZIPMOE_FHUF_ERR_CAPACITY;
-        }
-        dst[0] = MODE_TAG | MODE_RLE;
-        zipmoe_fhuf_put_varint(dst + 1, n);
-        dst[h] = src[0];
-        return (int64_t) (h + 1);
+    return m;
+}
+
+// n copies of one byte value
+static int64_t store_rle(uint8_t value, size_t n, uint8_t * dst, size_t cap) {
+    const size_t h = 1 + varint_len(n);
+    if (cap < h + 1) {
+        return ZIPMOE_FHUF_ERR_CAPACITY;
     }
-    uint8_t  len[256];
+    dst[0] = MODE_TAG | MODE_RLE;
+    zipmoe_fhuf_put_varint(dst + 1, n);
+    dst[h] = value;
+    return (int64_t) (h + 1);
+}
+
+// length-limited code lengths and canonical codes, packed as code | length << 16 (0: unused)
+static void build_codes(const uint64_t cnt[256], int lo, int hi, uint8_t len[256], uint32_t code[256]) {
     unsigned rcode[256];
-    uint32_t code[256];
-    build_lengths(cnt, FHUF_ENC_LEN, len);
     uint8_t  sorted[256];
+    build_lengths(cnt, FHUF_ENC_LEN, len);
     zipmoe_fhuf_canonical_codes(len, (unsigned) lo, (unsigned) hi, rcode, sorted);
     for (int s = 0; s < 256; s++) {
         code[s] = len[s] ? rcode[s] | ((uint32_t) len[s] << 16) : 0;
     }
-    size_t stream_size[FHUF_MAXSTREAMS];
+}
+
+// each stream's exact byte size; returns the whole Huffman-mode output's size
+static size_t huf_sizes(size_t n, unsigned S, const uint64_t seg_hist[][256], const uint8_t len[256], int lo,
+                        int hi, size_t stream_size[]) {
     size_t total = 1 + varint_len(n) + 3 + (size_t) (hi - lo + 2) / 2;
     for (unsigned i = 0; i < S; i++) {
         uint64_t bits = 0;
@@ -240,12 +246,13 @@ int64_t zipmoe_fhuf_compress(const uint8_t * src, size_t n, uint8_t * dst, size_
         stream_size[i] = (size_t) ((bits + 7) / 8);
         total += stream_size[i] + (i + 1 < S ? varint_len(stream_size[i]) : 0);
     }
-    if (total >= 1 + varint_len(n) + n) {
-        return store_raw(src, n, dst, dst_capacity);
-    }
-    if (dst_capacity < total) {
-        return ZIPMOE_FHUF_ERR_CAPACITY;
-    }
+    return total;
+}
+
+// mode, n, S, the symbol range, the code lengths (two to a byte) and all but the last stream's
+// size; returns the header's size
+static size_t write_huf_header(uint8_t * dst, size_t n, unsigned S, int lo, int hi, const uint8_t len[256],
+                               const size_t stream_size[]) {
     size_t o = 0;
     dst[o++] = MODE_TAG | MODE_HUF;
     o += zipmoe_fhuf_put_varint(dst + o, n);
@@ -258,6 +265,37 @@ int64_t zipmoe_fhuf_compress(const uint8_t * src, size_t n, uint8_t * dst, size_
     for (unsigned i = 0; i + 1 < S; i++) {
         o += zipmoe_fhuf_put_varint(dst + o, stream_size[i]);
     }
+    return o;
+}
+
+int64_t zipmoe_fhuf_compress(const uint8_t * src, size_t n, uint8_t * dst, size_t dst_capacity) {
+    if (dst == NULL || (src == NULL && n > 0)) {
+        return ZIPMOE_FHUF_ERR_ARG;
+    }
+    if (n == 0) {
+        return store_raw(src, n, dst, dst_capacity);
+    }
+    const unsigned S = n >= FHUF_MIN_MULTI ? FHUF_ENC_STREAMS : 1;
+    uint64_t       seg_hist[FHUF_MAXSTREAMS][256];
+    uint64_t       cnt[256];
+    size_t         seg_len[FHUF_MAXSTREAMS];
+    segment_histograms(src, n, S, seg_len, seg_hist, cnt);
+    int lo, hi;
+    if (symbol_range(cnt, &lo, &hi) == 1) {
+        return store_rle(src[0], n, dst, dst_capacity);
+    }
+    uint8_t  len[256];
+    uint32_t code[256];
+    build_codes(cnt, lo, hi, len, code);
+    size_t       stream_size[FHUF_MAXSTREAMS];
+    const size_t total = huf_sizes(n, S, (const uint64_t (*)[256]) seg_hist, len, lo, hi, stream_size);
+    if (total >= 1 + varint_len(n) + n) {
+        return store_raw(src, n, dst, dst_capacity);
+    }
+    if (dst_capacity < total) {
+        return ZIPMOE_FHUF_ERR_CAPACITY;
+    }
+    size_t          o = write_huf_header(dst, n, S, lo, hi, len, stream_size);
     const uint8_t * p = src;
     for (unsigned i = 0; i < S; i++) {
         uint8_t * const end = encode_stream(p, seg_len[i], code, dst + o, dst + total);
