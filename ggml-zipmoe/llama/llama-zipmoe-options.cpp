@@ -71,13 +71,11 @@ given_value from_override(const std::string & key, const llama_model_kv_override
     throw std::runtime_error(format("unknown ZipMoE option '%s': known are %s", key.c_str(), known.c_str()));
 }
 
-} // namespace
-
-llama_zipmoe_options llama_zipmoe_options::parse(
-        const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
+// every option given: the environment's first, then the KV overrides' (an override replaces the
+// environment); throws on an unknown "zipmoe." key
+std::vector<given_value> gather_given(const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
     const int n_opt = ggml_zipmoe_option_count();
     std::vector<given_value> given(n_opt);
-    // the environment first, so that an override replaces it
     for (int id = 0; id < n_opt; ++id) {
         const ggml_zipmoe_option * o = ggml_zipmoe_option_at(id);
         const char * env = o->env != nullptr ? getenv(o->env) : nullptr;
@@ -95,10 +93,13 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         }
         given[id] = from_override(key, kv);
     }
+    return given;
+}
 
-    std::vector<ggml_zipmoe_option_value> values(n_opt);
-    std::unique_ptr<bool[]> is_given(new bool[n_opt]());
-    for (int id = 0; id < n_opt; ++id) {
+// each given value parsed against the table into values[id] (is_given[id] set), then all of them
+// checked together; throws what is wrong
+void check_given(std::vector<given_value> & given, std::vector<ggml_zipmoe_option_value> & values, bool * is_given) {
+    for (int id = 0; id < (int) given.size(); ++id) {
         given_value & v = given[id];
         if (!v.set) {
             continue;
@@ -112,11 +113,14 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         is_given[id] = true;
     }
     char err[256];
-    if (ggml_zipmoe_options_check(values.data(), is_given.get(), false, "zipmoe.", err, sizeof(err)) != GGML_ZIPMOE_OK) {
+    if (ggml_zipmoe_options_check(values.data(), is_given, false, "zipmoe.", err, sizeof(err)) != GGML_ZIPMOE_OK) {
         throw std::runtime_error(err);
     }
+}
 
-    // each option's value as given, else the table's default
+// the options from each option's value as given, else the table's default
+llama_zipmoe_options from_values(const std::vector<given_value> & given,
+                                 const std::vector<ggml_zipmoe_option_value> & values, const bool * is_given) {
     auto number = [&](int id) {
         const ggml_zipmoe_option * o = ggml_zipmoe_option_at(id);
         if (!is_given[id]) {
@@ -157,6 +161,17 @@ llama_zipmoe_options llama_zipmoe_options::parse(
         o.budget_source = budget->env;
     }
     return o;
+}
+
+} // namespace
+
+llama_zipmoe_options llama_zipmoe_options::parse(
+        const std::unordered_map<std::string, llama_model_kv_override> & overrides) {
+    std::vector<given_value> given = gather_given(overrides);
+    std::vector<ggml_zipmoe_option_value> values(given.size());
+    std::unique_ptr<bool[]> is_given(new bool[given.size()]());
+    check_given(given, values, is_given.get());
+    return from_values(given, values, is_given.get());
 }
 
 std::vector<std::string> llama_zipmoe_options::given_names(
