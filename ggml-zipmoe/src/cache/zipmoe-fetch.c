@@ -180,6 +180,62 @@ static uint64_t thread_minor_faults(void) {
 #endif
 }
 
+// what one operation's step came to: it ran, another thread had claimed it, or it failed (the
+// failure in c->status)
+enum { STEP_SKIPPED = 0, STEP_RAN = 1, STEP_FAILED = -1 };
+
+// claim operation j (shard k of t, its E-chunks in memory) and decompress it, recovering it too
+// where t's SM-chunk is in memory; the thread's decoder is made on its first operation
+static inline int run_decode(struct ggml_zipmoe_cache * c, int ith, int j, struct zipmoe_task * t, int k,
+                             struct zipmoe_worker ** w, uint64_t * decode_ns, uint64_t * recover_ns) {
+    int expected = OP_TODO;
+    if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+        return STEP_SKIPPED;
+    }
+    if (*w == NULL && (*w = worker_of(c, ith)) == NULL) {
+        int ok = GGML_ZIPMOE_OK;
+        if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
+            snprintf(c->error, sizeof(c->error), "%s: out of memory for a decoder", c->file->path);
+        }
+        return STEP_FAILED;
+    }
+    if (on_device(c, t)) {
+        const int went = zipmoe_device_shard(c, t, k, j, *w, ith, decode_ns, recover_ns);
+        if (went == 0) {
+            return STEP_FAILED;
+        }
+        atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
+    } else if (!decode_shard(c, t, k, *w, decode_ns)) {
+        return STEP_FAILED;
+    } else if (zipmoe_sm_ready(t)) {
+        if (!recover_shard(c, t, k, recover_ns)) {
+            return STEP_FAILED;
+        }
+        atomic_store(&c->pipe.op_state[j], OP_DONE);
+    } else {
+        atomic_store(&c->pipe.op_state[j], OP_DECODED);
+    }
+    return STEP_RAN;
+}
+
+// claim operation j (shard k of t, decompressed, its SM-chunk now in memory) and recover it
+static inline int run_recover(struct ggml_zipmoe_cache * c, int ith, int j, struct zipmoe_task * t, int k,
+                              uint64_t * recover_ns) {
+    int expected = OP_DECODED;
+    if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
+        return STEP_SKIPPED;
+    }
+    if (on_device(c, t)) {
+        if (!zipmoe_device_recover_parked(c, t, k, j, &c->pipe.workers[ith], ith, recover_ns)) {
+            return STEP_FAILED;
+        }
+    } else if (!recover_shard(c, t, k, recover_ns)) {
+        return STEP_FAILED;
+    }
+    atomic_store(&c->pipe.op_state[j], OP_DONE);
+    return STEP_RAN;
+}
+
 // a decoding thread: the first operation of the priority list that can run (a decompression whose
 // E-chunks are in memory, or a recovery whose SM-chunk is), until every shard is recovered. Returns
 // the time it spent with nothing to run (waiting for reads), measured on thread 0 only.
@@ -199,52 +255,18 @@ static uint64_t work_tasks(struct ggml_zipmoe_cache * c, int ith) {
                 }
                 continue;
             }
-            struct zipmoe_task * t = &c->plan.tasks[c->plan.dec[j].task];
-            const int k = c->plan.dec[j].chunk;
+            struct zipmoe_task * t    = &c->plan.tasks[c->plan.dec[j].task];
+            const int            k    = c->plan.dec[j].chunk;
+            int                  step = STEP_SKIPPED;
             if (st == OP_TODO && e_ready(t)) {
-                int expected = OP_TODO;
-                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
-                    continue;
-                }
-                if (w == NULL && (w = worker_of(c, ith)) == NULL) {
-                    int ok = GGML_ZIPMOE_OK;
-                    if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
-                        snprintf(c->error, sizeof(c->error), "%s: out of memory for a decoder", c->file->path);
-                    }
-                    break;
-                }
-                if (on_device(c, t)) {
-                    const int went = zipmoe_device_shard(c, t, k, j, w, ith, &decode_ns, &recover_ns);
-                    if (went == 0) {
-                        break;
-                    }
-                    atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
-                } else if (!decode_shard(c, t, k, w, &decode_ns)) {
-                    break;
-                } else if (zipmoe_sm_ready(t)) {
-                    if (!recover_shard(c, t, k, &recover_ns)) {
-                        break;
-                    }
-                    atomic_store(&c->pipe.op_state[j], OP_DONE);
-                } else {
-                    atomic_store(&c->pipe.op_state[j], OP_DECODED);
-                }
-                worked = 1;
+                step = run_decode(c, ith, j, t, k, &w, &decode_ns, &recover_ns);
             } else if (st == OP_DECODED && zipmoe_sm_ready(t)) {
-                int expected = OP_DECODED;
-                if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
-                    continue;
-                }
-                if (on_device(c, t)) {
-                    if (!zipmoe_device_recover_parked(c, t, k, j, &c->pipe.workers[ith], ith, &recover_ns)) {
-                        break;
-                    }
-                } else if (!recover_shard(c, t, k, &recover_ns)) {
-                    break;
-                }
-                atomic_store(&c->pipe.op_state[j], OP_DONE);
-                worked = 1;
+                step = run_recover(c, ith, j, t, k, &recover_ns);
             }
+            if (step == STEP_FAILED) {
+                break;
+            }
+            worked = step == STEP_RAN;
         }
         if (ith == 0 && worked != (idle == 0)) { // an idle streak begins or ends
             const uint64_t now = zipmoe_now_ns();
