@@ -57,7 +57,8 @@ def premade_models(zipmoe_gguf, tiny_gguf, models_dir) -> Path:
 
 
 # a child pytest's whole run: exactness takes 200 s emulated on a Zen 4 host with AVX-512, and hosts
-# of this workplace have computed BF16 products up to 5.6 times slower (BENCHMARKS.md, 2026-11-28)
+# of this workplace have computed BF16 products up to 5.6 times slower (docs/benchmarks/BENCHMARKS.md,
+# "How to read the tables")
 EMULATED_TIMEOUT_S = 2400
 
 

@@ -1,4 +1,4 @@
-"""zipmoe-chat's command line (issue 33): -c as llama.cpp sizes it, llama.cpp's short letters, values
+"""zipmoe-chat's command line: -c as llama.cpp sizes it, llama.cpp's short letters, values
 that start with -, and commands that are never sent to the model."""
 from __future__ import annotations
 

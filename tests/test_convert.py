@@ -220,7 +220,7 @@ def test_a_full_disk_is_named_and_leaves_nothing(tmp_path, tiny_gguf):
             subprocess.run(["umount", str(small)], check=True)
 
 
-# ---- concurrent and killed conversions (issue 33) ----
+# ---- concurrent and killed conversions ----
 
 def _start_convert(*args) -> "subprocess.Popen":
     import subprocess
@@ -359,7 +359,7 @@ def test_a_running_conversions_work_folder_is_kept(tmp_path, tiny_hf, tiny_gguf)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf"]
 
 
-# ---- options checked up front, options without effect (issue 33) ----
+# ---- options checked up front, options without effect ----
 
 @pytest.mark.parametrize("codec, level, takes", [
     ("zstd", 99, "zstd takes 1..22 or -"),  # and the negative (fast) levels of the linked zstd

@@ -1,4 +1,4 @@
-"""Default pools (issue 13, deliverable 4): the runtime's planner and the pools a model gets with no options.
+"""Default pools: the runtime's planner and the pools a model gets with no options.
 
 - ggml_zipmoe_plan_pools (C, what the runtime runs) makes the same choice as tests/planner.py's plan
   (the reference) on uniform and on fitted, skewed selection probabilities.

@@ -1,4 +1,4 @@
-"""Where a token's time goes (issue 28): a fetch's wall time on the graph's critical path split into
+"""Where a token's time goes: a fetch's wall time on the graph's critical path split into
 waiting for the cache's lock, planning, thread 0's own decoding, waiting for reads and waiting for the
 other threads; the graphs' whole time beside it; page faults while fetching. The parts are measured
 from shared timestamps, so they add up to fetch_ns exactly."""

@@ -3,7 +3,7 @@
 // dropping the entries and reading the experts again on their next use. Four Qwen1.5-MoE sequences at
 // 20 GiB moved from C 60 to F 36-38: read again, the change took 10-11 s and came at 64 steps; decoded
 // from C, 3.5-8 s (with the first touches of the new slots) at 32 steps, 1.15x the tok/s over 256
-// tokens (BENCHMARKS, "Re-plans that decode C into F, a clean decode rate, and huge pages").
+// tokens.
 //
 // Memory stays within the pools': C and S first shrink to what the new pools keep plus the experts
 // bound for F; each of those entries' pages is given back once its expert is in a slot; then the stores

@@ -129,7 +129,7 @@ void zipmoe_store_forget(struct ggml_zipmoe_cache * c, int p, int32_t entry) {
 // Qwen1.5-MoE geometry at 20 GiB moved 589 experts for the few a layer its decode steps chose), and one
 // not used again never pays for it. Dropped instead, it is read on its next use, if any. S's read their
 // E-chunks only (a fifth of a miss's bytes): the 8.1 GB Qwen at 50% changed from S 22 / E 37 to one F
-// pool priced at 1.3 s of whole reads, and waited 25 steps for it (BENCHMARKS, "S into F")
+// pool priced at 1.3 s of whole reads, and waited 25 steps for it
 static int worth_moving(const struct ggml_zipmoe_cache * c, int64_t key) {
     return zipmoe_store_migrates_from(c->pools.key_pool[key]) && c->slots.of_key[key] < 0 && c->policy.freq[key] > 1;
 }
@@ -349,15 +349,14 @@ static int shrink_store(struct ggml_zipmoe_cache * c, int p, int32_t n_new) {
 }
 
 // A store's first touch of a page costs a page fault, about 3 us each on the bench VM: 13 s of a
-// DeepSeek prompt filling a 17 GB store, on the decoding threads (BENCHMARKS, "first touches"). A
+// DeepSeek prompt filling a 17 GB store, on the decoding threads. A
 // helper thread faults a grown store's pages in ahead of the fills, while the model loads and the
 // prompt waits for reads. It runs free until the store's first entry is taken (the model loading: a
 // prompt on an even router fills every entry faster than the populator keeps up, and without the
 // head start its faults fell to the decoding threads, TTFT +20%), then keeps a window ahead of the
 // entries taken (fills take the lowest empty entry) rather than faulting the whole store: the full
 // Qwen1.5-MoE geometry at 20 GiB, its routing kept to few experts, faulted 16 GB in for 7.6 GB of
-// fills, its zeroing on a core the graph needed for most of the first 30 steps (BENCHMARKS, "A
-// window of new pages").
+// fills, its zeroing on a core the graph needed for most of the first 30 steps.
 // The pages are the store's own, counted in the budget already. A resize stops it after its current
 // piece and has it go on from there: waiting for the whole store held each resize up (up to ~12 s),
 // and starting over raced the decoding threads to the pages they had written.
@@ -569,8 +568,10 @@ static void swap_bytes(uint8_t * a, uint8_t * b, size_t n) {
 // Expert `key`, kept in E entry e_entry, is promoted into C entry c_entry, which holds `victim`.
 // They trade E parts: the victim keeps its E-chunks in the promoted expert's E entry rather than
 // being dropped, so its next use reads its SM-chunks only. Rank dispatch on an even profile
-// promotes and demotes experts by noise, and each dropped victim cost a whole read (BENCHMARKS,
-// "steady reads"). The promoted expert's E-chunks are in its C entry after this.
+// promotes and demotes experts by noise, and each dropped victim cost a whole read: the 6-layer
+// uniform Qwen at 5 GiB read 1.30x what its pools imply per token before this, 1.15x after
+// (docs/benchmarks/BENCHMARKS.md, "Steady reads"). The promoted expert's E-chunks are in its C entry
+// after this.
 void zipmoe_store_trade_e_parts(struct ggml_zipmoe_cache * c, int64_t key, int32_t c_entry, int32_t e_entry, int64_t victim) {
     const int     layer   = (int) (key / c->layout.max_expert);
     const int     v_layer = (int) (victim / c->layout.max_expert);

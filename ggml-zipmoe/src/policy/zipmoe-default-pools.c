@@ -221,8 +221,8 @@ enum { HELD_NONE, HELD_ALL_IN_C, HELD_C_AND_E };
 // HELD_ALL_IN_C, every expert in C and as many as the rest allows full in F as well (inclusive);
 // short of that, with the built-in profile, HELD_C_AND_E: C as many as fit, the E-chunks of the
 // other (at most k) per layer in E. Rank dispatch on a flat profile moves experts between partial
-// pools on noise, which the planner does not model (BENCHMARKS, "Every expert kept compressed": the
-// full Qwen1.5-MoE geometry at 20 GiB decodes 1.66x faster than with the planner's partial pools)
+// pools on noise, which the planner does not model (the full Qwen1.5-MoE geometry, uniform router,
+// at 20 GiB decoded 1.66x faster than with the planner's partial pools)
 static int compressed_pools(const struct zipmoe_pool_view * v, uint64_t budget, int32_t k, uint64_t work,
                             int observed, int32_t capacity[4]) {
     const int32_t  L = v->layout.n_served, N = v->layout.max_expert;
@@ -376,7 +376,7 @@ int zipmoe_default_pools(const struct zipmoe_pool_view * v, uint64_t budget, int
     // pools planned on an observed profile must expect a tenth less than one F pool: the makespan leaves
     // out what they cost beyond it (the stores' first writes, decoding on the graph's threads, a change's
     // migration into new slots), and the full Qwen1.5-MoE geometry at 12 GiB decoded at 1.3-1.5x one F
-    // pool's step with pools expected 1% faster (BENCHMARKS, "A cross-fitted profile")
+    // pool's step with pools expected 1% faster
     const double f_only_s = profile == NULL ? c.f_best.expected_makespan_s
                                             : ZIPMOE_POOLS_GAIN * c.f_best.expected_makespan_s;
     if (c.held != HELD_NONE && (profile == NULL || (c.held_makespan_s <= c.best.expected_makespan_s &&

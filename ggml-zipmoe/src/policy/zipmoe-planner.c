@@ -20,7 +20,7 @@
 #define ZIPMOE_DECODE_BYTES_PER_S  3.2e9  // decode + recover, BF16 output bytes per thread
 #define ZIPMOE_COMPUTE_BYTES_PER_S 1.0e10 // expert products, BF16 weight bytes per token
 // first writes of anonymous memory per thread: 0.8-2.0 GB/s in 4 KiB pages on the bench VM, and ~1.9 in
-// a migration's new slots (BENCHMARKS, "A change taken when it repays"). Not measured: the stores'
+// a migration's new slots. Not measured: the stores'
 // populate, the one timed first write, ran at 0.6 GB/s beside the load's threads
 #define ZIPMOE_TOUCH_BYTES_PER_S   1.5e9
 

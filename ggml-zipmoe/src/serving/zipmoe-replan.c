@@ -194,8 +194,8 @@ static double routed_tokens(const struct ggml_zipmoe_serving * s, const struct r
 // likely as the rest); taking a uniform router's expected excess off instead
 // (ggml_zipmoe_plan_debias_profile, which zipmoe-plan applies to a profile's total counts) lifts the
 // tail of a concentrated router: on the 8.1 GB Qwen model at half its size it put one F pool's misses
-// at several times the run's, and the pools chosen over it decoded at 1.8 times its step (BENCHMARKS,
-// "A cross-fitted profile"). Cross-fitting assumes nothing of the router.
+// at several times the run's, and the pools chosen over it decoded at 1.8 times its step.
+// Cross-fitting assumes nothing of the router.
 static bool rank_profile(struct ggml_zipmoe_serving * s, const struct routing_halves * h) {
     struct zipmoe_routing_profile * r = &s->routing;
     const int32_t n_exp = r->n_expert;
@@ -316,7 +316,7 @@ static bool weigh_change(const struct ggml_zipmoe_serving * s, const struct ggml
     // a change costs its fills (refill_s: reads, decodes, first touches of new slots): the planner's
     // expected gain must repay that within as many steps as the plan was made from. Four DeepSeek-V2-Lite
     // sequences at 20 GiB moved from C 59 / E 5 to F 12 / C 39 / E 12 and decoded 6% slower over 64
-    // tokens, reading three times the bytes (BENCHMARKS, "Parallel decoding re-plans")
+    // tokens, reading three times the bytes
     const double gain_s = (choice->current_makespan_s - w->expected) * s->info.n_moe_layers; // per step
     w->repaid = gain_s > 0 ? choice->refill_s / gain_s : INFINITY;                          // in steps
     w->in_use = use_pools == s->auto_active && w->n == s->n_slots && choice->inclusive == s->auto_choice.inclusive &&
@@ -378,8 +378,7 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     if (!w.same && w.repaid > w.horizon) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
-        // change at 16 steps repaid in 21 and decoded from C on the path until 32 (BENCHMARKS, "A
-        // change taken when it repays")
+        // change at 16 steps repaid in 21 and decoded from C on the path until 32
         const uint64_t at = (uint64_t) MIN(ceil(w.repaid), 2.0 * (double) r->token_steps);
         r->next_replan = MAX(at, r->token_steps + MAX(1, r->token_steps / 8));
     }
@@ -410,7 +409,8 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
 // slots in a device's memory: host memory keeps compressed experts beside them once the counted decode
 // steps missed at least once per MoE layer per step on average. Below that, the stores cost their
 // writes and page faults for few hits: the 8.1 GB Qwen over RPC (0.56 misses per layer per step)
-// decoded 20% slower with them and none hit (BENCHMARKS, "Host stores beside a device's slots").
+// decoded 20% slower with them and none hit (docs/benchmarks/BENCHMARKS.md, "Host stores beside a
+// device's slots").
 // Returns 1 if the slots changed.
 static int replan_device(struct ggml_zipmoe_serving * s) {
     const struct zipmoe_routing_profile * r = &s->routing;
@@ -464,7 +464,7 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     // at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C until the re-plan at 8 steps). Later
     // re-plans take the decode steps alone: the prompt's repeated tokens made the uniform router's look
     // uneven (z = 14-23 against 0.3) and DeepSeek-V2-Lite's random one more concentrated than its steps,
-    // pools planned on that read again what C dropped (BENCHMARKS, "A re-plan after the prompt")
+    // pools planned on that read again what C dropped
     const bool after_prompt = counted && !r->prompt_replan && r->token_steps == 1 && !r->several_seqs &&
                               !s->on_gpu && token_halves(s, &h) && routed_tokens(s, &h) >= s->p.replan_tokens;
     r->prompt_replan |= counted;
@@ -473,8 +473,8 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     }
     // a change must repay its cost within the steps seen (replan), so a serving that has run twice as
     // long may take one an earlier re-plan declined: four Qwen1.5-MoE sequences at 20 GiB kept every
-    // expert compressed, decoding on the path at twice stock's step, for a change repaid in 51 steps
-    // (BENCHMARKS, "Four sequences on the full Qwen1.5-MoE geometry"). A change declined only for its
+    // expert compressed, decoding on the path at twice stock's step, for a change repaid in 51 steps.
+    // A change declined only for its
     // cost brings the next re-plan forward to where it would repay (replan)
     r->next_replan = 2 * r->token_steps;
     if (s->on_gpu) {
