@@ -224,9 +224,21 @@ def _warning_text(warning: Warning) -> str:
     return str(warning)
 
 
-def chat(args) -> int:
+def _load(args, model: Path, options: dict):
+    """The model as zipmoe-chat loads it, the load's warnings said in its own words ("always": a ZipMoE
+    warning is never lost to an earlier one with the same text)."""
     from .bindings import Llama
 
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always", ZipMoEWarning)
+        llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
+                    n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
+    for w in raised:
+        print(f"zipmoe-chat: warning: {_warning_text(w.message)}", file=sys.stderr)
+    return llm
+
+
+def chat(args) -> int:
     model = args.model if args.model is not None else demo_model_path()
     options = {o.kwarg: getattr(args, o.kwarg) for o in python_options()}
     if args.model is None:
@@ -247,13 +259,7 @@ def chat(args) -> int:
         print(f"zipmoe-chat: warning: -ngl {args.n_gpu_layers} does nothing: this build has no GPU backend "
               "(bash tools/setup.sh --cuda builds one) and no --rpc server was given; every layer runs on the CPU",
               file=sys.stderr)
-    # the load's warnings in zipmoe-chat's words ("always": a ZipMoE warning is never lost to an earlier one)
-    with warnings.catch_warnings(record=True) as raised:
-        warnings.simplefilter("always", ZipMoEWarning)
-        llm = Llama(model_path=str(model), n_ctx=args.ctx_size, n_threads=args.threads, seed=args.seed,
-                    n_gpu_layers=args.n_gpu_layers, verbose=args.verbose, **options)
-    for w in raised:
-        print(f"zipmoe-chat: warning: {_warning_text(w.message)}", file=sys.stderr)
+    llm = _load(args, model, options)
     system = [{"role": "system", "content": args.system}] if args.system else []
 
     if args.prompt is not None:

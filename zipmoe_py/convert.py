@@ -14,19 +14,16 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import fcntl
 import json
 import os
-import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from . import _paths
+from .conversion_files import (output_lock, remove_stale_locks, remove_stale_work_folders,
+                               temporary_name, work_folder)
 from .errors import ZipMoEError, require_extra
 
 # HF architecture -> what users call it
@@ -76,7 +73,7 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
 
     The converter's log and progress bar go to stderr unless quiet; its last lines are
     kept for the error message either way. It writes under a name of this process's own
-    (_temporary_name), so conversions to one output never write the same file.
+    (temporary_name), so conversions to one output never write the same file.
     """
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     check_checkpoint(hf_dir)
@@ -85,7 +82,7 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
         raise ZipMoEError(f"output {out_path} is a folder; give a file name such as {out_path / 'model.gguf'}")
     if not out_path.parent.exists():
         raise ZipMoEError(f"output folder does not exist: {out_path.parent}")
-    partial = _temporary_name(out_path, ".partial")
+    partial = temporary_name(out_path, ".partial")
     cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), str(_paths.converter_script()), str(hf_dir),
            "--outfile", str(partial), "--outtype", "bf16"]
     env = dict(os.environ)
@@ -132,146 +129,6 @@ os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 
 
-# ---- temporary names, the output lock, and what killed conversions leave behind ----
-
-def _temporary_name(path: Path, suffix: str = "") -> Path:
-    """PATH.<pid>.<random><suffix> beside path: the same filesystem (so that os.replace is atomic)
-    and a name no other process writes. _remove_stale_temporaries knows the pattern."""
-    return path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Remove path's temporary files (_temporary_name, and format.repack's .partial of one) that
-    a killed conversion left. Called with path's lock held, so no other zipmoe-convert is writing
-    them; the pid in the name must be dead too, for a caller of the library that takes no lock."""
-    pattern = re.compile(re.escape(path.name) + r"\.(\d+)\.[0-9a-f]{8}(\.partial)?")
-    for leftover in path.parent.iterdir():
-        found = pattern.fullmatch(leftover.name)
-        if found and leftover.is_file() and not _process_alive(int(found[1])):
-            with contextlib.suppress(FileNotFoundError):
-                leftover.unlink()
-
-
-@contextlib.contextmanager
-def _output_lock(path: Path):
-    """Hold an exclusive flock on PATH.lock while path is written; refuse (ZipMoEError naming the
-    holder's pid) if another zipmoe-convert holds it. An flock vanishes with its process, so a
-    killed conversion's lock file blocks no one; the file itself is removed on the way out."""
-    lock_path = path.with_name(path.name + ".lock")
-    fd, held = -1, False
-    try:
-        while not held:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 32).decode(errors="replace").strip()
-                raise ZipMoEError(f"{path} is being written by another zipmoe-convert"
-                                  + (f" (pid {holder})" if holder.isdigit() else "")
-                                  + f"; wait for it to finish, or write elsewhere (its lock: {lock_path})") from None
-            # the previous holder may have removed the file between our open and our flock: then the lock
-            # we hold guards nothing, and a third process may already hold a new one; start over
-            try:
-                held = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-            except FileNotFoundError:
-                held = False
-            if not held:
-                os.close(fd)
-                fd = -1
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        _remove_stale_temporaries(path)
-        yield
-    finally:
-        if held:  # removed while still held, so that whoever opens it next sees it gone (the check above)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock_path)
-        if fd >= 0:
-            os.close(fd)
-
-
-WORK_FOLDER_PREFIX = ".zipmoe-"
-
-
-@contextlib.contextmanager
-def _work_folder(parent: Path):
-    """A hidden folder .zipmoe-<pid>-<random> in parent for the intermediate BF16 GGUF (beside
-    the output: the same filesystem, whose free space the user chose), removed on the way out.
-    Its owner.lock is flocked for the folder's life, so a later conversion tells a killed
-    process's folder (lock free) from a running one's (_remove_stale_work_folders)."""
-    folder, fd = None, None
-    try:
-        folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{WORK_FOLDER_PREFIX}{os.getpid()}-"))
-        # locked under another name, then renamed: owner.lock never exists unlocked while we live
-        unlocked = folder / "owner.lock.new"
-        fd = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(unlocked, folder / "owner.lock")
-        yield folder
-    finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        if fd is not None:
-            os.close(fd)
-
-
-def _remove_stale_locks(parent: Path) -> None:
-    """Remove the OUT.lock files in parent of conversions that were killed, with OUT's temporaries: ours
-    hold nothing but the writer's pid, and a lock that no process holds, whose pid is dead, guards nothing."""
-    for lock_path in parent.glob("*.lock"):
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue  # gone meanwhile, a link, or someone else's
-        try:
-            holder = os.read(fd, 32)
-            if not re.fullmatch(rb"\d+\n", holder) or _process_alive(int(holder)):
-                continue  # not one of ours, or its conversion may be running
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # held now, so no conversion is writing OUT; unlinked while held, as _output_lock does
-            if os.path.samestat(os.fstat(fd), os.stat(lock_path)):
-                _remove_stale_temporaries(lock_path.with_name(lock_path.name[:-len(".lock")]))
-                os.unlink(lock_path)
-        except (BlockingIOError, FileNotFoundError):
-            pass
-        finally:
-            os.close(fd)
-
-
-def _remove_stale_work_folders(parent: Path) -> None:
-    """Remove the work folders in parent of conversions that were killed (SIGKILL, a crash):
-    those whose owner.lock no process holds (or, killed before it was made, whose pid is dead)."""
-    for folder in parent.glob(WORK_FOLDER_PREFIX + "*"):
-        owner = re.fullmatch(re.escape(WORK_FOLDER_PREFIX) + r"(\d+)-.+", folder.name)
-        if not owner or not folder.is_dir() or folder.is_symlink():
-            continue  # not one of ours
-        try:
-            fd = os.open(folder / "owner.lock", os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if not _process_alive(int(owner[1])):
-                shutil.rmtree(folder, ignore_errors=True)
-            continue
-        except OSError:
-            continue  # someone else's, not ours to judge
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(folder, ignore_errors=True)  # a folder removed meanwhile by another cleaner: nothing
-        except BlockingIOError:
-            pass  # its conversion is running
-        finally:
-            os.close(fd)
-
-
 def _progress_bar(total: int, desc: str, quiet: bool):
     if quiet:
         return None, lambda: None
@@ -296,7 +153,7 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
     total = sum(t.nbytes() for t in header.tensors)
     # repack writes STAGING.partial and renames it to STAGING once it reads back; STAGING is this
     # process's own name (repack's fixed OUT.partial would be shared by conversions to one output)
-    staging = _temporary_name(Path(out_path))
+    staging = temporary_name(Path(out_path))
     update, close = _progress_bar(total, f"ZipMoE {codec} K={shards}", quiet)
     try:
         result = zformat.repack(src_gguf, staging, codec=codec, level=level, shards=shards, threads=threads,
@@ -355,7 +212,7 @@ def _refuse_before_work(args, ap: argparse.ArgumentParser) -> bool:
     return from_checkpoint
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     from .codec import CODECS
     from .format import DEFAULT_CODEC, DEFAULT_SHARDS
 
@@ -392,6 +249,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-bf16", type=Path, default=None, metavar="FILE",
                     help="when converting a checkpoint: also keep the intermediate BF16 GGUF at FILE")
     ap.add_argument("-q", "--quiet", action="store_true", help="hide logs, progress bars and the ratio table")
+    return ap
+
+
+def _convert_held(args, from_checkpoint: bool) -> None:
+    """The conversion itself, with the outputs' locks held and what killed conversions left removed."""
+    with contextlib.ExitStack() as held:
+        # one writer per output: a second conversion to the same file is refused, not interleaved
+        held.enter_context(output_lock(args.outfile))
+        if args.keep_bf16 is not None:
+            held.enter_context(output_lock(args.keep_bf16))
+        remove_stale_work_folders(args.outfile.parent)
+        remove_stale_locks(args.outfile.parent)
+        if args.bf16:
+            out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
+            print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
+            return
+        if not from_checkpoint:
+            to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
+                      args.f32_to_bf16)
+        else:
+            with work_folder(args.outfile.parent) as work:
+                bf16 = args.keep_bf16 or work / "bf16.gguf"
+                convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
+                to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
+    print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {_layout_words(args.outfile, args)})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .format import DEFAULT_CODEC, DEFAULT_SHARDS
+
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")
@@ -405,27 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     previous_sigint = signal.signal(signal.SIGINT, _interrupt)
     try:
-        from_checkpoint = _refuse_before_work(args, ap)
-        with contextlib.ExitStack() as held:
-            # one writer per output: a second conversion to the same file is refused, not interleaved
-            held.enter_context(_output_lock(args.outfile))
-            if args.keep_bf16 is not None:
-                held.enter_context(_output_lock(args.keep_bf16))
-            _remove_stale_work_folders(args.outfile.parent)
-            _remove_stale_locks(args.outfile.parent)
-            if args.bf16:
-                out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
-                print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
-                return 0
-            if not from_checkpoint:
-                to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
-                          args.f32_to_bf16)
-            else:
-                with _work_folder(args.outfile.parent) as work:
-                    bf16 = args.keep_bf16 or work / "bf16.gguf"
-                    convert_to_bf16_gguf(args.source, bf16, quiet=args.quiet)
-                    to_zipmoe(bf16, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet)
-        print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, ZipMoE {_layout_words(args.outfile, args)})")
+        _convert_held(args, _refuse_before_work(args, ap))
         return 0
     except ZipMoEError as e:
         print(f"zipmoe-convert: error: {e}", file=sys.stderr)
