@@ -38,6 +38,8 @@ from pathlib import Path
 
 import openai
 
+from zipmoe_py.devtools.ports import free_port
+
 from _common import CAPPED_RUN, round_order
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,12 +49,6 @@ PROMPTS = ["Tell me a story.", "What is a mixture of experts?", "Count to five."
            "List three prime numbers."]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_command(kind: str, args, port: int) -> tuple[list[str], Path]:

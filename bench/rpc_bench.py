@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from zipmoe_py.devtools.ports import free_port
+
 from _common import (CAPPED_RUN, LOAD, PERF, PROMPT, STATS, cell, counter_lines, disk_bw, llama_completion, parse_size,
                      run_facts, save, zipmoe_beside)
 
@@ -42,10 +44,6 @@ def rpc_server() -> Path:
     return _paths.program("ggml-rpc-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from _common import cell, run_facts, save
 
 from zipmoe_py import _paths
-from zipmoe_py.devtools.live_server import free_port
+from zipmoe_py.devtools.ports import free_port
 
 PROMPTS = ["Tell me a story about a lighthouse.", "What is a mixture of experts?", "Count from one to ten.",
            "Why is the sky blue?"]

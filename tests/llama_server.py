@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +16,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from zipmoe_py.devtools.ports import free_port
+
 LLAMA_SERVER = Path(sys.executable).with_name("llama-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LlamaServer:

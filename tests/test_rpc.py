@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from zipmoe_py.devtools.ports import free_port
+
 from conftest import run, zipmoe_command
 from test_serve import budget_of, expert_geometry
 
@@ -29,10 +31,6 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "rpc_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:

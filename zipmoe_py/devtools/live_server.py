@@ -3,7 +3,6 @@ suite and bench/server_load_bench.py. Needs the test extra (openai)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -14,13 +13,11 @@ from pathlib import Path
 
 import openai
 
+from .ports import free_port
+
 SERVER = Path(sys.executable).with_name("zipmoe-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
