@@ -31,8 +31,8 @@ from pathlib import Path
 from ..errors import ZipMoEError, require_extra
 from .corpus import CORPORA, PYTHON_DOCS_ENV, Corpus, heldout_text, load_corpus  # noqa: F401 (heldout_text: its API)
 from .tiny import ARCHITECTURES, make_tiny, tiny_config
+from .train_report import TRAIN_FORMAT, WARMUP_FRACTION, training_report
 
-TRAIN_FORMAT = 1  # bump when the training recipe changes in a way the cache key does not see
 
 # Steps of a default run: about 5 minutes of training on 2 cores. Measured on the 2-core AMD EPYC
 # (AVX2) development machine, batch 8 x 256 tokens, 2 threads, machine otherwise idle: 1.88 s/step
@@ -45,7 +45,6 @@ DEFAULTS = {"seq_len": 256, "batch": 8, "lr": 3e-3, "balance": 0.01, "threads": 
             "eval_tokens": 100_000, "routing_tokens": 8192}
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.01
-WARMUP_FRACTION = 0.05
 FINAL_LR_FRACTION = 0.10
 GRAD_CLIP = 1.0
 EVAL_BATCH = 8  # windows per forward pass in evaluation and routing statistics
@@ -423,10 +422,53 @@ def train(arch: str, out_dir, corpus: str = "python-docs", steps: int | None = N
     return {**report, "from_cache": False}
 
 
+def _train_steps(model, opt, tap, train_ids, hyper: dict, gen, n_expert: int, progress: bool):
+    """The training loop: random windows of the train tokens, the fused head loss plus the balance loss,
+    clipped AdamW steps on the schedule lr_at gives. Returns each step's LM and balance losses, and
+    the loop's seconds."""
+    import torch
+
+    steps, seq_len, batch = hyper["steps"], hyper["seq_len"], hyper["batch"]
+    model.train()
+    losses, balances = [], []
+    every = max(1, steps // 10)
+    t_train = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, hyper["lr"])
+        starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=gen)
+        windows = torch.stack([train_ids[s:s + seq_len + 1] for s in starts.tolist()])
+        # the CausalLM's forward is model.model then lm_head; the head and its loss are fused
+        hidden = model.model(input_ids=windows[:, :-1], use_cache=False).last_hidden_state
+        lm = head_loss(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight, windows[:, 1:].reshape(-1))
+        bal = balance_loss(tap.take(), n_expert)
+        loss = lm + hyper["balance"] * bal
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        opt.step()
+        losses.append(float(lm.detach()))
+        balances.append(float(bal.detach()) if torch.is_tensor(bal) else float(bal))
+        if progress and ((step + 1) % every == 0 or step + 1 == steps):
+            el = time.time() - t_train
+            _log(f"step {step + 1}/{steps} loss {losses[-1]:.3f} balance {balances[-1]:.3f} "
+                 f"elapsed {el:.0f} s ({el / (step + 1):.2f} s/step)")
+    return losses, balances, time.time() - t_train
+
+
+def _save_bf16(model, weights: Path) -> None:
+    """The trained weights as BF16 safetensors, under HF's tensor names."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(weights), metadata={"format": "pt"})
+    weights.chmod(0o644)
+
+
 def _train_into(work: Path, arch: str, data: Corpus, info: dict, hyper: dict, key: str, key_inputs: dict,
                 progress: bool) -> dict:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -468,42 +510,14 @@ def _train_into(work: Path, arch: str, data: Corpus, info: dict, hyper: dict, ke
                                 lr=hyper["lr"], betas=BETAS)
         gen = torch.Generator().manual_seed(seed)
         tap = RouterTap(model, top_k)
-        model.train()
-        losses, balances = [], []
-        every = max(1, steps // 10)
-        t_train = time.time()
         try:
-            for step in range(steps):
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, steps, hyper["lr"])
-                starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch,), generator=gen)
-                windows = torch.stack([train_ids[s:s + seq_len + 1] for s in starts.tolist()])
-                # the CausalLM's forward is model.model then lm_head; the head and its loss are fused
-                hidden = model.model(input_ids=windows[:, :-1], use_cache=False).last_hidden_state
-                lm = head_loss(hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight,
-                               windows[:, 1:].reshape(-1))
-                bal = balance_loss(tap.take(), n_expert)
-                loss = lm + hyper["balance"] * bal
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-                opt.step()
-                losses.append(float(lm.detach()))
-                balances.append(float(bal.detach()) if torch.is_tensor(bal) else float(bal))
-                if progress and ((step + 1) % every == 0 or step + 1 == steps):
-                    el = time.time() - t_train
-                    _log(f"step {step + 1}/{steps} loss {losses[-1]:.3f} balance {balances[-1]:.3f} "
-                         f"elapsed {el:.0f} s ({el / (step + 1):.2f} s/step)")
+            losses, balances, seconds = _train_steps(model, opt, tap, train_ids, hyper, gen, n_expert, progress)
         finally:
             tap.close()
-        seconds = time.time() - t_train
         del opt
 
-        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-        weights = work / "model.safetensors"
-        save_file(state, str(weights), metadata={"format": "pt"})
-        weights.chmod(0o644)
-        del state, model
+        _save_bf16(model, work / "model.safetensors")
+        del model
 
         # the model as saved: BF16 weights, evaluated in float32
         trained = AutoModelForCausalLM.from_pretrained(work, dtype=torch.float32)
@@ -517,30 +531,9 @@ def _train_into(work: Path, arch: str, data: Corpus, info: dict, hyper: dict, ke
         torch.use_deterministic_algorithms(saved[1])
         hf_logging.set_verbosity(saved[2])
 
-    tail = max(1, round(WARMUP_FRACTION * steps))
-    counts = {"trained": routing_trained.pop("coactivation_counts"),
-              "random_init": routing_random.pop("coactivation_counts")}
-    report = {
-        "format": TRAIN_FORMAT, "arch": arch, "cache_key": key,
-        "corpus": info, "hyperparameters": hyper,
-        "versions": {"torch": key_inputs["torch"], "transformers": key_inputs["transformers"]},
-        "training": {"steps": steps, "seconds": round(seconds, 2), "s_per_step": round(seconds / steps, 3),
-                     "final_train_loss": round(sum(losses[-tail:]) / tail, 4), "final_train_loss_steps": tail,
-                     "loss_curve": [round(x, 4) for x in losses],
-                     "balance_curve": [round(x, 4) for x in balances]},
-        "heldout": {"tokens": int(len(held_ids)), "tokens_evaluated": int(len(eval_ids)),
-                    "tokens_predicted": n_pred, "eval_cap_tokens": hyper["eval_tokens"],
-                    "note": f"first {len(eval_ids)} held-out tokens (capped at {hyper['eval_tokens']} for time), "
-                            f"non-overlapping windows of {seq_len} tokens, each window's first token context only; "
-                            "the saved BF16 weights evaluated in float32",
-                    "mean_nll": round(nll, 5), "perplexity": round(math.exp(nll), 3)},
-        "unigram": {"smoothing": "add-one over the vocabulary, counts from the train tokens",
-                    "mean_nll": round(uni, 5), "perplexity": round(math.exp(uni), 3)},
-        "routing": {"note": f"first {routing_trained['tokens']} held-out tokens; random_init is the model before "
-                            "training (same seed); counts in routing.json",
-                    "trained": routing_trained, "random_init": routing_random},
-        "total_seconds": round(total_seconds, 1),
-    }
+    report = training_report(arch, key, key_inputs, info, hyper, losses, balances, seconds, held_ids, eval_ids,
+                             n_pred, nll, uni, routing_trained, routing_random, total_seconds)
+    counts = report["routing"].pop("counts")
     (work / "training.json").write_text(json.dumps(report, indent=1) + "\n")
     routing_file = {"arch": arch, "tokens": routing_trained["tokens"], "n_expert": routing_trained["n_expert"],
                     "top_k": routing_trained["top_k"], "layers": [x["layer"] for x in routing_trained["layers"]],
