@@ -6,13 +6,14 @@ thrash a budget that holds fewer than several tokens' experts?
         [--out docs/benchmarks/server/server_budget_qwen_tiny.json]
 
 For each budget (ZIPMOE_BUDGET; "all" for every expert), one llama-server with -np 4 on 127.0.0.1:
-- solo: the same 16-token completion --rounds times, one after another: the server's decode ms per token
+- solo: the same 64-token completion --rounds times, one after another: the server's decode ms per token
   (its `timings.predicted_per_token_ms`) and each request's wall time;
 - four clients at once, --rounds times: four different 64-token completions released together, the wall
   time of all four;
 - four one after another, --rounds times: the same four completions in turn, the wall time of all four.
-Rounds of the concurrent and sequential cases alternate. Prints and saves medians with min-max (JSON and
-Markdown beside it). Temperature 0, fixed seeds, n_predict exact (ignore_eos).
+Rounds of the concurrent and sequential cases alternate. The model is evicted from the page cache before each
+server starts, and the disk's O_DIRECT rate is measured in the same invocation. Prints and saves medians with
+min-max (JSON and Markdown beside it). Temperature 0, fixed seeds, n_predict exact (ignore_eos).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import cell, run_facts, save
+from _common import cell, disk_bw, run_facts, save
 
 from zipmoe_py import _paths
 from zipmoe_py.devtools.ports import free_port
@@ -46,6 +47,7 @@ def complete(url: str, prompt: str, n: int) -> dict:
 
 
 def start_server(model: Path, budget: str, threads: int) -> tuple[subprocess.Popen, str]:
+    evict(model)
     port = free_port()
     env = dict(os.environ)
     if budget != "all":
@@ -64,6 +66,15 @@ def start_server(model: Path, budget: str, threads: int) -> tuple[subprocess.Pop
             time.sleep(0.3)
     proc.kill()
     raise SystemExit("llama-server did not become ready in 300 s")
+
+
+def evict(path: Path) -> None:
+    """path out of the page cache, so that a server starts as from a cold disk"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def four_at_once(url: str, n: int) -> float:
@@ -100,7 +111,7 @@ def measure(model: Path, budget: str, rounds: int, threads: int) -> dict:
     proc, url = start_server(model, budget, threads)
     try:
         complete(url, PROMPTS[0], 4)  # warm-up
-        solo = [complete(url, PROMPTS[0], 16) for _ in range(rounds)]
+        solo = [complete(url, PROMPTS[0], 64) for _ in range(rounds)]
         together, in_turn = [], []
         for r in range(rounds):
             if r % 2 == 0:
@@ -124,7 +135,9 @@ def to_markdown(result: dict) -> str:
              f"{result['rounds']} rounds each, -np 4, {result['threads']} threads; median (min-max); 1-minute load "
              f"average {result['load_average_before']:.2f} before, "
              + ", ".join(f"{r['load_average_after']:.2f}" for r in result["rows"]) + " after each budget", "",
-             "| budget | solo 16 tokens, ms/token | 4 clients x 64 at once, s | the same 4 in turn, s |",
+             f"disk {result['disk_gbps']:.2f} GB/s O_DIRECT, measured in the run; the model evicted before each server",
+             "",
+             "| budget | one 64-token request, ms/token | 4 clients x 64 at once, s | the same 4 in turn, s |",
              "| --- | --- | --- | --- |"]
     for row in result["rows"]:
         lines.append(f"| {row['budget']} | {cell(row['solo_ms_per_token'], '{:.1f}')} | "
@@ -141,10 +154,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/server/server_budget.json"),
                     help="JSON result; the Markdown table goes beside it")
     args = ap.parse_args()
+    disk = disk_bw(args.model)
     load_before = os.getloadavg()[0]  # another process on the cores shows as spread: say so beside the numbers
     rows = [measure(args.model, b, args.rounds, args.threads) for b in args.budgets]
     save({**run_facts(args.out), "model": str(args.model), "rounds": args.rounds, "threads": args.threads,
-          "load_average_before": load_before, "rows": rows}, args.out, to_markdown)
+          "load_average_before": load_before, "disk_gbps": disk, "rows": rows}, args.out, to_markdown)
     return 0
 
 
