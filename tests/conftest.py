@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,51 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SLOW_FILES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+
+
+# Commands of minutes that keep at most a core busy and whose result a test only checks (a training run,
+# a build), started as soon as collection selects their test or file, so that they run beside the
+# files before it (the suite's tests mostly keep one core of two busy): "FILE" or "FILE::TEST" ->
+# start(folder) -> the process, its output in folder/stdout and folder/stderr. A test file registers
+# its own at import; early_result() waits for it.
+EARLY: dict = {}
+_started: dict = {}
+
+
+def pytest_collection_finish(session):
+    selected = {f"{item.path.name}::{item.originalname}" for item in session.items}
+    selected |= {name.split("::")[0] for name in selected}
+    for name, start in EARLY.items():
+        if name in selected and name not in _started:
+            folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
+            _started[name] = (folder, start(folder))
+
+
+def early_result(name: str, timeout: float) -> tuple[int, bytes, bytes, Path]:
+    """(returncode, stdout, stderr, folder) of EARLY[name]'s command, started now if collection did not."""
+    if name not in _started:
+        folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
+        _started[name] = (folder, EARLY[name](folder))
+    folder, proc = _started[name]
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    return code, (folder / "stdout").read_bytes(), (folder / "stderr").read_bytes(), folder
+
+
+def start_early(folder: Path, cmd: list, **kwargs) -> subprocess.Popen:
+    with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
+        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, stdin=subprocess.DEVNULL, **kwargs)
+
+
+def pytest_sessionfinish(session):
+    for folder, proc in _started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def zipmoe_command(name: str) -> str:

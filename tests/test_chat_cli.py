@@ -6,7 +6,7 @@ import pytest
 
 from zipmoe_py import cli, options
 
-from conftest import run, zipmoe_command
+from conftest import EARLY, early_result, run, start_early, zipmoe_command
 
 LONG_PROMPT = " ".join(["word"] * 300)
 
@@ -156,19 +156,28 @@ def test_options_on_a_plain_gguf_are_named_as_flags(tiny_gguf):
     assert b"UserWarning" not in proc.stderr and b"zipmoe_budget" not in proc.stderr
 
 
-def test_the_demo_model_answers_in_words(tmp_path):
+def _first_demo_chat(cache):
+    """zipmoe-chat with no model and an empty cache: it trains the demo (two minutes on one core)."""
+    import os
+
+    return start_early(cache, [zipmoe_command("zipmoe-chat"), "-p", "What is a mixture of experts?", "-n", 32,
+                               "--temp", 0], env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+
+
+EARLY["test_chat_cli.py::test_the_demo_model_answers_in_words"] = _first_demo_chat
+
+
+def test_the_demo_model_answers_in_words():
     """With no model, zipmoe-chat makes the demo (trained once, with a progress bar) and answers what it was
     taught, in words, through the expert cache; a second run uses the file made by the first."""
     import os
 
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    first = run([zipmoe_command("zipmoe-chat"), "-p", "What is a mixture of experts?", "-n", 32, "--temp", 0],
-                env=env, timeout=900)
-    assert first.returncode == 0, first.stderr.decode()[-2000:]
-    assert b"training the demo model" in first.stderr and b"400/400" in first.stderr
-    assert first.stdout.decode().startswith("A mixture of experts is a model in which a small router sends every "
-                                            "token to a few of many experts"), first.stdout
+    code, stdout, stderr, cache = early_result("test_chat_cli.py::test_the_demo_model_answers_in_words", timeout=900)
+    assert code == 0, stderr.decode()[-2000:]
+    assert b"training the demo model" in stderr and b"400/400" in stderr
+    assert stdout.decode().startswith("A mixture of experts is a model in which a small router sends every "
+                                      "token to a few of many experts"), stdout
     again = run([zipmoe_command("zipmoe-chat"), "-p", "What does the budget option do?", "-n", 24, "--temp", 0],
-                env=env, timeout=300)
+                env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=300)
     assert again.returncode == 0 and b"training" not in again.stderr, again.stderr.decode()[-2000:]
     assert again.stdout.decode().startswith("The budget option sets the memory for the expert slots"), again.stdout

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from test_sanitizers import BUILD, FLAGS, REPO, build_ggml_zipmoe, sanitized_lib  # noqa: F401  (the fixture)
+from conftest import EARLY
+from test_sanitizers import (BUILD, FLAGS, REPO, build_commands, build_ggml_zipmoe,  # noqa: F401
+                             sanitized_lib, start_build_early)  # (sanitized_lib: the fixture)
 
 FUZZ = REPO / "tests" / "fuzz"
 sys.path.insert(0, str(FUZZ))
@@ -42,6 +44,12 @@ CLANG = None if os.environ.get("ZIPMOE_FUZZ_ENGINE") == "gcc" else _clang_with_l
 CLANGXX = CLANG and CLANG.replace("clang", "clang++")
 # clang's enum check fires in upstream gguf.cpp (benign; see the list): our own code is C, unaffected
 LIBFUZZER_FLAGS = f"{FLAGS} -fsanitize-ignorelist={FUZZ / 'ubsan-ignorelist.txt'}"
+# C and C++: ggml's GGUF reader is fuzzed too
+LIBFUZZER_BUILD = (BUILD.parent / "fuzz", f"{LIBFUZZER_FLAGS} -fsanitize=fuzzer-no-link",
+                   f"{LIBFUZZER_FLAGS} -fsanitize=fuzzer-no-link",
+                   (f"-DCMAKE_C_COMPILER={CLANG}", f"-DCMAKE_CXX_COMPILER={CLANGXX}"))
+if CLANG:
+    EARLY["test_fuzz.py"] = lambda folder: start_build_early(folder, build_commands(*LIBFUZZER_BUILD))
 ENV = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
 
@@ -52,9 +60,7 @@ def harness(request, tmp_path_factory) -> tuple[str, Path]:
     out = tmp_path_factory.mktemp("fuzz") / "fuzz_zipmoe"
     include = ["-I", str(REPO / "ggml-zipmoe" / "include")]
     if CLANG:
-        flags = f"{LIBFUZZER_FLAGS} -fsanitize=fuzzer-no-link"  # C and C++: ggml's GGUF reader is fuzzed too
-        lib = build_ggml_zipmoe(BUILD.parent / "fuzz", flags, flags,
-                                (f"-DCMAKE_C_COMPILER={CLANG}", f"-DCMAKE_CXX_COMPILER={CLANGXX}"))
+        lib = build_ggml_zipmoe(*LIBFUZZER_BUILD, early="test_fuzz.py")
         obj = out.with_suffix(".o")
         link = ["-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=undefined"]
         subprocess.run([CLANG, *link, "-g", "-O1", "-DZIPMOE_LIBFUZZER", *include, "-c",

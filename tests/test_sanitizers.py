@@ -11,12 +11,15 @@ do not cross an ASan-preloaded process reliably.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from conftest import EARLY, early_result, start_early
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "sanitize"
@@ -30,26 +33,40 @@ SELECTION = [str(REPO / "tests" / name) for name in ("test_codec.py", "test_cach
           "(not test_substitution or smoe_route)"]
 
 
-def build_ggml_zipmoe(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: tuple = ()) -> Path:
-    """ggml-zipmoe (and ggml-base, whose GGUF reader it uses) built by the project's CMake in `build`,
-    configured once and rebuilt incrementally; returns the library."""
-    if not (build / "CMakeCache.txt").exists():
-        proc = subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
-                               f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_FLAGS={c_flags}",
-                               f"-DCMAKE_CXX_FLAGS={cxx_flags}", *cmake_args],
-                              capture_output=True, text=True)
+def build_commands(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: tuple = ()) -> list[list[str]]:
+    """The project's CMake configuring `build` (once) and building ggml-zipmoe (and ggml-base, whose GGUF
+    reader it uses) in it, incrementally."""
+    configure = ["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                 f"-DPython_EXECUTABLE={sys.executable}", f"-DCMAKE_C_FLAGS={c_flags}", f"-DCMAKE_CXX_FLAGS={cxx_flags}",
+                 *cmake_args]
+    make = ["cmake", "--build", str(build), "-j2", "--target", "ggml-zipmoe"]
+    return ([] if (build / "CMakeCache.txt").exists() else [configure]) + [make]
+
+
+def start_build_early(folder: Path, commands: list[list[str]]):
+    """conftest.EARLY's start: the build in the background (build_ggml_zipmoe then finds it done)."""
+    return start_early(folder, ["sh", "-c", " && ".join(shlex.join(c) for c in commands)])
+
+
+def build_ggml_zipmoe(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: tuple = (),
+                      early: str | None = None) -> Path:
+    """build_commands run (after conftest.EARLY's run of them, if `early` names one); returns the library."""
+    if early is not None:
+        early_result(early, timeout=1800)  # its errors, if any, are the ones the commands below report
+    for command in build_commands(build, c_flags, cxx_flags, cmake_args):
+        proc = subprocess.run(command, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    proc = subprocess.run(["cmake", "--build", str(build), "-j2", "--target", "ggml-zipmoe"], capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return build / "ggml-zipmoe" / "libggml-zipmoe.so"
+
+
+EARLY["test_sanitizers.py"] = lambda folder: start_build_early(folder, build_commands(BUILD, FLAGS))
 
 
 @pytest.fixture(scope="module")
 def sanitized_lib() -> Path:
     # C flags only: ggml-base's C++ stays uninstrumented (libasan is preloaded into Python, whose C++
     # runtime does not carry UBSan's)
-    return build_ggml_zipmoe(BUILD, FLAGS)
+    return build_ggml_zipmoe(BUILD, FLAGS, early="test_sanitizers.py")
 
 
 def _sanitized_env(lib: Path) -> dict:
