@@ -12,8 +12,8 @@ emulated (2026-12-01).
 
 SVE recovery in the graph is served once, on one sequence: under qemu 7.2 the graph's BF16 products
 run about 25 times slower in threads that also run SVE recovery (one trace: graph 108 s against 4.0 s
-with NEON recovery, of which recovery itself 35 ms; 2026-12-03), so the full matrix on SVE took 11 of
-the suite's minutes. Recovery's SVE code itself is checked on every BF16 bit pattern and odd length by
+with NEON recovery, of which recovery itself 35 ms; 2026-12-03): the full matrix on SVE takes 11
+minutes emulated on 2 cores. Recovery's SVE code itself is checked on every BF16 bit pattern and odd length by
 the C-level tests on qemu's "max" CPU.
 """
 from __future__ import annotations

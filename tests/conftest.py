@@ -62,17 +62,20 @@ _started: dict = {}
 def pytest_collection_finish(session):
     selected = {f"{item.path.name}::{item.originalname}" for item in session.items}
     selected |= {name.split("::")[0] for name in selected}
-    for name, start in EARLY.items():
+    for name in EARLY:
         if name in selected and name not in _started:
-            folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
-            _started[name] = (folder, start(folder))
+            _start(name)
+
+
+def _start(name: str) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
+    _started[name] = (folder, EARLY[name](folder))
 
 
 def early_result(name: str, timeout: float) -> tuple[int, bytes, bytes, Path]:
     """(returncode, stdout, stderr, folder) of EARLY[name]'s command, started now if collection did not."""
     if name not in _started:
-        folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
-        _started[name] = (folder, EARLY[name](folder))
+        _start(name)
     folder, proc = _started[name]
     try:
         code = proc.wait(timeout=timeout)
