@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,51 +52,73 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Commands of minutes that keep at most a core busy and whose result a test only checks (a training run,
-# a build), started as soon as collection selects their test or file, so that they run beside the
-# files before it (the suite's tests mostly keep one core of two busy): "FILE" or "FILE::TEST" ->
-# start(folder) -> the process, its output in folder/stdout and folder/stderr. A test file registers
-# its own at import; early_result() waits for it.
+# a build and its run), run in the background beside the files before their test: the suite's tests
+# mostly keep one core of two busy. "FILE" or "FILE::TEST" -> start(folder) -> the process, its output in
+# folder/stdout and folder/stderr. A test file registers its own at import. The selected ones run one at a
+# time, in the order of their tests (more at once only slow the files beside them); early_result() waits
+# for one, and starts it at once if its turn has not come.
 EARLY: dict = {}
 _started: dict = {}
+_lock = threading.Lock()
+_closed = []  # set at the session's end: nothing starts after it
 
 
 def pytest_collection_finish(session):
-    selected = {f"{item.path.name}::{item.originalname}" for item in session.items}
-    selected |= {name.split("::")[0] for name in selected}
-    for name in EARLY:
-        if name in selected and name not in _started:
-            _start(name)
+    order = []
+    for item in session.items:
+        for name in (f"{item.path.name}::{item.originalname}", item.path.name):
+            if name in EARLY and name not in order:
+                order.append(name)
+    if order:
+        threading.Thread(target=_run_in_turn, args=(order,), daemon=True).start()
 
 
-def _start(name: str) -> None:
-    folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
-    _started[name] = (folder, EARLY[name](folder))
+def _run_in_turn(order: list) -> None:
+    for name in order:
+        proc = _start(name)
+        if proc is None:
+            return
+        proc.wait()
+
+
+def _start(name: str) -> subprocess.Popen | None:
+    with _lock:
+        if _closed:
+            return None
+        if name not in _started:
+            folder = Path(tempfile.mkdtemp(prefix="zipmoe-early-"))
+            _started[name] = (folder, EARLY[name](folder))
+        return _started[name][1]
 
 
 def early_result(name: str, timeout: float) -> tuple[int, bytes, bytes, Path]:
-    """(returncode, stdout, stderr, folder) of EARLY[name]'s command, started now if collection did not."""
-    if name not in _started:
-        _start(name)
-    folder, proc = _started[name]
+    """(returncode, stdout, stderr, folder) of EARLY[name]'s command, started now if its turn has not come."""
+    proc = _start(name)
     try:
         code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
+    folder = _started[name][0]
     return code, (folder / "stdout").read_bytes(), (folder / "stderr").read_bytes(), folder
 
 
 def start_early(folder: Path, cmd: list, **kwargs) -> subprocess.Popen:
+    """cmd at the lowest priority: it takes the core the tests leave idle, never theirs (a torch or qemu test
+    beside it otherwise runs several times slower)."""
     with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
-        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, stdin=subprocess.DEVNULL, **kwargs)
+        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                preexec_fn=lambda: os.nice(19), **kwargs)
 
 
 def pytest_sessionfinish(session):
-    for folder, proc in _started.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+    with _lock:
+        _closed.append(True)
+        for folder, proc in _started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def zipmoe_command(name: str) -> str:

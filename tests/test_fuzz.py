@@ -5,29 +5,27 @@ past finding kept in tests/fuzz/regressions as hex text (*.hex: no binary file i
 With clang (tools/setup.sh --dev installs it where it may) the harness is a coverage-guided
 libFuzzer target, and ggml-zipmoe with ggml's GGUF reader is built instrumented in build/fuzz (the
 project's CMake, incremental). Without clang, it is built with gcc against build/sanitize and runs
-its own mutational driver (not coverage-guided). Either way a crash leaves its input in the test's
-folder and fails the run; ZIPMOE_FUZZ_SECONDS sets the length (60 s, CI's bound),
+its own mutational driver (not coverage-guided). With clang the build, the harness and the run are one
+command in the background (tests/conftest.py EARLY), checked here. Either way a crash leaves its input
+in the run's folder and fails the test; ZIPMOE_FUZZ_SECONDS sets the length (60 s, CI's bound),
 ZIPMOE_FUZZ_ENGINE=gcc picks the gcc driver."""
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from conftest import EARLY
-from test_sanitizers import (BUILD, FLAGS, REPO, build_commands, build_ggml_zipmoe,  # noqa: F401
-                             sanitized_lib, start_build_early)  # (sanitized_lib: the fixture)
+from conftest import EARLY, early_result, start_early
+from test_sanitizers import (BUILD, FLAGS, REPO, build_commands,  # noqa: F401
+                             sanitized_lib)  # (sanitized_lib: the fixture)
 
 FUZZ = REPO / "tests" / "fuzz"
-sys.path.insert(0, str(FUZZ))
-from make_corpus import write_corpus  # noqa: E402
-
 SECONDS = int(os.environ.get("ZIPMOE_FUZZ_SECONDS", "60"))
+SEED = "20261123"
 
 
 def _clang_with_libfuzzer() -> str | None:
@@ -48,54 +46,67 @@ LIBFUZZER_FLAGS = f"{FLAGS} -fsanitize-ignorelist={FUZZ / 'ubsan-ignorelist.txt'
 LIBFUZZER_BUILD = (BUILD.parent / "fuzz", f"{LIBFUZZER_FLAGS} -fsanitize=fuzzer-no-link",
                    f"{LIBFUZZER_FLAGS} -fsanitize=fuzzer-no-link",
                    (f"-DCMAKE_C_COMPILER={CLANG}", f"-DCMAKE_CXX_COMPILER={CLANGXX}"))
-if CLANG:
-    EARLY["test_fuzz.py"] = lambda folder: start_build_early(folder, build_commands(*LIBFUZZER_BUILD))
 ENV = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1",
        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+INCLUDE = ["-I", str(REPO / "ggml-zipmoe" / "include")]
 
 
-@pytest.fixture(scope="module")
-def harness(request, tmp_path_factory) -> tuple[str, Path]:
-    """(engine, executable): libFuzzer when clang is here, else the gcc driver."""
-    out = tmp_path_factory.mktemp("fuzz") / "fuzz_zipmoe"
-    include = ["-I", str(REPO / "ggml-zipmoe" / "include")]
-    if CLANG:
-        lib = build_ggml_zipmoe(*LIBFUZZER_BUILD, early="test_fuzz.py")
-        obj = out.with_suffix(".o")
-        link = ["-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=undefined"]
-        subprocess.run([CLANG, *link, "-g", "-O1", "-DZIPMOE_LIBFUZZER", *include, "-c",
-                        str(FUZZ / "fuzz_zipmoe.c"), "-o", str(obj)], check=True)
-        # linked by clang++: ggml's reader needs UBSan's C++ runtime
-        subprocess.run([CLANGXX, *link, str(obj), "-o", str(out), str(lib), f"-Wl,-rpath,{lib.parent}"], check=True)
-        return "libFuzzer", out
-    lib = request.getfixturevalue("sanitized_lib")
-    subprocess.run(["cc", *FLAGS.split(), "-g", "-O1", *include, str(FUZZ / "fuzz_zipmoe.c"), "-o", str(out),
+def libfuzzer_commands(work: Path) -> list[list[str]]:
+    """ggml-zipmoe built instrumented (incremental), the harness compiled and linked against it, the corpus
+    written and the fuzzer run in `work`."""
+    lib = LIBFUZZER_BUILD[0] / "ggml-zipmoe" / "libggml-zipmoe.so"
+    obj, exe = work / "fuzz_zipmoe.o", work / "fuzz_zipmoe"
+    link = ["-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=undefined"]
+    return [*build_commands(*LIBFUZZER_BUILD),
+            [CLANG, *link, "-g", "-O1", "-DZIPMOE_LIBFUZZER", *INCLUDE, "-c", str(FUZZ / "fuzz_zipmoe.c"),
+             "-o", str(obj)],
+            # linked by clang++: ggml's reader needs UBSan's C++ runtime
+            [CLANGXX, *link, str(obj), "-o", str(exe), str(lib), f"-Wl,-rpath,{lib.parent}"],
+            [sys.executable, str(FUZZ / "make_corpus.py"), str(work / "corpus")],
+            [str(exe), f"-max_total_time={SECONDS}", f"-seed={SEED}", "-timeout=30", "-rss_limit_mb=4096",
+             f"-artifact_prefix={work}/", str(work / "corpus")]]
+
+
+if CLANG:
+    EARLY["test_fuzz.py"] = lambda folder: start_early(folder, ["sh", "-c", " && ".join(
+        shlex.join(c) for c in libfuzzer_commands(folder))], env=ENV)
+
+
+def _gcc_driver_run(lib: Path, work: Path) -> tuple[int, str, str]:
+    """The harness with its own mutational driver, against the sanitizer build: (code, stdout, stderr's tail)."""
+    exe = work / "fuzz_zipmoe"
+    subprocess.run(["cc", *FLAGS.split(), "-g", "-O1", *INCLUDE, str(FUZZ / "fuzz_zipmoe.c"), "-o", str(exe),
                     str(lib), f"-Wl,-rpath,{lib.parent}"], check=True)
-    return "gcc driver", out
-
-
-def test_fuzz_the_parser_and_decoders_under_sanitizers(harness, tmp_path):
-    engine, exe = harness
-    corpus = tmp_path / "corpus"
-    write_corpus(corpus)
-    for f in sorted((FUZZ / "regressions").glob("*.hex")):
-        (corpus / f"regression-{f.stem}.bin").write_bytes(bytes.fromhex("".join(f.read_text().split())))
-    if engine == "libFuzzer":
-        cmd = [str(exe), f"-max_total_time={SECONDS}", "-seed=20261123", "-timeout=30", "-rss_limit_mb=4096",
-               f"-artifact_prefix={tmp_path}/", str(corpus)]
-    else:
-        cmd = [str(exe), str(corpus), str(SECONDS), "20261123", str(tmp_path)]
-    log = tmp_path / "stderr.log"  # ggml's GGUF reader logs every file it refuses: megabytes
+    subprocess.run([sys.executable, str(FUZZ / "make_corpus.py"), str(work / "corpus")], check=True,
+                   capture_output=True)
+    log = work / "stderr.log"  # ggml's GGUF reader logs every file it refuses: megabytes
     with open(log, "wb") as err:
-        proc = subprocess.run(cmd, stderr=err, stdout=subprocess.PIPE, text=True, timeout=SECONDS + 180, env=ENV)
+        proc = subprocess.run([str(exe), str(work / "corpus"), str(SECONDS), SEED, str(work)], stderr=err,
+                              stdout=subprocess.PIPE, text=True, timeout=SECONDS + 180, env=ENV)
+    return proc.returncode, proc.stdout, _tail(log)
+
+
+def _tail(log: Path) -> str:
     with open(log, "rb") as f:
         f.seek(max(0, log.stat().st_size - 6000))
-        tail = f.read().decode(errors="replace")
-    crashes = [p for p in tmp_path.iterdir() if p.name == "current" or re.match(r"(crash|leak|timeout|oom)-", p.name)]
-    assert proc.returncode == 0 and not crashes, (
+        return f.read().decode(errors="replace")
+
+
+def test_fuzz_the_parser_and_decoders_under_sanitizers(request, tmp_path):
+    if CLANG:
+        engine = "libFuzzer"
+        code, stdout, _, work = early_result("test_fuzz.py", timeout=1800 + SECONDS)
+        stdout, tail = stdout.decode(errors="replace"), _tail(work / "stderr")
+        assert (work / "corpus").is_dir() or code == 0, f"the build of the harness failed:\n{tail}"
+    else:
+        engine, work = "gcc driver", tmp_path
+        code, stdout, tail = _gcc_driver_run(request.getfixturevalue("sanitized_lib"), work)
+    crashes = [p for p in work.iterdir() if p.name == "current" or re.match(r"(crash|leak|timeout|oom)-", p.name)]
+    assert code == 0 and not crashes, (
         f"{engine}: the input at {crashes} crashed the harness (keep it in tests/fuzz/regressions as hex once "
         f"fixed):\n{tail}")
     assert "AddressSanitizer" not in tail and "runtime error" not in tail, tail
-    runs = int(re.search(r"(?:Done )?(\d+) runs", proc.stdout + tail).group(1))
-    print(f"\n{engine}: {runs} runs in {SECONDS} s, from {len(list(corpus.iterdir()))} corpus inputs, no crash")
+    runs = int(re.search(r"(?:Done )?(\d+) runs", stdout + tail).group(1))
+    print(f"\n{engine}: {runs} runs in {SECONDS} s, from {len(list((work / 'corpus').iterdir()))} corpus inputs, "
+          "no crash")
     assert runs > 1000

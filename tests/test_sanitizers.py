@@ -43,11 +43,6 @@ def build_commands(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: t
     return ([] if (build / "CMakeCache.txt").exists() else [configure]) + [make]
 
 
-def start_build_early(folder: Path, commands: list[list[str]]):
-    """conftest.EARLY's start: the build in the background (build_ggml_zipmoe then finds it done)."""
-    return start_early(folder, ["sh", "-c", " && ".join(shlex.join(c) for c in commands)])
-
-
 def build_ggml_zipmoe(build: Path, c_flags: str, cxx_flags: str = "", cmake_args: tuple = (),
                       early: str | None = None) -> Path:
     """build_commands run (after conftest.EARLY's run of them, if `early` names one); returns the library."""
@@ -57,9 +52,6 @@ def build_ggml_zipmoe(build: Path, c_flags: str, cxx_flags: str = "", cmake_args
         proc = subprocess.run(command, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return build / "ggml-zipmoe" / "libggml-zipmoe.so"
-
-
-EARLY["test_sanitizers.py"] = lambda folder: start_build_early(folder, build_commands(BUILD, FLAGS))
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +84,28 @@ def test_the_sanitizer_build_catches_an_overflow(sanitized_lib, tmp_path):
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_the_c_level_tests_pass_under_asan_and_ubsan(sanitized_lib, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SELECTION],
-                          capture_output=True, text=True, timeout=1200, env=_sanitized_env(sanitized_lib),
-                          cwd=tmp_path)  # not the repository: zipmoe_py must come from the installed package
-    report = proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "AddressSanitizer" not in proc.stderr and "runtime error" not in proc.stderr, report
-    assert proc.returncode == 0, report
+def _c_level_tests(folder: Path) -> subprocess.Popen:
+    """conftest.EARLY's start: the sanitizer build, then the C-level tests against it in a child pytest."""
+    lib = BUILD / "ggml-zipmoe" / "libggml-zipmoe.so"
+    env = {k: v for k, v in _sanitized_env(lib).items() if os.environ.get(k) != v}
+    child = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, "-m", "pytest", "-q", "-p",
+             "no:cacheprovider", f"--basetemp={folder / 'tmp'}", *SELECTION]
+    # in folder, not the repository: zipmoe_py must come from the installed package
+    commands = [*build_commands(BUILD, FLAGS), child]
+    return start_early(folder, ["sh", "-c", " && ".join(shlex.join(c) for c in commands)], cwd=folder)
+
+
+EARLY["test_sanitizers.py"] = _c_level_tests
+
+
+def test_the_c_level_tests_pass_under_asan_and_ubsan(sanitized_lib):
+    code, stdout, stderr, _ = early_result("test_sanitizers.py", timeout=2400)
+    stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    report = stdout[-3000:] + stderr[-3000:]
+    assert "AddressSanitizer" not in stderr and "runtime error" not in stderr, report
+    assert code == 0, report
     import re
 
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 150 and "failed" not in proc.stdout, report
+    passed = re.search(r"(\d+) passed", stdout)
+    assert passed and int(passed.group(1)) >= 150 and "failed" not in stdout, report
     print(f"\n{passed.group(1)} C-level tests passed under ASan + UBSan")

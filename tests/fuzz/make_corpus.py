@@ -7,7 +7,8 @@ file is committed; by hand:
 
 file_*.bin: byte 0 (the parser target) + a ZipMoE GGUF of one MoE layer of 2 experts of 16 x 8
 values, one per codec and shard count; dec_*.bin: the decoder target byte, the decoded size
-(3 bytes LE) and one exponent plane compressed by that codec.
+(3 bytes LE) and one exponent plane compressed by that codec; regression-*.bin: every past finding,
+from its hex text in regressions/.
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def write_corpus(out: Path) -> None:
         stored = codec.compress(plane, name)
         header = bytes([1 + 2 * cid]) + len(plane).to_bytes(3, "little")
         (out / f"dec_{name}.bin").write_bytes(header + stored)
+    for found in sorted((Path(__file__).parent / "regressions").glob("*.hex")):
+        (out / f"regression-{found.stem}.bin").write_bytes(bytes.fromhex("".join(found.read_text().split())))
 
 
 if __name__ == "__main__":
