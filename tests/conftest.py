@@ -35,6 +35,7 @@ SLOW_FILES = {
     "test_upstream.py": "llama-cpp-python's own tests",
     "test_tiny.py": "checkpoints made and routed again",
     "test_server.py": "zipmoe-server processes",
+    "test_families.py": "a checkpoint of each MoE family made, converted, quantized and served",
 }
 SLOW_TESTS = {
     "test_chat_cli.py::test_the_demo_model_answers_in_words": "trains the demo model",

@@ -380,3 +380,28 @@ def test_ghuf_files_are_version_2_and_a_version_1_file_claiming_ghuf_is_refused(
     bad.write_bytes(bytes(raw))
     with pytest.raises(zformat.ZipMoEError, match="uses codec ghuf, which format version 1 does not have"):
         zformat.ZipMoEFile(bad)
+
+
+@pytest.mark.parametrize("dtype, width", [("bf16", 67), ("f32", 67), ("q4_0", 64)])
+def test_a_zipmoe_gguf_unpacks_to_its_source_byte_for_byte(tmp_path, dtype, width):
+    from zipmoe_py.unpack import unpack
+
+    src = make_moe_gguf(tmp_path / f"{dtype}.gguf", expert_dtype=dtype, shape=(width, 45, 3))
+    packed, back = tmp_path / "z.gguf", tmp_path / "back.gguf"
+    zformat.repack(src, packed, shards=3)
+    unpack(packed, back)
+    assert back.read_bytes() == src.read_bytes()
+
+
+def test_unpacking_a_corrupt_chunk_names_it_and_writes_nothing(small_src, tmp_path):
+    from zipmoe_py.unpack import unpack
+
+    packed, back = tmp_path / "z.gguf", tmp_path / "back.gguf"
+    zformat.repack(small_src, packed, shards=5)
+    ref = _first_chunk(packed, shard=0)
+    data = bytearray(packed.read_bytes())
+    data[ref.offset + ref.size // 2] ^= 0x10
+    packed.write_bytes(bytes(data))
+    with pytest.raises(ZipMoEError, match="checksum mismatch in layer 1, tensor blk.1.ffn_down_exps.weight, expert 2"):
+        unpack(packed, back)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["z.gguf"]

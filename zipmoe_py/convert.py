@@ -1,7 +1,7 @@
 """zipmoe-convert: Hugging Face MoE checkpoint -> BF16 GGUF.
 
 Runs llama.cpp's own, unmodified convert_hf_to_gguf.py from the pinned source: the
-code path real DeepSeek-V2-Lite and Qwen1.5-MoE checkpoints take. The checkpoint and the options
+code path real checkpoints take (the families of zipmoe_py/families.py). The checkpoint and the options
 are checked first so that unsupported or incomplete input fails with a message naming the file or
 option at fault, and the output is written under a temporary name of its own (OUT.<pid>.<random>.partial)
 and renamed only when complete (and, for a ZipMoE GGUF, read back: every chunk checked and decoded), so an
@@ -21,17 +21,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import _paths
+from . import _paths, families
 from .conversion_files import (output_lock, remove_stale_locks, remove_stale_work_folders,
                                temporary_name, work_folder)
 from .errors import ZipMoEError, require_extra
-
-# HF architecture -> what users call it
-SUPPORTED_ARCHITECTURES = {
-    "DeepseekV2ForCausalLM": "DeepSeek-V2 / DeepSeek-V2-Lite",
-    "Qwen2MoeForCausalLM": "Qwen1.5-MoE / Qwen2-MoE",
-}
-
+from .unpack import is_zipmoe
 
 def check_checkpoint(hf_dir: Path) -> str:
     """Validate a Hugging Face checkpoint folder; return its architecture."""
@@ -50,10 +44,10 @@ def check_checkpoint(hf_dir: Path) -> str:
     if not archs:
         raise ZipMoEError(f"{config_path} names no architecture (\"architectures\" is missing)")
     arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(f"{a} ({n})" for a, n in SUPPORTED_ARCHITECTURES.items())
+    family = families.BY_HF_ARCHITECTURE.get(arch)
+    if family is None:
         raise ZipMoEError(f"{config_path}: architecture {arch} is not supported; ZipMoE serves "
-                          f"Mixture-of-Experts models: {supported}")
+                          f"Mixture-of-Experts models: {families.described()}")
     weights = list(hf_dir.glob("*.safetensors")) + list(hf_dir.glob("pytorch_model*.bin"))
     if not weights:
         raise ZipMoEError(f"{hf_dir} has no weights (*.safetensors or pytorch_model*.bin)")
@@ -148,8 +142,10 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
     ratio of its BF16 experts, or the types stored raw."""
     from . import format as zformat
     from . import gguf_file
+    from .gguf_source import GGUFSource
 
-    header = gguf_file.read_header(src_gguf)
+    with GGUFSource(src_gguf) as source:  # a split GGUF's files too
+        header = source.header
     total = sum(t.nbytes() for t in header.tensors)
     # repack writes STAGING.partial and renames it to STAGING once it reads back; STAGING is this
     # process's own name (repack's fixed OUT.partial would be shared by conversions to one output)
@@ -175,6 +171,24 @@ def to_zipmoe(src_gguf: Path, out_path: Path, codec: str, level: int | None, sha
             count = sum(t.raw for t in result.tensors)
             print(f"{count} routed-expert tensors stored raw ({', '.join(raw)}: nothing to decompress; served "
                   "bit for bit as in the source)", file=sys.stderr)
+
+
+def to_plain(src: Path, out_path: Path, quiet: bool) -> None:
+    """The plain GGUF a ZipMoE GGUF was made from (zipmoe_py/unpack.py)."""
+    from . import format as zformat
+    from .unpack import unpack
+
+    with zformat.ZipMoEFile(src) as zf:
+        total = zf.expert_bytes().all_experts
+    staging = temporary_name(Path(out_path))
+    update, close = _progress_bar(total, "plain GGUF", quiet)
+    try:
+        unpack(src, staging, progress=update)
+        os.replace(staging, out_path)
+    finally:
+        close()
+        if staging.exists():
+            staging.unlink()
 
 
 def _layout_words(path: Path, args) -> str:
@@ -218,15 +232,16 @@ def _parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(
         prog="zipmoe-convert",
-        description="Convert a Hugging Face DeepSeek-V2(-Lite) or Qwen1.5-MoE/Qwen2-MoE checkpoint to a "
+        description=f"Convert a Hugging Face Mixture-of-Experts checkpoint ({families.described()}) to a "
                     "ZipMoE GGUF: llama.cpp's own converter (pinned, unmodified) makes a BF16 GGUF, whose "
                     "routed experts are then repacked into the ZipMoE split-bitfield format (docs/FORMAT.md); "
                     "the intermediate BF16 file is deleted unless --keep-bf16. The input may also be a GGUF "
                     "(repacked directly): BF16 experts are split, experts of any other type (a quantized GGUF "
                     "from llama-quantize: Q8_0, Q4_K, ...; F16, F32) are stored raw, as they are. With --bf16, "
-                    "write the plain BF16 GGUF instead.")
+                    "write the plain BF16 GGUF instead. Given a ZipMoE GGUF, write the plain GGUF it was made "
+                    "from (its tensors byte for byte).")
     ap.add_argument("source", type=Path, help="Hugging Face checkpoint folder (config.json, *.safetensors, "
-                                              "tokenizer), or a GGUF file (BF16 or quantized)")
+                                              "tokenizer), or a GGUF file (BF16 or quantized; a ZipMoE GGUF is converted back)")
     ap.add_argument("-o", "--outfile", type=Path, required=True, help="GGUF file to write (replaced if it exists)")
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument("--zipmoe", action="store_true",
@@ -264,6 +279,11 @@ def _convert_held(args, from_checkpoint: bool) -> None:
         if args.bf16:
             out = convert_to_bf16_gguf(args.source, args.outfile, quiet=args.quiet)
             print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB, BF16)")
+            return
+        if not from_checkpoint and is_zipmoe(args.source):
+            to_plain(args.source, args.outfile, args.quiet)
+            print(f"wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB, the plain GGUF "
+                  f"{args.source} was made from)")
             return
         if not from_checkpoint:
             to_zipmoe(args.source, args.outfile, args.codec, args.level, args.shards, args.threads, args.quiet,
@@ -352,6 +372,14 @@ def _drop_ignored_options(args: argparse.Namespace, default_codec: str, default_
                 warnings.append(f"{flag} has no effect with --bf16: the BF16 GGUF is written as is, "
                                 "nothing is repacked")
         args.level = None
+    elif not from_checkpoint and _is_zipmoe_file(args.source):
+        for flag, given in (("--codec", args.codec != default_codec), ("--level", args.level is not None),
+                            ("--shards", args.shards != default_shards), ("--f32-to-bf16", args.f32_to_bf16),
+                            ("--zipmoe", args.zipmoe)):
+            if given:
+                warnings.append(f"{flag} has no effect: {args.source} is a ZipMoE GGUF, converted back to the "
+                                "plain GGUF it was made from")
+        args.level = None
     elif args.level is not None and args.codec not in LEVELLED_CODECS:
         warnings.append(f"--level has no effect with --codec {args.codec}: only "
                         f"{', '.join(LEVELLED_CODECS[:-1])} and {LEVELLED_CODECS[-1]} take a level")
@@ -369,6 +397,14 @@ def _drop_ignored_options(args: argparse.Namespace, default_codec: str, default_
             return warnings
         args.keep_bf16 = None
     return warnings
+
+
+def _is_zipmoe_file(path: Path) -> bool:
+    """A readable ZipMoE GGUF; anything else (unreadable, not a GGUF) is named by the conversion itself."""
+    try:
+        return is_zipmoe(path)
+    except ZipMoEError:
+        return False
 
 
 def _level_accepted(codec: str, level: int) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import mmap
 import os
 import re
 import struct
@@ -19,8 +18,10 @@ import numpy as np
 
 from . import _lib
 from . import codec as _codec
+from . import families
 from . import gguf_file as gf
 from .errors import ZipMoEError
+from .gguf_source import GGUFSource
 
 FORMAT_VERSION = 1  # what files without codec ghuf are written as, so that older readers keep reading them
 GHUF_FORMAT_VERSION = 2  # version 2 adds codec ghuf (docs/FORMAT.md)
@@ -121,6 +122,9 @@ def _source_experts(src: Path, header) -> list:
     experts = [t for t in header.tensors if EXPERT_TENSOR.match(t.name)]
     if not experts:
         raise ZipMoEError(f"{src} has no routed-expert tensors (blk.N.ffn_{{gate,up,down}}_exps.weight)")
+    unserved = families.unserved_tensors(t.name for t in header.tensors)
+    if unserved:
+        raise ZipMoEError(f"{src}: {families.unserved_message(unserved)}; nothing was written")
     for t in experts:
         if len(t.dims) != 3:
             raise ZipMoEError(f"{src}: expert tensor {t.name} has shape {t.dims}, expected [n_embd, n_ff, n_expert]")
@@ -195,13 +199,14 @@ def _pad(out, base: int) -> int:
     return rel
 
 
-def _copy_tensor(smap, out, begin: int, nbytes: int) -> None:
+def _copy_tensor(source: GGUFSource, out, t) -> None:
     """A tensor that is not a routed expert, copied as it is, 64 MiB at a time"""
+    nbytes = t.nbytes()
     for off in range(0, nbytes, 64 << 20):
-        out.write(smap[begin + off: begin + min(nbytes, off + (64 << 20))])
+        out.write(source.read(t, off, min(nbytes - off, 64 << 20)))
 
 
-def _write_expert_tensor(t, layout: _RepackLayout, smap, out, begin: int, pool, on_expert) -> tuple:
+def _write_expert_tensor(t, layout: _RepackLayout, source: GGUFSource, out, pool, on_expert) -> tuple:
     """Expert tensor t's chunks (decoded by pool's threads, written in order, each aligned in its chunk
     tensor); on_expert(source bytes) after each expert. Returns its TensorStats, its chunk index
     (offsets, sizes, codecs, checksums) and the chunk tensor's size."""
@@ -215,7 +220,7 @@ def _write_expert_tensor(t, layout: _RepackLayout, smap, out, begin: int, pool, 
 
     def expert(e):
         # a copy, not a view: no view may outlive the mmap, even when an error unwinds
-        data = smap[begin + e * one: begin + (e + 1) * one]
+        data = source.read(t, e * one, one)
         if raw:
             return _raw_expert(data, layout.shards)
         return _compress_expert(np.frombuffer(data, dtype), layout.codec, layout.level, layout.shards)
@@ -236,6 +241,43 @@ def _write_expert_tensor(t, layout: _RepackLayout, smap, out, begin: int, pool, 
     return st, (offsets, sizes, codecs, sums), out.tell() - blob_start
 
 
+def _write_repacked(source: GGUFSource, layout: _RepackLayout, partial: Path, workers: int,
+                    progress) -> list[TensorStats]:
+    """The ZipMoE GGUF written to partial: a placeholder header, every tensor (experts repacked by workers
+    threads), then the header with the chunk index."""
+    stats: list[TensorStats] = []
+    index: dict[str, tuple[list, list, list, list]] = {}
+    infos = []
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done)
+
+    head_len = layout.header_length()
+    with open(partial, "wb") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        out.write(b"\0" * head_len)
+        for t in source.header.tensors:
+            pos = _pad(out, head_len)
+            if t.name not in layout.expert_names:
+                _copy_tensor(source, out, t)
+                infos.append((t.name, t.dims, t.type, pos))
+                advance(t.nbytes())
+                continue
+            st, index[t.name], blob_size = _write_expert_tensor(t, layout, source, out, pool, advance)
+            infos.append((blob_name(t.name), [blob_size], gf.GGML_TYPE_I8, pos))
+            stats.append(st)
+        head = layout.header_bytes(index, infos)
+        assert len(head) == head_len, "ZipMoE header length changed between placeholder and final"
+        out.seek(0)
+        out.write(head)
+        out.flush()
+        os.fsync(out.fileno())
+    return stats
+
+
 def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: int | None = None,
            shards: int = DEFAULT_SHARDS, threads: int | None = None, progress=None,
            f32_to_bf16_experts: bool = False) -> RepackResult:
@@ -250,50 +292,19 @@ def repack(src: str | Path, dst: str | Path, codec: str = DEFAULT_CODEC, level: 
     _codec.codec_id(codec)
     if not 1 <= shards <= 64:
         raise ZipMoEError(f"--shards must be between 1 and 64, got {shards}")
-    header = gf.read_header(src)
-    layout = _RepackLayout(header, _source_experts(src, header), codec, level, shards, f32_to_bf16_experts)
-    head_len = layout.header_length()
 
-    workers = threads or os.cpu_count() or 1
     partial = dst.with_name(dst.name + ".partial")
-    stats: list[TensorStats] = []
-    index: dict[str, tuple[list, list, list, list]] = {}
-    infos = []
-    done = 0
-
-    def advance(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress:
-            progress(done)
-
-    try:
-        with open(src, "rb") as fin, mmap.mmap(fin.fileno(), 0, access=mmap.ACCESS_READ) as smap, \
-                open(partial, "wb") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            out.write(b"\0" * head_len)
-            for t in header.tensors:
-                pos = _pad(out, head_len)
-                begin = header.data_offset + t.offset
-                if t.name not in layout.expert_names:
-                    _copy_tensor(smap, out, begin, t.nbytes())
-                    infos.append((t.name, t.dims, t.type, pos))
-                    advance(t.nbytes())
-                    continue
-                st, index[t.name], blob_size = _write_expert_tensor(t, layout, smap, out, begin, pool, advance)
-                infos.append((blob_name(t.name), [blob_size], gf.GGML_TYPE_I8, pos))
-                stats.append(st)
-            head = layout.header_bytes(index, infos)
-            assert len(head) == head_len, "ZipMoE header length changed between placeholder and final"
-            out.seek(0)
-            out.write(head)
-            out.flush()
-            os.fsync(out.fileno())
-        # the output path only ever holds a complete file that reads back: every chunk checked and decoded
-        verify(partial)
-        os.replace(partial, dst)
-    finally:
-        if partial.exists():
-            partial.unlink()
+    with GGUFSource(src) as source:  # checked before anything is written
+        layout = _RepackLayout(source.header, _source_experts(src, source.header), codec, level, shards,
+                               f32_to_bf16_experts)
+        try:
+            stats = _write_repacked(source, layout, partial, threads or os.cpu_count() or 1, progress)
+            # the output path only ever holds a complete file that reads back: every chunk checked and decoded
+            verify(partial)
+            os.replace(partial, dst)
+        finally:
+            if partial.exists():
+                partial.unlink()
     return RepackResult(dst, stats)
 
 
@@ -469,34 +480,33 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
     Raises ZipMoEError naming the first corrupt chunk or differing tensor; returns counts.
     """
     counts = {"tensors": 0, "experts": 0, "chunks": 0, "other_tensors": 0}
+    unserved = families.unserved_tensors(t.name for t in gf.read_header(path).tensors)
+    if unserved:
+        raise ZipMoEError(f"{path}: {families.unserved_message(unserved)}; no program loads this file")
     with ZipMoEFile(path) as zf:
-        ref_header = gf.read_header(against) if against else None
-        ref_map = None
-        ref_file = open(against, "rb") if against else None
+        ref = GGUFSource(against) if against else None
+        ref_header = ref.header if ref else None
         try:
-            if ref_file:
-                ref_map = mmap.mmap(ref_file.fileno(), 0, access=mmap.ACCESS_READ)
             done = 0
             for tensor in zf.tensors:
                 shape = zf.shape(tensor)
                 served = zf.type(tensor)
-                ref = None
+                ref_t = None
                 if ref_header is not None:
-                    ref = ref_header.by_name.get(tensor)
+                    ref_t = ref_header.by_name.get(tensor)
                     # the source's type, or F32 that was rounded to BF16 at repacking
-                    if ref is None or ref.dims != shape or not (ref.type == served or (
-                            served == gf.GGML_TYPE_BF16 and ref.type == gf.GGML_TYPE_F32)):
+                    if ref_t is None or ref_t.dims != shape or not (ref_t.type == served or (
+                            served == gf.GGML_TYPE_BF16 and ref_t.type == gf.GGML_TYPE_F32)):
                         raise ZipMoEError(f"{against} has no {gf.ggml_type_name(served)} tensor {tensor} of shape "
                                           f"{shape}")
-                    one = gf.expert_row_bytes(ref) * shape[1]  # one expert's bytes in the source
+                    one = gf.expert_row_bytes(ref_t) * shape[1]  # one expert's bytes in the source
                 for e in range(shape[2]):
                     values = zf.read_expert(tensor, e)
                     expected = None
-                    if ref is not None:
-                        start = ref_header.data_offset + ref.offset + e * one
-                        expected = np.frombuffer(ref_map[start:start + one], values.dtype
-                                                 if ref.type == served else np.float32)  # a copy, not a view
-                        if ref.type != served:
+                    if ref_t is not None:
+                        expected = np.frombuffer(ref.read(ref_t, e * one, one), values.dtype
+                                                 if ref_t.type == served else np.float32)  # a copy, not a view
+                        if ref_t.type != served:
                             expected = f32_to_bf16(expected)  # an F32 source was rounded at repacking
                     if expected is not None and not np.array_equal(values, expected):
                         raise ZipMoEError(f"{path}: layer {EXPERT_TENSOR.match(tensor).group(1)}, tensor {tensor}, "
@@ -515,13 +525,11 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
                     mine = zf.header.by_name.get(t.name)
                     if mine is None or mine.dims != t.dims or mine.type != t.type:
                         raise ZipMoEError(f"{path}: tensor {t.name} is missing or has another shape/type than in {against}")
-                    a = ref_map[ref_header.data_offset + t.offset: ref_header.data_offset + t.offset + t.nbytes()]
+                    a = ref.read(t)
                     if zf.read_at(zf.header.data_offset + mine.offset, len(a)) != a:
                         raise ZipMoEError(f"{path}: tensor {t.name} differs from {against}")
                     counts["other_tensors"] += 1
         finally:
-            if ref_map is not None:
-                ref_map.close()
-            if ref_file:
-                ref_file.close()
+            if ref is not None:
+                ref.close()
     return counts

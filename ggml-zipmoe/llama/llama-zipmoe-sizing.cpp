@@ -28,11 +28,14 @@ void llama_zipmoe::check_model(const llama_model & model) {
         }
         gate_inp[il] = l.ffn_gate_inp;
         ffn_norm[il] = l.ffn_norm;
-        const bool unsupported = l.ffn_gate_exps_b || l.ffn_up_exps_b || l.ffn_down_exps_b || l.ffn_gate_up_exps ||
-                                 l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s || l.ffn_down_exps_s;
+        // biases are added by expert id (build_moe_ffn_experts' bias_experts) and stay where they are;
+        // scales are taken by the products' ids, which are slot ids here (zipmoe_py/families.py refuses
+        // the same at conversion)
+        const bool unsupported = l.ffn_gate_up_exps || l.ffn_gate_up_exps_b || l.ffn_gate_exps_s || l.ffn_up_exps_s ||
+                                 l.ffn_down_exps_s;
         if (unsupported) {
-            throw std::runtime_error(format("%s: layer %zu's routed experts have biases, per-expert scales or a merged "
-                                            "gate_up tensor, which ZipMoE's expert slots do not serve", fname.c_str(), il));
+            throw std::runtime_error(format("%s: layer %zu's routed experts have per-expert scales or a merged gate_up "
+                                            "tensor, which ZipMoE's expert slots do not serve", fname.c_str(), il));
         }
     }
     // the weights a decode step reads from host memory: all but the token embedding, of which it

@@ -14,9 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-from .. import _paths
+from .. import _paths, families
 from ..errors import ZipMoEError, require_extra
 from ..gguf_file import read_metadata
+from .tiny_families import FAMILY_ARCHITECTURES, extra_special_tokens, randomized_buffers
 
 # DeepSeek-V2-Lite's config.json, as published (auto_map names the remote code the real
 # checkpoint ships; transformers 4.57 has the architecture built in and uses that).
@@ -173,6 +174,7 @@ UNIFORM_ATTN_OUTPUT_SCALE = 1e-3
 ARCHITECTURES = {
     "deepseek2": ("ggml-vocab-deepseek-llm.gguf", DEEPSEEK_V2_LITE_CONFIG, DEEPSEEK_TINY_SIZES),
     "qwen2moe": ("ggml-vocab-qwen2.gguf", QWEN15_MOE_A27B_CONFIG, QWEN_TINY_SIZES),
+    **FAMILY_ARCHITECTURES,
 }
 
 
@@ -227,6 +229,7 @@ def _build_tokenizer_json(arch: str, vocab: dict) -> str:
             if not special else tokenizer.add_special_tokens([AddedToken(content, special=True, normalized=False)])
         if got != 1 or tokenizer.token_to_id(content) != token_id:
             raise ZipMoEError(f"vocab GGUF: added token {content!r} did not land at id {token_id}")
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra_special_tokens(arch)])
     return tokenizer.to_str()  # compact JSON: half the size of the pretty one
 
 
@@ -362,7 +365,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
         model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
     finally:
         torch.set_default_dtype(default_dtype)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = randomized_buffers({k: v.detach().contiguous() for k, v in model.state_dict().items()},
+                               torch.Generator().manual_seed(seed))
     if router == "uniform":
         state = {k: _uniform_router_weight(k, v.float()).to(torch.bfloat16) for k, v in state.items()}
     weights = out_dir / "model.safetensors"
@@ -377,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Write a small Hugging Face checkpoint (config.json with the real model's keys, "
                     "BF16 safetensors, real tokenizer) in a ZipMoE target architecture.")
     ap.add_argument("arch", choices=sorted(ARCHITECTURES),
-                    help="deepseek2: DeepSeek-V2-Lite style (26 layers, 16 experts top-6, 2 shared); "
-                         "qwen2moe: Qwen1.5-MoE style (4 layers, 16 experts top-4, gated shared expert)")
+                    help="; ".join(f"{f.tiny}: {f.name} ({f.hf_architecture})" for f in families.FAMILIES))
     ap.add_argument("out_dir", type=Path, help="folder to write the checkpoint into (created if missing)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: %(default)s)")
     ap.add_argument("--std", type=float, default=None,

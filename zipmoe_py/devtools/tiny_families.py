@@ -1,0 +1,122 @@
+"""The configs of zipmoe-make-tiny's newer families: each published model's config.json keys that shape it
+(widths, experts, gating, dense layers, attention), as released, then sized down. transformers' own
+config class fills any key left out with its default. They all take the Qwen2 tokenizer (the vocab GGUF
+the pinned llama.cpp ships): the converter reads any BPE tokenizer for them, and the tokenizer plays no
+part in how experts are served.
+
+The tiny sizes keep what the serving path branches on: more experts than top-k, top-k > 1, expert groups
+(DeepSeek-V3), dense leading layers (DeepSeek-V3, GLM-4.5), shared experts, normalised or plain top-k
+weights, sigmoid gating with a correction bias, expert biases (gpt-oss), widths that every 32-value block
+type divides.
+"""
+from __future__ import annotations
+
+QWEN2_IDS = {"bos_token_id": 151643, "eos_token_id": 151645, "vocab_size": 151936}
+COMMON_TINY = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+               "moe_intermediate_size": 64, "max_position_embeddings": 4096}
+
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "max_position_embeddings": 40960, "attention_bias": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+MIXTRAL_8X7B_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0, "max_position_embeddings": 32768, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+OLMOE_1B_7B_CONFIG = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False,
+    "clip_qkv": None, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_act": "silu",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "rms_norm_eps": 1e-06, "rope_theta": 10000, "max_position_embeddings": 163840,
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+GPT_OSS_20B_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
+    "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4,
+    "experts_per_token": 4, "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "attention_bias": True, "swiglu_limit": 7.0, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+GLM45_AIR_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 46,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5,
+    "n_routed_experts": 128, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True, "use_qk_norm": False,
+    "attention_bias": True, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_theta": 1000000,
+    "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
+
+QWEN3_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
+                    "num_hidden_layers": 3}
+MIXTRAL_TINY_SIZES = {**COMMON_TINY, "num_local_experts": 8, "num_hidden_layers": 2,
+                      "intermediate_size": 64}
+OLMOE_TINY_SIZES = {**COMMON_TINY, "num_key_value_heads": 4, "num_experts": 16, "num_experts_per_tok": 4,
+                    "num_hidden_layers": 2, "intermediate_size": 64}
+DEEPSEEK_V3_TINY_SIZES = {**COMMON_TINY, "num_key_value_heads": 4, "n_routed_experts": 16, "num_experts_per_tok": 4,
+                          "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+                          "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                          "v_head_dim": 16}
+# the next-token (MTP) layer left out: transformers' class does not make it
+GLM45_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "n_routed_experts": 16, "num_experts_per_tok": 4,
+                    "num_hidden_layers": 3, "num_nextn_predict_layers": 0}
+
+GPT_OSS_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "num_experts_per_tok": 4,
+                      "experts_per_token": 4, "intermediate_size": 64, "num_hidden_layers": 2,
+                      "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                      "max_position_embeddings": 131072}  # YaRN's factor 32 over 4096
+
+# GLM-4.5's converter sets its special tokens from these (they follow the Qwen2 vocab's own)
+GLM_SPECIAL_TOKENS = ["[gMASK]", "<|user|>", "<|observation|>"]
+
+QWEN2_VOCAB = "ggml-vocab-qwen2.gguf"
+FAMILY_ARCHITECTURES = {
+    "qwen3moe": (QWEN2_VOCAB, QWEN3_30B_A3B_CONFIG, QWEN3_TINY_SIZES),
+    "mixtral": (QWEN2_VOCAB, MIXTRAL_8X7B_CONFIG, MIXTRAL_TINY_SIZES),
+    "olmoe": (QWEN2_VOCAB, OLMOE_1B_7B_CONFIG, OLMOE_TINY_SIZES),
+    "deepseek3": (QWEN2_VOCAB, DEEPSEEK_V3_CONFIG, DEEPSEEK_V3_TINY_SIZES),
+    "glm4moe": (QWEN2_VOCAB, GLM45_AIR_CONFIG, GLM45_TINY_SIZES),
+    "gptoss": (QWEN2_VOCAB, GPT_OSS_20B_CONFIG, GPT_OSS_TINY_SIZES),
+}
+
+
+def extra_special_tokens(arch: str) -> list[str]:
+    return GLM_SPECIAL_TOKENS if arch == "glm4moe" else []
+
+
+# what transformers initialises to zeros and a tiny model draws: gating biases (DeepSeek-V3's and GLM-4.5's
+# e_score_correction_bias), so that they take part in the choice of experts, and gpt-oss's expert biases,
+# so that a bias added for the wrong expert shows in the logits
+DRAWN_BIASES = {"e_score_correction_bias": 0.1, "mlp.experts.gate_up_proj_bias": 0.02,
+                "mlp.experts.down_proj_bias": 0.02}
+
+
+def randomized_buffers(state: dict, generator) -> dict:
+    """state with the tensors DRAWN_BIASES names drawn (normal, its standard deviation)."""
+    import torch
+
+    for name, tensor in state.items():
+        std = next((s for suffix, s in DRAWN_BIASES.items() if name.endswith(suffix)), None)
+        if std is not None:
+            state[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
+    return state
