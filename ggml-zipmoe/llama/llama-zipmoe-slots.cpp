@@ -114,10 +114,11 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
         // memory of the buffer type itself (committed where a slot is written, as malloc's large blocks are)
         const size_t page = 4096;
         size_t section[3], off = 0;
+        spare_slots = info.capacity + zero_slots < 2 ? 2 - (info.capacity + zero_slots) : 0;
         for (int k = 0; k < 3; ++k) {
             section[k] = off;
             stride[k]  = (size_t) info.slot_bytes[k];
-            off += GGML_PAD((size_t) info.capacity * stride[k], page);
+            off += GGML_PAD((size_t) (info.capacity + spare_slots) * stride[k], page);
         }
         buf = ggml_backend_buft_alloc_buffer(extra, off);
         if (buf == nullptr) {
@@ -150,7 +151,7 @@ void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3
             of_kind.push_back(type);
         }
     }
-    const int32_t n_slots = info.capacity + zero_slots;
+    const int32_t n_slots = info.capacity + zero_slots + spare_slots;
     size_t n_tensors = 0;
     for (int k = 0; k < 3; ++k) {
         n_tensors += types[k].size() * (1 + (size_t) n_slots); // a per-slot view where the layout is the buffer's own

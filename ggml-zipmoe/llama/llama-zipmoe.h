@@ -314,6 +314,9 @@ private:
     std::mutex     slot_mutex;             // slot_write through a buffer: one at a time
     int32_t        zero_slot    = -1; // the first zero slot
     int32_t        zero_slots   = 0;  // as many as a layer's experts: a warmup token selects them all
+    // one slot never used, where the slots would be one in a buffer of ggml-cpu's repacking types: ggml takes a
+    // tensor of one expert as 2-D, and those types' kernels serve 3-D experts only (no backend would run it)
+    int32_t        spare_slots  = 0;
 
     // the slot tensors: by kind, one per ggml type the file's tensors of that kind have (a quantized file
     // may type layers apart: Q4_K_M), all over the same memory with the largest expert as stride
