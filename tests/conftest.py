@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
 EARLY: dict = {}
 _started: dict = {}
 _lock = threading.Lock()
-_closed = []  # set at the session's end: nothing starts after it
+_closed = []  # set once the run ends: no command starts after it
 
 
 def pytest_collection_finish(session):

@@ -480,10 +480,10 @@ def verify(path: str | Path, against: str | Path | None = None, progress=None) -
     Raises ZipMoEError naming the first corrupt chunk or differing tensor; returns counts.
     """
     counts = {"tensors": 0, "experts": 0, "chunks": 0, "other_tensors": 0}
-    unserved = families.unserved_tensors(t.name for t in gf.read_header(path).tensors)
-    if unserved:
-        raise ZipMoEError(f"{path}: {families.unserved_message(unserved)}; no program loads this file")
     with ZipMoEFile(path) as zf:
+        unserved = families.unserved_tensors(t.name for t in zf.header.tensors)
+        if unserved:
+            raise ZipMoEError(f"{path}: {families.unserved_message(unserved)}; no program loads this file")
         ref = GGUFSource(against) if against else None
         ref_header = ref.header if ref else None
         try:
