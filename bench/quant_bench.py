@@ -8,7 +8,8 @@ the experts left in the mapping and the context at upstream fit's floor, it page
 llama.cpp runs a model larger than memory. A fourth, zipmoe-before, runs the ZipMoE GGUF through another
 build's llama-completion (--before), for a change's A/B; zipmoe-no-preload runs it with the preload off
 (`--override-kv zipmoe.preload=bool:false`), the A/B of that default; zipmoe-one-f with one F pool
-(`--override-kv zipmoe.auto_pools=bool:false`), the A/B of the default pools.
+(`--override-kv zipmoe.auto_pools=bool:false`), the A/B of the default pools; zipmoe-no-repack with
+`--no-repack` (slots in the plain CPU buffer: a miss is a copy, the products run ggml's plain kernels).
 
     .venv/bin/python bench/quant_bench.py --stock M-Q4_K_M.gguf [--zipmoe M-Q4_K_M.zipmoe.gguf]
         [--caps 4G,6G] [--rounds 5] [--gen-tokens 64] [--threads 2] [--out docs/benchmarks/quantized/quant_X.json]
@@ -50,7 +51,8 @@ IO_WRAPPER = ("import subprocess, sys; r = subprocess.run(sys.argv[1:]); "
 # off, one F pool instead of the default pools (A/Bs of those defaults)
 SYSTEMS = {"stock": ("stock", []), "stock-paged": ("stock", ["--no-repack", "-c", "4096"]), "zipmoe": ("zipmoe", []),
            "zipmoe-before": ("zipmoe", []), "zipmoe-no-preload": ("zipmoe", ["--override-kv", "zipmoe.preload=bool:false"]),
-           "zipmoe-one-f": ("zipmoe", ["--override-kv", "zipmoe.auto_pools=bool:false"])}
+           "zipmoe-one-f": ("zipmoe", ["--override-kv", "zipmoe.auto_pools=bool:false"]),
+           "zipmoe-no-repack": ("zipmoe", ["--no-repack"])}
 
 
 def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:

@@ -69,7 +69,7 @@ static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k
         gs.mode == ZIPMOE_GHUF_HUF && gs.n == count) {
         // phase 2: the compressed E-chunk crosses to the GPU and is decoded there (a chunk that does not
         // parse is left to the CPU's decoder below, which names it as corrupt)
-        const int parked = !zipmoe_sm_ready(t);
+        const int parked = !zipmoe_sm_checked(c, t, recover_ns);
         const int32_t tag[3] = { t->tensor, t->expert, k };
         const uint64_t t0 = zipmoe_now_ns();
         if (!parked) {
@@ -97,7 +97,7 @@ static int gpu_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k
         return 0;
     }
     zipmoe_shard_decoded(c, t);
-    if (!zipmoe_sm_ready(t)) {
+    if (!zipmoe_sm_checked(c, t, recover_ns)) {
         if (zipmoe_gpu_park(c->gpu, ith, count, (uint8_t *) dst + count, why, sizeof(why)) != 0) {
             fail_gpu(c, t, k, why);
             return 0;
@@ -176,7 +176,7 @@ static int remote_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, in
     uint64_t first, count;
     zipmoe_shard_range(c->file->tensors[t->tensor].n, c->file->n_shards, k - 1, &first, &count);
     uint16_t * stage = device_staging(c, w);
-    const int parked = !zipmoe_sm_ready(t);
+    const int parked = !zipmoe_sm_checked(c, t, recover_ns);
     uint8_t * exponents = parked ? (uint8_t *) malloc(count > 0 ? count : 1) : (uint8_t *) stage + count;
     if (stage == NULL || exponents == NULL) {
         fail_nomem(c, t, k);

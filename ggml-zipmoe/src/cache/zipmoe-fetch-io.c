@@ -103,10 +103,11 @@ static int acquire_buffer(struct ggml_zipmoe_cache * c, struct zipmoe_staging * 
 // file offset at mem, else UINT64_MAX); chunks placed otherwise are read one by one. Alg. 1's model
 // releases each shard as its own E-chunk arrives; K reads that did so measured 5-10% slower per
 // token on the bench model (the latency of each O_DIRECT read outweighed the earlier start of
-// decoding), so a task's shards are released together, when its span is in. On failure *bad is
-// the chunk at fault.
+// decoding), so a task's shards are released together, when its span is in. With check, each
+// chunk's checksum is checked here (else by its user: enum zipmoe_check). On failure *bad is the
+// chunk at fault.
 int zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t expert, int first, int last, uint8_t * mem,
-                       size_t region, uint64_t * base, int * bad, int * sys_errno) {
+                       size_t region, int check, uint64_t * base, int * bad, int * sys_errno) {
     const struct ggml_zipmoe_file * f = c->file;
     uint64_t lo = UINT64_MAX, hi = 0, stored = 0;
     int packed = 1;
@@ -139,7 +140,7 @@ int zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t exp
         return status;
     }
     atomic_fetch_add(&c->stats.bytes_read, stored);
-    for (int k = first; k <= last; k++) {
+    for (int k = first; k <= last && check; k++) {
         const struct zipmoe_chunk * ch = zipmoe_file_chunk(f, tensor, expert, k);
         const uint8_t * p = *base != UINT64_MAX ? mem + (ch->offset - *base) : mem + (size_t) (k - first) * region;
         if (ggml_zipmoe_checksum(p, ch->size) != ch->checksum) {
@@ -153,7 +154,8 @@ int zipmoe_read_chunks(struct ggml_zipmoe_cache * c, int32_t tensor, int32_t exp
 static int read_chunks(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int first, int last,
                        struct zipmoe_staging * s, size_t region) {
     int bad = first, sys_errno = 0;
-    const int status = zipmoe_read_chunks(c, t->tensor, t->expert, first, last, s->mem, region, &s->base, &bad, &sys_errno);
+    const int status = zipmoe_read_chunks(c, t->tensor, t->expert, first, last, s->mem, region, 0, &s->base, &bad,
+                                          &sys_errno);
     if (status != GGML_ZIPMOE_OK) {
         zipmoe_fetch_fail(c, status, t, bad, sys_errno);
     }
@@ -267,6 +269,43 @@ const uint8_t * zipmoe_task_e_chunk(const struct ggml_zipmoe_cache * c, const st
 
 const uint8_t * zipmoe_task_sm(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
     return t->sm_src != NULL ? t->sm_src : c->pipe.sm_ring[atomic_load(&t->sm_buf)].mem;
+}
+
+// chunk k's bytes (at p) against the file's checksum; a mismatch fails the fetch, naming the chunk
+static int check_chunk(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, const uint8_t * p, uint64_t * ns) {
+    const struct zipmoe_chunk * ch = zipmoe_file_chunk(c->file, t->tensor, t->expert, k);
+    const uint64_t t0 = zipmoe_now_ns();
+    const int ok = ggml_zipmoe_checksum(p, ch->size) == ch->checksum;
+    *ns += zipmoe_now_ns() - t0;
+    if (!ok) {
+        zipmoe_fetch_fail(c, GGML_ZIPMOE_ERR_CHECKSUM, t, k, 0);
+    }
+    return ok;
+}
+
+int zipmoe_sm_checked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, uint64_t * ns) {
+    if (t->sm_src != NULL) {
+        return 1;
+    }
+    if (atomic_load(&t->sm_buf) < 0) {
+        return 0;
+    }
+    int todo = CHECK_TODO;
+    if (atomic_load(&t->sm_check) == CHECK_DONE) {
+        return 1;
+    }
+    if (!atomic_compare_exchange_strong(&t->sm_check, &todo, CHECK_CLAIMED)) {
+        return 0; // another thread checks it
+    }
+    if (!check_chunk(c, t, 0, zipmoe_task_sm(c, t), ns)) {
+        return 0; // left claimed: the fetch has failed
+    }
+    atomic_store(&t->sm_check, CHECK_DONE); // publishes the check
+    return 1;
+}
+
+int zipmoe_e_chunk_checked(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, int k, uint64_t * ns) {
+    return t->e_src != NULL || check_chunk(c, t, k, zipmoe_task_e_chunk(c, t, k), ns);
 }
 
 // a shard of t was recovered: when the tensor is full, keep its SM-chunk if dispatched to C or S

@@ -192,6 +192,9 @@ static inline int run_decode(struct ggml_zipmoe_cache * c, int ith, int j, struc
     if (!atomic_compare_exchange_strong(&c->pipe.op_state[j], &expected, OP_CLAIMED)) {
         return STEP_SKIPPED;
     }
+    if (!zipmoe_e_chunk_checked(c, t, k, decode_ns)) {
+        return STEP_FAILED;
+    }
     if (*w == NULL && (*w = worker_of(c, ith)) == NULL) {
         int ok = GGML_ZIPMOE_OK;
         if (atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_NOMEM)) {
@@ -207,7 +210,7 @@ static inline int run_decode(struct ggml_zipmoe_cache * c, int ith, int j, struc
         atomic_store(&c->pipe.op_state[j], went == 1 ? OP_DONE : OP_DECODED);
     } else if (!decode_shard(c, t, k, *w, decode_ns)) {
         return STEP_FAILED;
-    } else if (zipmoe_sm_ready(t)) {
+    } else if (zipmoe_sm_checked(c, t, recover_ns)) {
         if (!recover_shard(c, t, k, recover_ns)) {
             return STEP_FAILED;
         }
@@ -260,7 +263,7 @@ static uint64_t work_tasks(struct ggml_zipmoe_cache * c, int ith) {
             int                  step = STEP_SKIPPED;
             if (st == OP_TODO && e_ready(t)) {
                 step = run_decode(c, ith, j, t, k, &w, &decode_ns, &recover_ns);
-            } else if (st == OP_DECODED && zipmoe_sm_ready(t)) {
+            } else if (st == OP_DECODED && zipmoe_sm_checked(c, t, &recover_ns)) {
                 step = run_recover(c, ith, j, t, k, &recover_ns);
             }
             if (step == STEP_FAILED) {

@@ -253,7 +253,7 @@ static int read_e(struct ggml_zipmoe_cache * c, struct zipmoe_prefetch_bank * ba
     int bad = 0, sys_errno = 0;
     uint8_t * mem = entry_e(pf, bank, i, kind);
     const size_t region = pf->e_region / (size_t) K;
-    if (zipmoe_read_chunks(c, tensor, en->expert, 1, K, mem, region, &base, &bad, &sys_errno) != GGML_ZIPMOE_OK) {
+    if (zipmoe_read_chunks(c, tensor, en->expert, 1, K, mem, region, 1, &base, &bad, &sys_errno) != GGML_ZIPMOE_OK) {
         return -1; // left to the fetch, which reads it again and names the chunk if it fails again
     }
     uint8_t * dst = mem;

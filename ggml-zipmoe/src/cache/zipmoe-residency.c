@@ -290,6 +290,7 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
         atomic_store(&t->e_buf, -1);
         atomic_store(&t->n_decoded, 0);
         atomic_store(&t->n_recovered, 0);
+        atomic_store(&t->sm_check, CHECK_TODO);
         prefetched |= zipmoe_prefetch_supply(c, t);
     }
     if (prefetched) {
