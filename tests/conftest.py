@@ -53,8 +53,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Commands of minutes that keep at most a core busy and whose result a test only checks (a training run,
-# a build and its run), run in the background beside the files before their test: the suite's tests
-# mostly keep one core of two busy. "FILE" or "FILE::TEST" -> start(folder) -> the process, its output in
+# a build and its run, the models one file's tests share), run in the background beside the files before
+# their test: the suite's tests mostly keep one core of two busy. "FILE" or "FILE::TEST" -> start(folder) -> the process, its output in
 # folder/stdout and folder/stderr. A test file registers its own at import. The selected ones run one at a
 # time, in the order of their tests (more at once only slow the files beside them); early_result() waits
 # for one, and starts it at once if its turn has not come.

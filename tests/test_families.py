@@ -8,6 +8,7 @@ are refused at conversion, before anything is written.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from zipmoe_py import ZipMoEError, families
 from zipmoe_py import format as zformat
 from zipmoe_py.gguf_file import read_metadata
 
-from conftest import run, zipmoe_command
+from conftest import EARLY, early_result, run, start_early, zipmoe_command
 from test_serve import PROMPTS, assert_same_trace, expert_geometry, load, logits_trace
 
 NEWER = [f for f in families.FAMILIES if not f.whole_suite]
@@ -40,29 +41,42 @@ def smallest_budget(path) -> dict:
     return {"one expert": expert_geometry(path)[0]}
 
 
+def _make_models(folder: Path):
+    """conftest.EARLY's start: every family's checkpoint (tests/conftest.py's seed), its BF16 GGUF and ZipMoE
+    GGUF, and its quantized GGUF and ZipMoE GGUF, made on the core the files before this one leave idle."""
+    convert = zipmoe_command("zipmoe-convert")
+    commands = []
+    for f in NEWER:
+        hf, bf16, quant = folder / f"hf-{f.tiny}", folder / f"{f.tiny}-bf16.gguf", folder / f"{f.tiny}-{f.quantized}.gguf"
+        commands += [[zipmoe_command("zipmoe-make-tiny"), f.tiny, hf, "--seed", "1234"],
+                     [convert, hf, "-o", bf16, "--bf16", "--quiet"],
+                     [convert, bf16, "-o", folder / f"{f.tiny}.zipmoe.gguf", "--quiet"],
+                     [zipmoe_command("llama-quantize"), bf16, quant, f.quantized],
+                     [convert, quant, "-o", folder / f"{f.tiny}-{f.quantized}.zipmoe.gguf", "--quiet"]]
+    return start_early(folder, ["sh", "-c", " && ".join(shlex.join(map(str, c)) for c in commands)], cwd=folder)
+
+
+EARLY["test_families.py"] = _make_models
+
+
 @pytest.fixture(scope="module")
-def quantized(models_dir, tiny_gguf):
-    """family -> (stock GGUF of its quantized type, its ZipMoE GGUF), made on first use."""
-    made = {}
+def made() -> Path:
+    """The folder of every family's models (_make_models)."""
+    code, stdout, stderr, folder = early_result("test_families.py", timeout=1800)
+    assert code == 0, stdout.decode(errors="replace")[-2000:] + stderr.decode(errors="replace")[-3000:]
+    return folder
 
-    def get(family: families.Family):
-        tiny = family.tiny
-        if tiny not in made:
-            stock, packed = models_dir / f"{tiny}-{family.quantized}.gguf", models_dir / f"{tiny}-{family.quantized}.zipmoe.gguf"
-            proc = run([zipmoe_command("llama-quantize"), tiny_gguf(tiny), stock, family.quantized])
-            assert proc.returncode == 0, proc.stdout.decode()[-2000:] + proc.stderr.decode()[-2000:]
-            proc = run([zipmoe_command("zipmoe-convert"), stock, "-o", packed])
-            assert proc.returncode == 0, proc.stderr.decode()[-2000:]
-            made[tiny] = stock, packed
-        return made[tiny]
 
-    return get
+def models(made: Path, family: families.Family, quant: str) -> tuple[Path, Path]:
+    """(stock GGUF, its ZipMoE GGUF) of a family, in BF16 or its quantized type."""
+    name = family.tiny if quant == "BF16" else f"{family.tiny}-{family.quantized}"
+    return made / (f"{name}-bf16.gguf" if quant == "BF16" else f"{name}.gguf"), made / f"{name}.zipmoe.gguf"
 
 
 @pytest.mark.parametrize("quant", ["BF16", "quantized"])
 @pytest.mark.parametrize("family", NEWER, ids=lambda f: f.tiny)
-def test_each_family_is_bit_identical_to_stock_at_every_budget(family, quant, tiny_gguf, zipmoe_gguf, quantized):
-    stock, packed = (tiny_gguf(family.tiny), zipmoe_gguf(family.tiny)) if quant == "BF16" else quantized(family)
+def test_each_family_is_bit_identical_to_stock_at_every_budget(family, quant, made):
+    stock, packed = models(made, family, quant)
     assert read_metadata(stock)["general.architecture"] == family.gguf_architecture
     for n_seq in (1, 4):
         reference = load(stock)
@@ -134,10 +148,9 @@ def test_the_readme_shows_the_table_of_families():
 
 
 @pytest.mark.parametrize("quant", ["BF16", "quantized"])
-def test_a_zipmoe_gguf_converts_back_to_its_source_byte_for_byte(quant, tiny_gguf, zipmoe_gguf, quantized, tmp_path):
+def test_a_zipmoe_gguf_converts_back_to_its_source_byte_for_byte(quant, made, tmp_path):
     """zipmoe-convert given a ZipMoE GGUF writes the plain GGUF it was made from: here, the very file."""
-    tiny = NEWER[0].tiny
-    stock, packed = (tiny_gguf(tiny), zipmoe_gguf(tiny)) if quant == "BF16" else quantized(NEWER[0])
+    stock, packed = models(made, NEWER[0], quant)
     back = tmp_path / "back.gguf"
     proc = run([zipmoe_command("zipmoe-convert"), packed, "-o", back, "--shards", 3], text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -145,7 +158,7 @@ def test_a_zipmoe_gguf_converts_back_to_its_source_byte_for_byte(quant, tiny_ggu
     assert back.read_bytes() == stock.read_bytes()
 
 
-def test_a_split_gguf_converts_as_one_model(tiny_hf, tiny_gguf, tmp_path):
+def test_a_split_gguf_converts_as_one_model(made, tmp_path):
     """M-00001-of-0000N.gguf (llama.cpp's converter with --split-max-tensors) converts from its first file,
     its siblings read beside it; served, it is bit-identical to stock on the split files; converted back,
     it is the one-file GGUF of the same checkpoint. A later split, or a missing sibling, is named."""
@@ -156,7 +169,7 @@ def test_a_split_gguf_converts_as_one_model(tiny_hf, tiny_gguf, tmp_path):
 
     tiny = NEWER[0].tiny
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    proc = run([sys.executable, _paths.converter_script(), tiny_hf(tiny), "--outfile", tmp_path / "m.gguf",
+    proc = run([sys.executable, _paths.converter_script(), made / f"hf-{tiny}", "--outfile", tmp_path / "m.gguf",
                 "--outtype", "bf16", "--split-max-tensors", 8], env=env, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     splits = sorted(tmp_path.glob("m-*-of-*.gguf"))
@@ -178,7 +191,7 @@ def test_a_split_gguf_converts_as_one_model(tiny_hf, tiny_gguf, tmp_path):
         llm.close()
     assert_same_trace(got, got_tokens, want, want_tokens, "stock on the split GGUF")
     assert run([zipmoe_command("zipmoe-convert"), packed, "-o", back, "-q"]).returncode == 0
-    assert back.read_bytes() == tiny_gguf(tiny).read_bytes()
+    assert back.read_bytes() == models(made, NEWER[0], "BF16")[0].read_bytes()
 
     later = run([zipmoe_command("zipmoe-convert"), splits[1], "-o", tmp_path / "x.gguf"], text=True)
     assert later.returncode == 1 and f"give its first file, m-00001-of-{len(splits):05d}.gguf" in later.stderr

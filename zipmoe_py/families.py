@@ -44,6 +44,7 @@ FAMILIES = (
     Family("MixtralForCausalLM", "llama", "Mixtral 8x7B, 8x22B", "mixtral"),
     Family("OlmoeForCausalLM", "olmoe", "OLMoE", "olmoe"),
     Family("Glm4MoeForCausalLM", "glm4moe", "GLM-4.5, GLM-4.5-Air", "glm4moe"),
+    Family("Llama4ForCausalLM", "llama4", "Llama 4 Scout, Maverick (text)", "llama4"),
     Family("GptOssForCausalLM", "gpt-oss", "gpt-oss-20b, gpt-oss-120b (expert biases)", "gptoss", "MXFP4_MOE"),
 )
 BY_HF_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}

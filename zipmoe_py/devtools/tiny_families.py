@@ -4,10 +4,10 @@ config class fills any key left out with its default. They all take the Qwen2 to
 the pinned llama.cpp ships): the converter reads any BPE tokenizer for them, and the tokenizer plays no
 part in how experts are served.
 
-The tiny sizes keep what the serving path branches on: more experts than top-k, top-k > 1, expert groups
-(DeepSeek-V3), dense leading layers (DeepSeek-V3, GLM-4.5), shared experts, normalised or plain top-k
-weights, sigmoid gating with a correction bias, expert biases (gpt-oss), widths that every 32-value block
-type divides.
+The tiny sizes keep what the serving path branches on: more experts than top-k, top-k > 1 and 1 (Llama 4),
+expert groups (DeepSeek-V3), dense leading layers (DeepSeek-V3, GLM-4.5) or every other layer dense (Llama
+4), shared experts, normalised or plain top-k weights, sigmoid gating with a correction bias, expert biases
+(gpt-oss), widths that every 32-value block type divides.
 """
 from __future__ import annotations
 
@@ -66,6 +66,14 @@ GLM45_AIR_CONFIG = {
     "attention_bias": True, "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-05, "rope_theta": 1000000,
     "max_position_embeddings": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
 }
+LLAMA4_MAVERICK_TEXT_CONFIG = {
+    "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_act": "silu",
+    "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_hidden_layers": 48,
+    "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 128,
+    "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 8192, "use_qk_norm": False,
+    "attention_bias": False, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": None,
+    "max_position_embeddings": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
 
 QWEN3_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
                     "num_hidden_layers": 3}
@@ -85,6 +93,9 @@ GPT_OSS_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "n
                       "experts_per_token": 4, "intermediate_size": 64, "num_hidden_layers": 2,
                       "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
                       "max_position_embeddings": 131072}  # YaRN's factor 32 over 4096
+# every other layer dense (interleave_moe_layer_step 2), one expert a token, as Maverick
+LLAMA4_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "intermediate_size": 64,
+                     "intermediate_size_mlp": 128, "num_hidden_layers": 4}
 
 # GLM-4.5's converter sets its special tokens from these (they follow the Qwen2 vocab's own)
 GLM_SPECIAL_TOKENS = ["[gMASK]", "<|user|>", "<|observation|>"]
@@ -97,6 +108,7 @@ FAMILY_ARCHITECTURES = {
     "deepseek3": (QWEN2_VOCAB, DEEPSEEK_V3_CONFIG, DEEPSEEK_V3_TINY_SIZES),
     "glm4moe": (QWEN2_VOCAB, GLM45_AIR_CONFIG, GLM45_TINY_SIZES),
     "gptoss": (QWEN2_VOCAB, GPT_OSS_20B_CONFIG, GPT_OSS_TINY_SIZES),
+    "llama4": (QWEN2_VOCAB, LLAMA4_MAVERICK_TEXT_CONFIG, LLAMA4_TINY_SIZES),
 }
 
 
