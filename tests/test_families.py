@@ -16,13 +16,15 @@ import pytest
 
 from zipmoe_py import ZipMoEError, families
 from zipmoe_py import format as zformat
-from zipmoe_py.gguf_file import read_metadata
+from zipmoe_py.gguf_file import read_header, read_metadata
 
 from conftest import EARLY, early_result, run, start_early, zipmoe_command
 from test_serve import PROMPTS, assert_same_trace, expert_geometry, load, logits_trace
 
 NEWER = [f for f in families.FAMILIES if not f.whole_suite]
+PUBLISHED_MXFP4 = [f for f in NEWER if f.mxfp4_checkpoint]
 N_DECODE = 8  # every budget still misses, and top-k runs several passes
+MXFP4 = 39     # ggml_type
 
 
 def top_k(path) -> int:
@@ -53,6 +55,11 @@ def _make_models(folder: Path):
                      [convert, bf16, "-o", folder / f"{f.tiny}.zipmoe.gguf", "--quiet"],
                      [zipmoe_command("llama-quantize"), bf16, quant, f.quantized],
                      [convert, quant, "-o", folder / f"{f.tiny}-{f.quantized}.zipmoe.gguf", "--quiet"]]
+    for f in PUBLISHED_MXFP4:  # the checkpoint as published: the converter's GGUF, and ZipMoE's straight from it
+        hf = folder / f"hf-{f.tiny}-mxfp4"
+        commands += [[zipmoe_command("zipmoe-make-tiny"), f.tiny, hf, "--seed", "1234", "--mxfp4"],
+                     [convert, hf, "-o", folder / f"{f.tiny}-mxfp4-checkpoint.gguf", "--bf16", "--quiet"],
+                     [convert, hf, "-o", folder / f"{f.tiny}-mxfp4-checkpoint.zipmoe.gguf", "--quiet"]]
     return start_early(folder, ["sh", "-c", " && ".join(shlex.join(map(str, c)) for c in commands)], cwd=folder)
 
 
@@ -78,13 +85,29 @@ def models(made: Path, family: families.Family, quant: str) -> tuple[Path, Path]
 def test_each_family_is_bit_identical_to_stock_at_every_budget(family, quant, made):
     stock, packed = models(made, family, quant)
     assert read_metadata(stock)["general.architecture"] == family.gguf_architecture
+    assert_bit_identical_at_every_budget(stock, packed, smallest_budget(packed) if quant != "BF16" else {})
+
+
+@pytest.mark.parametrize("family", PUBLISHED_MXFP4, ids=lambda f: f.tiny)
+def test_a_published_mxfp4_checkpoint_converts_and_is_bit_identical(family, made):
+    """zipmoe-convert takes the Hugging Face folder as the family is published, its experts in MXFP4 blocks and
+    scales: the ZipMoE GGUF it writes straight from it serves logits bit-identical to the converter's GGUF."""
+    stock, packed = made / f"{family.tiny}-mxfp4-checkpoint.gguf", made / f"{family.tiny}-mxfp4-checkpoint.zipmoe.gguf"
+    experts = [t for t in read_header(stock).tensors if t.name.endswith("_exps.weight")]
+    assert experts and {t.type for t in experts} == {MXFP4}, [(t.name, t.type) for t in experts]
+    assert_bit_identical_at_every_budget(stock, packed, smallest_budget(packed))
+
+
+def assert_bit_identical_at_every_budget(stock: Path, packed: Path, more_budgets: dict) -> None:
+    """Every logit of prompts and N_DECODE steps, 1 and 4 sequences, as raw bits: packed at budgets top-k, half,
+    all and more_budgets against stock, each budget missing."""
     for n_seq in (1, 4):
         reference = load(stock)
         try:
             want, want_tokens = logits_trace(reference, PROMPTS[:n_seq], N_DECODE)
         finally:
             reference.close()
-        for name, budget in {**budgets(packed), **(smallest_budget(packed) if quant != "BF16" else {})}.items():
+        for name, budget in {**budgets(packed), **more_budgets}.items():
             llm = load(packed, zipmoe_budget=budget)
             try:
                 got, got_tokens = logits_trace(llm, PROMPTS[:n_seq], N_DECODE)

@@ -145,3 +145,38 @@ def test_uniform_router_spreads_routing_and_forgets_the_last_token(tmp_path):
     assert uniform["consecutive_overlap"] < chance + 0.05, uniform
     assert random["top25"] > uniform["top25"] + 0.1, (random, uniform)
     assert random["consecutive_overlap"] > uniform["consecutive_overlap"] + 0.1, (random, uniform)
+
+
+def test_mxfp4_experts_are_what_transformers_reads_back():
+    """gpt-oss's published layout, checked against transformers' own reader: weights that MXFP4 holds exactly
+    (a power of two times E2M1 values in each block of 32) come back bit for bit, and drawn ones within
+    4-bit rounding; a transposed or nibble-swapped layout would miss both."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from zipmoe_py.devtools.tiny_families import E2M1_MAGNITUDES, mxfp4_experts
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES))
+    # [expert, output row, input]: a power of two for each block of 32 inputs; stored as HF's [expert, input, output]
+    scale = torch.exp2(torch.randint(-8, 0, (2, 128, 2), generator=gen).float()).repeat_interleave(32, 2)
+    exact = (values[torch.randint(0, 16, (2, 128, 64), generator=gen)] * scale).transpose(1, 2)
+    drawn = torch.randn((2, 128, 64), generator=gen) * 0.02
+    state = mxfp4_experts({"model.layers.0.mlp.experts.gate_up_proj": exact,
+                           "model.layers.0.mlp.experts.down_proj": drawn, "model.norm.weight": torch.ones(64)})
+    assert set(state) == {"model.norm.weight", *(f"model.layers.0.mlp.experts.{n}_{part}" for n in ("gate_up_proj", "down_proj")
+                                                 for part in ("blocks", "scales"))}
+    assert state["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (2, 128, 2, 16)
+    assert state["model.layers.0.mlp.experts.gate_up_proj_scales"].shape == (2, 128, 2)
+    back = convert_moe_packed_tensors(state["model.layers.0.mlp.experts.gate_up_proj_blocks"],
+                                      state["model.layers.0.mlp.experts.gate_up_proj_scales"]).float()
+    assert torch.equal(back, exact)
+    back = convert_moe_packed_tensors(state["model.layers.0.mlp.experts.down_proj_blocks"],
+                                      state["model.layers.0.mlp.experts.down_proj_scales"]).float()
+    assert float((back - drawn).norm() / drawn.norm()) < 0.15  # E2M1 with a power-of-two scale per 32
+
+
+def test_mxfp4_is_refused_for_a_family_not_published_so(tmp_path):
+    proc = run([zipmoe_command("zipmoe-make-tiny"), "qwen3moe", tmp_path / "x", "--mxfp4"])
+    assert proc.returncode == 1 and b"--mxfp4: qwen3moe is not published with MXFP4 experts (only gptoss)" in proc.stderr
+    assert not (tmp_path / "x").exists()

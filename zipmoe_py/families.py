@@ -23,13 +23,15 @@ class Family:
     tiny: str               # the tiny model of it the suite makes (zipmoe-make-tiny ARCH)
     quantized: str = "Q4_0"    # the llama-quantize type its exactness matrix checks beside BF16
     whole_suite: bool = False  # in every test of the suite, and benchmarked at its real geometry
+    mxfp4_checkpoint: bool = False  # published with MXFP4 experts (zipmoe-make-tiny --mxfp4 makes one)
 
     @property
     def verified(self) -> str:
         if self.whole_suite:
             return "bit-exact in the whole suite; benchmarked at its real geometry"
         # budgets top-k, half and all, 1 and 4 sequences
-        return f"bit-exact in tests/test_families.py, BF16 and {self.quantized}"
+        checkpoint = "; its MXFP4 checkpoints too" if self.mxfp4_checkpoint else ""
+        return f"bit-exact in tests/test_families.py, BF16 and {self.quantized}{checkpoint}"
 
 
 # llama.cpp GGUF tensor names (src/llama-arch.cpp) of what the expert slots do not hold
@@ -45,7 +47,8 @@ FAMILIES = (
     Family("OlmoeForCausalLM", "olmoe", "OLMoE", "olmoe"),
     Family("Glm4MoeForCausalLM", "glm4moe", "GLM-4.5, GLM-4.5-Air", "glm4moe"),
     Family("Llama4ForCausalLM", "llama4", "Llama 4 Scout, Maverick (text)", "llama4"),
-    Family("GptOssForCausalLM", "gpt-oss", "gpt-oss-20b, gpt-oss-120b (expert biases)", "gptoss", "MXFP4_MOE"),
+    Family("GptOssForCausalLM", "gpt-oss", "gpt-oss-20b, -120b (expert biases)", "gptoss", "MXFP4_MOE",
+           mxfp4_checkpoint=True),
 )
 BY_HF_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from .. import _paths, families
 from ..errors import ZipMoEError, require_extra
 from ..gguf_file import read_metadata
-from .tiny_families import FAMILY_ARCHITECTURES, extra_special_tokens, randomized_buffers
+from .tiny_families import (FAMILY_ARCHITECTURES, GPT_OSS_MXFP4_CONFIG, extra_special_tokens, mxfp4_experts,
+                            randomized_buffers)
 
 # DeepSeek-V2-Lite's config.json, as published (auto_map names the remote code the real
 # checkpoint ships; transformers 4.57 has the architecture built in and uses that).
@@ -271,7 +272,7 @@ def _uniform_router_weight(name: str, tensor):
     return tensor
 
 
-def _write_streamed_weights(hf_config, out_dir: Path, router: str = "random") -> None:
+def _write_streamed_weights(hf_config, out_dir: Path, router: str = "random", mxfp4: bool = False) -> None:
     """A multi-GB checkpoint without holding it in memory: the model is laid out on the meta device
     (names and shapes only), then each layer's tensors are drawn and saved as a shard of their own
     (model-NNNNN.safetensors + model.safetensors.index.json, as sharded HF checkpoints are). Weights
@@ -302,8 +303,11 @@ def _write_streamed_weights(hf_config, out_dir: Path, router: str = "random") ->
                 if router == "uniform":
                     drawn = _uniform_router_weight(name, drawn)
                 state[name] = drawn.to(torch.bfloat16)
+        if mxfp4:
+            state = mxfp4_experts(state)
+        for name, tensor in state.items():
             weight_map[name] = shard
-            total += state[name].numel() * 2
+            total += tensor.numel() * tensor.element_size()
         save_file(state, str(out_dir / shard), metadata={"format": "pt"})
         (out_dir / shard).chmod(0o644)
         del state
@@ -313,17 +317,21 @@ def _write_streamed_weights(hf_config, out_dir: Path, router: str = "random") ->
 
 def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
               real_widths_layers: int | None = None, sizes: dict | None = None,
-              router: str = "random") -> Path:
+              router: str = "random", mxfp4: bool = False) -> Path:
     """Write a tiny HF checkpoint of `arch` into out_dir and return out_dir.
 
     real_widths_layers: keep the real model's widths and expert counts (multi-GB) and only cut
     the layer count to this (benchmarks; written layer by layer, never whole in memory). sizes: config values to change on top (tests).
-    router: "random" (weights as drawn) or "uniform" (near-uniform, memoryless routing; see ROUTERS)."""
+    router: "random" (weights as drawn) or "uniform" (near-uniform, memoryless routing; see ROUTERS).
+    mxfp4: the experts in MXFP4, as a family published that way stores them (families.Family.mxfp4_checkpoint)."""
     if arch not in ARCHITECTURES:
         raise ZipMoEError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     require_extra("convert", "making a tiny checkpoint")
     if router not in ROUTERS:
         raise ZipMoEError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
+    if mxfp4 and not any(f.tiny == arch and f.mxfp4_checkpoint for f in families.FAMILIES):
+        published = ", ".join(f.tiny for f in families.FAMILIES if f.mxfp4_checkpoint)
+        raise ZipMoEError(f"--mxfp4: {arch} is not published with MXFP4 experts (only {published})")
     vocab_file, _, _ = ARCHITECTURES[arch]
     vocab_path = _paths.vendored_vocab(vocab_file)
     out_dir = Path(out_dir)
@@ -357,8 +365,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     torch.manual_seed(seed)
     hf_config = AutoConfig.from_pretrained(out_dir, trust_remote_code=False)
     if real_widths_layers is not None:
-        _write_streamed_weights(hf_config, out_dir, router)
-        return out_dir
+        _write_streamed_weights(hf_config, out_dir, router, mxfp4)
+        return _mark_mxfp4(out_dir, config) if mxfp4 else out_dir
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialise in BF16: no F32 copy of a multi-GB model
     try:
@@ -370,8 +378,15 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     if router == "uniform":
         state = {k: _uniform_router_weight(k, v.float()).to(torch.bfloat16) for k, v in state.items()}
     weights = out_dir / "model.safetensors"
-    save_file(state, str(weights), metadata={"format": "pt"})
+    save_file(mxfp4_experts(state) if mxfp4 else state, str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors creates it owner-only; the rest of the checkpoint is world-readable
+    return _mark_mxfp4(out_dir, config) if mxfp4 else out_dir
+
+
+def _mark_mxfp4(out_dir: Path, config: dict) -> Path:
+    """config.json says the experts are MXFP4 (written after the model is made: transformers' from_config
+    would otherwise lay out quantized experts)."""
+    (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": GPT_OSS_MXFP4_CONFIG}, indent=2) + "\n")
     return out_dir
 
 
@@ -389,9 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--router", choices=ROUTERS, default="random",
                     help="random: weights as drawn (concentrated, memoryful routing); uniform: near-uniform, "
                          "memoryless routing, the worst case for expert caches (default: %(default)s)")
+    ap.add_argument("--mxfp4", action="store_true",
+                    help="the experts in MXFP4 blocks and scales, as the published checkpoints of " +
+                         ", ".join(f.tiny for f in families.FAMILIES if f.mxfp4_checkpoint) + " store them")
     args = ap.parse_args(argv)
     try:
-        out = make_tiny(args.arch, args.out_dir, seed=args.seed, std=args.std, router=args.router)
+        out = make_tiny(args.arch, args.out_dir, seed=args.seed, std=args.std, router=args.router, mxfp4=args.mxfp4)
     except ZipMoEError as e:
         print(f"zipmoe-make-tiny: error: {e}", file=sys.stderr)
         return 1

@@ -132,3 +132,42 @@ def randomized_buffers(state: dict, generator) -> dict:
         if std is not None:
             state[name] = (torch.randn(tensor.shape, generator=generator) * std).to(tensor.dtype)
     return state
+
+
+# gpt-oss as OpenAI published it: routed experts in MXFP4 (transformers' layout: per expert and output row,
+# blocks of 32 values, each a byte of two E2M1 codes, low nibble first, and an E8M0 scale), the rest BF16
+GPT_OSS_MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _to_mxfp4(rows):
+    """rows [R, C] (C a multiple of 32) -> (blocks [R, C/32, 16] uint8, scales [R, C/32] uint8): each block's
+    scale the power of two that brings its largest magnitude to at most 6, each value rounded to the nearest
+    E2M1 code."""
+    import torch
+
+    x = rows.float().reshape(rows.shape[0], -1, 32)
+    amax = x.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.full_like(amax, -127)).clamp(-127, 127)
+    q = x / torch.exp2(exponent).unsqueeze(-1)
+    magnitudes = torch.tensor(E2M1_MAGNITUDES)
+    code = (q.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (q < 0)
+    code = code.to(torch.uint8)
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_experts(state: dict) -> dict:
+    """state with gpt-oss's expert weights (mlp.experts.gate_up_proj [E, H, 2I], down_proj [E, I, H]) as the
+    published checkpoints hold them: NAME_blocks [E, out, in/32, 16] and NAME_scales [E, out, in/32]."""
+    import torch
+
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            out[name] = tensor
+            continue
+        pairs = [_to_mxfp4(expert.t()) for expert in tensor]  # one expert at a time: [out, in]
+        out[name + "_blocks"] = torch.stack([b for b, _ in pairs])
+        out[name + "_scales"] = torch.stack([s for _, s in pairs])
+    return out
