@@ -357,6 +357,17 @@ def test_default_budget_follows_a_real_memory_limit(tmp_path_factory):
     assert result["peak_rss"] <= cap
 
 
+def completion(path, *extra, env=None) -> tuple[int, str]:
+    """llama-completion's context size and log for one token of "Hi"."""
+    import re
+
+    proc = run([_paths.program("llama-completion"), "-m", path, "-p", "Hi", "-n", 1, "-no-cnv", "-v", *extra],
+               env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    log = proc.stderr.decode()
+    return int(re.findall(r"llama_context: n_ctx\s+= (\d+)", log)[-1]), log
+
+
 def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf, zipmoe_gguf):
     """n_ctx unset (llama-completion's default): stock takes the trained context (the tiny DeepSeek-V2
     keeps DeepSeek-V2-Lite's 163,840 tokens); a ZipMoE model takes it only when its KV cache fits in
@@ -364,13 +375,6 @@ def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf
     multiple of 256 that does, at least upstream fit's 4096 tokens: a small machine's experts keep their
     memory. A context size given stays as given."""
     import re
-
-    def completion(path, *extra, env=None):
-        proc = run([_paths.program("llama-completion"), "-m", path, "-p", "Hi", "-n", 1, "-no-cnv", "-v", *extra],
-                   env={**os.environ, **(env or {})})
-        assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-        log = proc.stderr.decode()
-        return int(re.findall(r"llama_context: n_ctx\s+= (\d+)", log)[-1]), log
 
     trained = 163840
     assert completion(tiny_gguf("deepseek2"))[0] == trained
@@ -404,3 +408,23 @@ def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf
         kv_mib = float(re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-1])
         assert abs(kv_mib / 1024 - kv_gib) <= 0.005
     assert completion(zipmoe, "-c", 512, env=limit)[0] == 512
+
+
+def test_an_unset_context_of_a_sliding_window_model_counts_its_window(zipmoe_gguf):
+    """gpt-oss: every other layer attends within a window of 8 tokens here, and llama.cpp keeps only that
+    window and a ubatch of cells for them. An unset context gets what the experts leave, counting the full
+    layers per token and the sliding ones at their window (not the trained 131,072 tokens whatever the
+    memory), and the estimate is the KV cache llama.cpp makes: both of its caches, the sliding one's
+    ubatch counted at its largest (n_batch)."""
+    import re
+
+    n_ctx, log = completion(zipmoe_gguf("gptoss"), env={"ZIPMOE_MEM_LIMIT": str(60 << 20)})
+    said = re.search(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) (KiB|MiB)\), not the trained 131072", log)
+    assert said and int(said.group(1)) == n_ctx, log[-3000:]
+    assert 4096 < n_ctx < 131072 and n_ctx % 256 == 0
+    estimate = float(said.group(2)) / (1024 if said.group(3) == "KiB" else 1)
+    cells = [int(c) for c in re.findall(r"creating (?:non-SWA|    SWA) KV cache, size = (\d+) cells", log)[-2:]]
+    assert cells[0] == n_ctx and cells[1] < 4096, cells
+    made = sum(float(m) for m in re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-2:])
+    # what the ubatch bound adds: (2048 - 512) cells of the sliding layer, 128 bytes each, and the log's rounding
+    assert made - 0.01 <= estimate <= made + 1536 * 128 / 2**20 + 0.06, (estimate, made)

@@ -59,16 +59,44 @@ void llama_zipmoe::check_model(const llama_model & model) {
 static constexpr uint32_t k_unset_context_floor = 4096;
 
 // one token's KV cells, as llama_kv_cache lays them out (MLA keeps no V of its own)
-static uint64_t kv_bytes_per_token(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v) {
-    uint64_t per_token = 0;
-    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
-        per_token += ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
-        if (!hparams.is_mla()) {
-            per_token += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
+// the bytes of a context's KV cache, as llama.cpp makes it: a cell per token in each layer, but a sliding-window
+// layer's cells bounded by llama_zipmoe_kv_shape
+struct kv_cache_model {
+    uint64_t full_row = 0; // a token's K and V rows in the layers that keep every cell
+    uint64_t swa_row  = 0; // in the sliding-window layers
+    uint32_t n_swa    = 0;
+    llama_zipmoe_kv_shape shape;
+
+    kv_cache_model(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v, const llama_zipmoe_kv_shape & s)
+        : n_swa(hparams.n_swa), shape(s) {
+        for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+            uint64_t row = ggml_row_size(type_k, hparams.n_embd_k_gqa(il));
+            if (!hparams.is_mla()) {
+                row += ggml_row_size(type_v, hparams.n_embd_v_gqa(il));
+            }
+            (hparams.is_swa(il) && !s.swa_full ? swa_row : full_row) += row;
         }
     }
-    return per_token;
-}
+
+    uint64_t swa_cells(uint32_t n_ctx) const { // llama_kv_cache_iswa's size_swa, over its streams
+        const uint32_t n_streams = shape.unified ? 1 : std::max<uint32_t>(1, shape.n_seq_max);
+        const uint64_t window    = (uint64_t) n_swa * (shape.unified ? shape.n_seq_max : 1) + shape.n_ubatch;
+        return GGML_PAD(std::min<uint64_t>(n_ctx / n_streams, window), 256) * n_streams;
+    }
+
+    uint64_t bytes(uint32_t n_ctx) const {
+        return (uint64_t) n_ctx * full_row + (swa_row > 0 ? swa_cells(n_ctx) * swa_row : 0);
+    }
+
+    // the largest context of a multiple of 256 tokens whose cache takes at most `bytes` (UINT32_MAX: any)
+    uint32_t fits_in(uint64_t bytes) const {
+        if (full_row == 0) {
+            return UINT32_MAX;
+        }
+        const uint64_t swa = swa_row > 0 ? swa_cells(UINT32_MAX) * swa_row : 0; // the sliding layers' most
+        return bytes > swa ? (uint32_t) std::min<uint64_t>((bytes - swa) / full_row / 256 * 256, UINT32_MAX) : 0;
+    }
+};
 
 // the peak heap of loading a vocabulary, per token: Qwen2's (151,936 tokens, 151,387 merges) took about
 // 35 MiB beyond the file's metadata, measured with llama-completion under memory cgroups
@@ -113,23 +141,23 @@ void llama_zipmoe::check_load_fits(const gguf_context * meta) const {
 }
 
 void llama_zipmoe::check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k,
-                                      ggml_type type_v) const {
-    const uint64_t per_token = kv_bytes_per_token(hparams, type_k, type_v);
+                                      ggml_type type_v, const llama_zipmoe_kv_shape & shape) const {
+    const kv_cache_model kv(hparams, type_k, type_v, shape);
     ggml_zipmoe_memory mem;
     const uint64_t headroom = hard_limit_headroom(mem);
     const ggml_zipmoe_serving_plan plan = serving_plan();
     const uint64_t slots = (uint64_t) std::max(1, n_expert_used) * info.expert_bytes;
-    const uint64_t need  = (uint64_t) n_ctx * per_token + plan.cache_buffers + slots + k_context_slack;
+    const uint64_t need  = kv.bytes(n_ctx) + plan.cache_buffers + slots + k_context_slack;
     if (headroom >= need) {
         return;
     }
-    const uint64_t other = need - (uint64_t) n_ctx * per_token;
-    const uint64_t fits  = per_token > 0 && headroom > other ? (headroom - other) / per_token / 256 * 256 : 0;
+    const uint64_t other = need - kv.bytes(n_ctx);
+    const uint32_t fits  = headroom > other ? std::min(kv.fits_in(headroom - other), n_ctx) : 0;
     throw std::runtime_error(format("a context of %u tokens does not fit: %s, and it needs %s: its KV cache %s, the "
                                     "expert cache's buffers %s, one token's experts %s and %s of slack; the kernel "
                                     "would kill the process. %s, or raise the limit", n_ctx,
                                     hard_limit_text(mem, headroom).c_str(), llama_zipmoe_size_text(need).c_str(),
-                                    llama_zipmoe_size_text((uint64_t) n_ctx * per_token).c_str(),
+                                    llama_zipmoe_size_text(kv.bytes(n_ctx)).c_str(),
                                     llama_zipmoe_size_text(plan.cache_buffers).c_str(),
                                     llama_zipmoe_size_text(slots).c_str(),
                                     llama_zipmoe_size_text(k_context_slack).c_str(),
@@ -138,12 +166,13 @@ void llama_zipmoe::check_context_fits(const llama_hparams & hparams, uint32_t n_
 }
 
 uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
-                                          uint32_t n_streams) const {
+                                          const llama_zipmoe_kv_shape & shape) const {
     const uint32_t n_train = hparams.n_ctx_train;
-    if (n_train == 0 || hparams.is_swa_any() || hparams.is_recr(0)) {
-        return n_train; // a KV cache of another shape than one cell per token and layer
+    if (n_train == 0 || hparams.is_recr(0)) {
+        return n_train; // a recurrent state: no cell per token
     }
-    const uint64_t per_token = kv_bytes_per_token(hparams, type_k, type_v);
+    const kv_cache_model kv(hparams, type_k, type_v, shape);
+    const uint32_t n_streams = shape.unified ? 1 : std::max<uint32_t>(1, shape.n_seq_max);
     // as upstream's fit (common/fit.cpp) sizes an unset context: what the model leaves of the memory,
     // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in
     // BF16: each expert slot speeds decoding up, while KV cells are only ever used by a long context
@@ -152,18 +181,18 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
     ggml_zipmoe_serving_get_info(serving, &info);
     const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
     const uint64_t spare = left > info.all_experts ? left - info.all_experts : 0;
-    if (per_token == 0 || (uint64_t) n_train * per_token <= spare) {
+    if (kv.bytes(n_train) <= spare) {
         return n_train; // stock's unset context: the trained one, shared by the streams
     }
     // fit's floor is per stream (a context of several sequences, each with its own cells)
     const uint32_t floor_ctx = (uint32_t) std::min<uint64_t>((uint64_t) std::min(k_unset_context_floor, n_train) *
                                                              std::max<uint32_t>(1, n_streams), UINT32_MAX);
-    const uint32_t n = std::max<uint32_t>(floor_ctx, (uint32_t) (spare / per_token / 256 * 256));
+    const uint32_t n = std::min(n_train, std::max<uint32_t>(floor_ctx, kv.fits_in(spare)));
     LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s), not the trained %u (%s): as "
                    "upstream's fit, the context gets what the model leaves, at least %u tokens, and here the model's "
                    "experts (%s) take all but %s of the %s left beside the non-expert weights; give -c / n_ctx for "
-                   "another\n", __func__, n, llama_zipmoe_size_text((uint64_t) n * per_token).c_str(), n_train,
-                   llama_zipmoe_size_text((uint64_t) n_train * per_token).c_str(), floor_ctx,
+                   "another\n", __func__, n, llama_zipmoe_size_text(kv.bytes(n)).c_str(), n_train,
+                   llama_zipmoe_size_text(kv.bytes(n_train)).c_str(), floor_ctx,
                    llama_zipmoe_size_text(info.all_experts).c_str(), llama_zipmoe_size_text(spare).c_str(),
                    llama_zipmoe_size_text(left).c_str());
     return n;

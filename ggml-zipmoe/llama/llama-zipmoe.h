@@ -62,6 +62,15 @@ std::string llama_zipmoe_size_text(uint64_t bytes);
 // a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
 bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft);
 
+// how llama.cpp lays a context's KV cache out (llama_kv_cache_iswa): a sliding-window layer keeps, per
+// stream, at most its window (of every sequence, in one unified stream) and a ubatch, padded to 256 cells
+struct llama_zipmoe_kv_shape {
+    uint32_t n_seq_max = 1;
+    bool     unified   = false;
+    uint32_t n_ubatch  = 512; // at most: the context's n_batch or n_ubatch, whichever is larger
+    bool     swa_full  = false; // sliding-window layers keep every cell (--swa-full)
+};
+
 // every ZipMoE option, as the loader uses it: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else
 // the environment variable (ZIPMOE_NAME), else the default. Names, ranges, defaults and help are
 // ggml-zipmoe's option table (ggml-zipmoe-options.h); parse fills every field from it.
@@ -157,9 +166,10 @@ struct llama_zipmoe {
     // BF16 leaves beside the non-expert weights, else the largest multiple of 256 that does, at least
     // 4096 tokens per stream. The KV cache is cleared, so all of it is resident from the start, and an
     // unset context's is mostly never used: the trained context of DeepSeek-V2-Lite (163,840 tokens,
-    // 4.9 GiB) would take the experts' memory, or a small machine's whole. Logs the choice.
+    // 4.9 GiB) would take the experts' memory, or a small machine's whole. Sliding-window layers count at
+    // their window (llama_zipmoe_kv_shape): gpt-oss's full layers alone decide its size. Logs the choice.
     uint32_t unset_context_size(const llama_hparams & hparams, ggml_type type_k, ggml_type type_v,
-                                uint32_t n_streams) const;
+                                const llama_zipmoe_kv_shape & shape) const;
 
     // where a memory cgroup's hard limit applies (the kernel kills a process past it), throws naming the
     // numbers when the limit cannot hold what must be resident: at load, the vocabulary's tables beside what
@@ -167,7 +177,8 @@ struct llama_zipmoe {
     // the cache's own buffers and the fewest slots. A soft limit (MemAvailable, zipmoe.mem_limit) only
     // sizes the slots; paged weights never count, as a mapped model may page.
     void check_load_fits(const gguf_context * meta) const;
-    void check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k, ggml_type type_v) const;
+    void check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k, ggml_type type_v,
+                            const llama_zipmoe_kv_shape & shape) const;
 
     // a context was made / is freed: the slots in use are sized again for every live context.
     // attach throws (context creation fails) when pools cannot fit.
