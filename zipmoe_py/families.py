@@ -47,6 +47,7 @@ FAMILIES = (
     Family("OlmoeForCausalLM", "olmoe", "OLMoE", "olmoe"),
     Family("Glm4MoeForCausalLM", "glm4moe", "GLM-4.5, GLM-4.5-Air", "glm4moe"),
     Family("Llama4ForCausalLM", "llama4", "Llama 4 Scout, Maverick (text)", "llama4"),
+    Family("GraniteMoeForCausalLM", "granitemoe", "Granite 3.0 / 3.1 MoE (1b-a400m, 3b-a800m)", "granitemoe"),
     Family("GptOssForCausalLM", "gpt-oss", "gpt-oss-20b, -120b (expert biases)", "gptoss", "MXFP4_MOE",
            mxfp4_checkpoint=True),
 )

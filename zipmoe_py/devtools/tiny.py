@@ -373,14 +373,25 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
         model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
     finally:
         torch.set_default_dtype(default_dtype)
-    state = randomized_buffers({k: v.detach().contiguous() for k, v in model.state_dict().items()},
-                               torch.Generator().manual_seed(seed))
+    state = randomized_buffers(_untied(model.state_dict()), torch.Generator().manual_seed(seed))
     if router == "uniform":
         state = {k: _uniform_router_weight(k, v.float()).to(torch.bfloat16) for k, v in state.items()}
     weights = out_dir / "model.safetensors"
     save_file(mxfp4_experts(state) if mxfp4 else state, str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors creates it owner-only; the rest of the checkpoint is world-readable
     return _mark_mxfp4(out_dir, config) if mxfp4 else out_dir
+
+
+def _untied(state: dict) -> dict:
+    """The state to save: a tied weight (tie_word_embeddings: lm_head is the embedding) once, under its first
+    name, as transformers saves it."""
+    kept, seen = {}, set()
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor.detach().contiguous()
+    return kept
 
 
 def _mark_mxfp4(out_dir: Path, config: dict) -> Path:

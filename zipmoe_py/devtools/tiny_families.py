@@ -74,6 +74,14 @@ LLAMA4_MAVERICK_TEXT_CONFIG = {
     "attention_bias": False, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": None,
     "max_position_embeddings": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
 }
+GRANITE_3_MOE_3B_CONFIG = {
+    "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "hidden_act": "silu",
+    "hidden_size": 1536, "intermediate_size": 512, "num_hidden_layers": 32, "num_attention_heads": 24,
+    "num_key_value_heads": 8, "num_local_experts": 40, "num_experts_per_tok": 8, "attention_multiplier": 0.015625,
+    "embedding_multiplier": 12.0, "logits_scaling": 6.0, "residual_multiplier": 0.22, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "max_position_embeddings": 4096, "attention_bias": False, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
 
 QWEN3_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4,
                     "num_hidden_layers": 3}
@@ -96,6 +104,8 @@ GPT_OSS_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "n
 # every other layer dense (interleave_moe_layer_step 2), one expert a token, as Maverick
 LLAMA4_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "intermediate_size": 64,
                      "intermediate_size_mlp": 128, "num_hidden_layers": 4}
+GRANITE_TINY_SIZES = {**COMMON_TINY, "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 64,
+                      "num_hidden_layers": 2}
 
 # GLM-4.5's converter sets its special tokens from these (they follow the Qwen2 vocab's own)
 GLM_SPECIAL_TOKENS = ["[gMASK]", "<|user|>", "<|observation|>"]
@@ -109,6 +119,7 @@ FAMILY_ARCHITECTURES = {
     "glm4moe": (QWEN2_VOCAB, GLM45_AIR_CONFIG, GLM45_TINY_SIZES),
     "gptoss": (QWEN2_VOCAB, GPT_OSS_20B_CONFIG, GPT_OSS_TINY_SIZES),
     "llama4": (QWEN2_VOCAB, LLAMA4_MAVERICK_TEXT_CONFIG, LLAMA4_TINY_SIZES),
+    "granitemoe": (QWEN2_VOCAB, GRANITE_3_MOE_3B_CONFIG, GRANITE_TINY_SIZES),
 }
 
 
