@@ -52,6 +52,7 @@ FAMILIES = (
            mxfp4_checkpoint=True),
 )
 BY_HF_ARCHITECTURE = {f.hf_architecture: f for f in FAMILIES}
+MXFP4_CHECKPOINTS = tuple(f.tiny for f in FAMILIES if f.mxfp4_checkpoint)  # zipmoe-make-tiny --mxfp4 makes these
 
 
 def described() -> str:

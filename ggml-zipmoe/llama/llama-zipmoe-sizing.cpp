@@ -78,10 +78,13 @@ struct kv_cache_model {
         }
     }
 
+    uint32_t n_streams() const { // a unified cache is one stream for every sequence
+        return shape.unified ? 1 : std::max<uint32_t>(1, shape.n_seq_max);
+    }
+
     uint64_t swa_cells(uint32_t n_ctx) const { // llama_kv_cache_iswa's size_swa, over its streams
-        const uint32_t n_streams = shape.unified ? 1 : std::max<uint32_t>(1, shape.n_seq_max);
-        const uint64_t window    = (uint64_t) n_swa * (shape.unified ? shape.n_seq_max : 1) + shape.n_ubatch;
-        return GGML_PAD(std::min<uint64_t>(n_ctx / n_streams, window), 256) * n_streams;
+        const uint64_t window = (uint64_t) n_swa * (shape.unified ? shape.n_seq_max : 1) + shape.n_ubatch;
+        return GGML_PAD(std::min<uint64_t>(n_ctx / n_streams(), window), 256) * n_streams();
     }
 
     uint64_t bytes(uint32_t n_ctx) const {
@@ -172,7 +175,6 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
         return n_train; // a recurrent state: no cell per token
     }
     const kv_cache_model kv(hparams, type_k, type_v, shape);
-    const uint32_t n_streams = shape.unified ? 1 : std::max<uint32_t>(1, shape.n_seq_max);
     // as upstream's fit (common/fit.cpp) sizes an unset context: what the model leaves of the memory,
     // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in
     // BF16: each expert slot speeds decoding up, while KV cells are only ever used by a long context
@@ -186,7 +188,7 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
     }
     // fit's floor is per stream (a context of several sequences, each with its own cells)
     const uint32_t floor_ctx = (uint32_t) std::min<uint64_t>((uint64_t) std::min(k_unset_context_floor, n_train) *
-                                                             std::max<uint32_t>(1, n_streams), UINT32_MAX);
+                                                             kv.n_streams(), UINT32_MAX);
     const uint32_t n = std::min(n_train, std::max<uint32_t>(floor_ctx, kv.fits_in(spare)));
     LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s), not the trained %u (%s): as "
                    "upstream's fit, the context gets what the model leaves, at least %u tokens, and here the model's "

@@ -329,8 +329,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     require_extra("convert", "making a tiny checkpoint")
     if router not in ROUTERS:
         raise ZipMoEError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
-    if mxfp4 and not any(f.tiny == arch and f.mxfp4_checkpoint for f in families.FAMILIES):
-        published = ", ".join(f.tiny for f in families.FAMILIES if f.mxfp4_checkpoint)
+    if mxfp4 and arch not in families.MXFP4_CHECKPOINTS:
+        published = ", ".join(families.MXFP4_CHECKPOINTS)
         raise ZipMoEError(f"--mxfp4: {arch} is not published with MXFP4 experts (only {published})")
     vocab_file, _, _ = ARCHITECTURES[arch]
     vocab_path = _paths.vendored_vocab(vocab_file)
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                          "memoryless routing, the worst case for expert caches (default: %(default)s)")
     ap.add_argument("--mxfp4", action="store_true",
                     help="the experts in MXFP4 blocks and scales, as the published checkpoints of " +
-                         ", ".join(f.tiny for f in families.FAMILIES if f.mxfp4_checkpoint) + " store them")
+                         ", ".join(families.MXFP4_CHECKPOINTS) + " store them")
     args = ap.parse_args(argv)
     try:
         out = make_tiny(args.arch, args.out_dir, seed=args.seed, std=args.std, router=args.router, mxfp4=args.mxfp4)

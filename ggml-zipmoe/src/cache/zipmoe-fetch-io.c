@@ -290,10 +290,10 @@ int zipmoe_sm_checked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, uint
     if (atomic_load(&t->sm_buf) < 0) {
         return 0;
     }
-    int todo = CHECK_TODO;
     if (atomic_load(&t->sm_check) == CHECK_DONE) {
         return 1;
     }
+    int todo = CHECK_TODO;
     if (!atomic_compare_exchange_strong(&t->sm_check, &todo, CHECK_CLAIMED)) {
         return 0; // another thread checks it
     }
