@@ -71,6 +71,22 @@ def test_tokenizer_reproduces_llama_cpp_reference_tokenizations(arch, tiny_hf):
         assert tok.encode("Hello")[0] == 100000
 
 
+def test_a_sentencepiece_family_reproduces_llama_cpp_reference_tokenizations(tmp_path):
+    """ERNIE-4.5's converter reads only a SentencePiece model: the one written from the Llama SentencePiece
+    vocab GGUF tokenizes llama.cpp's reference texts to its reference ids."""
+    import sentencepiece
+
+    arch = next(a for a, (vocab, _, _) in ARCHITECTURES.items() if vocab == "ggml-vocab-llama-spm.gguf")
+    out = run([zipmoe_command("zipmoe-make-tiny"), arch, tmp_path / "hf"])
+    assert out.returncode == 0, out.stderr.decode()
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    tok = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "hf" / "tokenizer.model"))
+    cases = _reference_cases(_paths.vendored_vocab(ARCHITECTURES[arch][0]))
+    mismatches = [(t, ids, tok.encode(t)) for t, ids in cases if tok.encode(t) != ids]
+    assert not mismatches, mismatches[:3]
+    assert tok.id_to_piece(1) == "<s>" and tok.is_control(1) and tok.is_byte(3)
+
+
 def test_seed_makes_weights_reproducible(tmp_path):
     a = run([zipmoe_command("zipmoe-make-tiny"), "qwen2moe", tmp_path / "a", "--seed", "7"])
     b = run([zipmoe_command("zipmoe-make-tiny"), "qwen2moe", tmp_path / "b", "--seed", "7"])

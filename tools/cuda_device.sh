@@ -43,7 +43,7 @@ prepare)
             --dest /tmp/zipmoe-devsrc/$dep-src
     done
     (cd /tmp/zipmoe-devsrc/llama.cpp-src && rm -rf docs benches media examples app .github .devops &&
-     find models -mindepth 1 -not -name 'ggml-vocab-qwen2.gguf*' -not -name 'ggml-vocab-deepseek-llm.gguf*' -delete)
+     find models -mindepth 1 -not -name 'ggml-vocab-qwen2.gguf*' -not -name 'ggml-vocab-deepseek-llm.gguf*' -not -name 'ggml-vocab-llama-spm.gguf*' -delete)
     tar -C /tmp/zipmoe-devsrc -cJf $CARRY/devsrc.tar.xz llama.cpp-src zstd-src lz4-src
     tar -C $VENV -czf $CARRY/pylibs.tar.gz llama_cpp diskcache
     cp $REPO/../shared/tools/capped-run $CARRY/capped-run

@@ -18,7 +18,7 @@ from .. import _paths, families
 from ..errors import ZipMoEError, require_extra
 from ..gguf_file import read_metadata
 from .tiny_families import (FAMILY_ARCHITECTURES, GPT_OSS_MXFP4_CONFIG, extra_special_tokens, mxfp4_experts,
-                            randomized_buffers)
+                            randomized_buffers, sentencepiece_model)
 
 # DeepSeek-V2-Lite's config.json, as published (auto_map names the remote code the real
 # checkpoint ships; transformers 4.57 has the architecture built in and uses that).
@@ -191,7 +191,9 @@ def _read_vocab_gguf(path: Path) -> dict:
     return {
         "tokens": meta["tokenizer.ggml.tokens"],
         "types": meta["tokenizer.ggml.token_type"],
-        "merges": meta["tokenizer.ggml.merges"],
+        "model": meta["tokenizer.ggml.model"],  # "gpt2" (BPE) or "llama" (SentencePiece)
+        "merges": meta.get("tokenizer.ggml.merges", []),
+        "scores": meta.get("tokenizer.ggml.scores"),
         "bos": meta.get("tokenizer.ggml.bos_token_id"),
         "eos": meta.get("tokenizer.ggml.eos_token_id"),
         "chat_template": meta.get("tokenizer.chat_template"),
@@ -245,6 +247,10 @@ def _tokenizer_config(arch: str, vocab: dict) -> dict:
             "sp_model_kwargs": {}, "tokenizer_class": "LlamaTokenizer",
             "chat_template": DEEPSEEK_V2_CHAT_TEMPLATE,
         }
+    if vocab["model"] == "llama":
+        return {"add_bos_token": True, "add_eos_token": False, "bos_token": tokens[vocab["bos"]],
+                "eos_token": tokens[vocab["eos"]], "unk_token": tokens[0], "pad_token": tokens[0],
+                "tokenizer_class": "LlamaTokenizer", "model_max_length": 131072}
     eos = tokens[vocab["eos"]]
     return {
         "add_prefix_space": False, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
@@ -343,6 +349,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
         config["num_hidden_layers"] = real_widths_layers
         if "max_window_layers" in config:
             config["max_window_layers"] = real_widths_layers
+        if "layer_types" in config:  # the real pattern, cut or repeated to the layer count
+            config["layer_types"] = (config["layer_types"] * real_widths_layers)[:real_widths_layers]
         if arch == "deepseek2" and real_widths_layers not in (26, 27):
             config["q_lora_rank"] = 1536  # llama.cpp treats q_lora_rank-less models as "Lite" only at 26/27 layers
     if sizes:
@@ -352,7 +360,10 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     vocab = _read_vocab_gguf(vocab_path)
-    (out_dir / "tokenizer.json").write_text(_build_tokenizer_json(arch, vocab))
+    if vocab["model"] == "llama":
+        (out_dir / "tokenizer.model").write_bytes(sentencepiece_model(vocab["tokens"], vocab["scores"], vocab["types"]))
+    else:
+        (out_dir / "tokenizer.json").write_text(_build_tokenizer_json(arch, vocab))
     (out_dir / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(arch, vocab), indent=2) + "\n")
     gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
            "do_sample": False, "transformers_version": "4.57.6"}

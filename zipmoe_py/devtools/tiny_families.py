@@ -1,8 +1,9 @@
 """The configs of zipmoe-make-tiny's newer families: each published model's config.json keys that shape it
 (widths, experts, gating, dense layers, attention), as released, then sized down. transformers' own
-config class fills any key left out with its default. They all take the Qwen2 tokenizer (the vocab GGUF
-the pinned llama.cpp ships): the converter reads any BPE tokenizer for them, and the tokenizer plays no
-part in how experts are served.
+config class fills any key left out with its default. They take the Qwen2 tokenizer (the vocab GGUF the
+pinned llama.cpp ships): the converter reads any BPE tokenizer for them, and the tokenizer plays no part
+in how experts are served. ERNIE-4.5's converter reads only a SentencePiece model: it takes the Llama
+SentencePiece vocab GGUF, written as a tokenizer.model (sentencepiece_model).
 
 The tiny sizes keep what the serving path branches on: more experts than top-k, top-k > 1 and 1 (Llama 4),
 expert groups (DeepSeek-V3), dense leading layers (DeepSeek-V3, GLM-4.5) or every other layer dense (Llama
@@ -74,6 +75,15 @@ LLAMA4_MAVERICK_TEXT_CONFIG = {
     "attention_bias": False, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": None,
     "max_position_embeddings": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
 }
+ERNIE_45_21B_A3B_CONFIG = {
+    "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
+    "hidden_size": 2560, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 28,
+    "num_attention_heads": 20, "num_key_value_heads": 4, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+    "moe_k": 6, "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_layer_interval": 1,
+    "moe_norm_min": 1e-12, "use_bias": False, "rms_norm_eps": 1e-05, "rope_theta": 500000,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "vocab_size": 32000,
+}
 GRANITE_3_MOE_3B_CONFIG = {
     "architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "hidden_act": "silu",
     "hidden_size": 1536, "intermediate_size": 512, "num_hidden_layers": 32, "num_attention_heads": 24,
@@ -106,11 +116,16 @@ LLAMA4_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "in
                      "intermediate_size_mlp": 128, "num_hidden_layers": 4}
 GRANITE_TINY_SIZES = {**COMMON_TINY, "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 64,
                       "num_hidden_layers": 2}
+# layer 0 dense; the converter sizes the shared experts as intermediate_size / num_key_value_heads, which is
+# moe_intermediate_size x moe_num_shared_experts in the published config, and so here
+ERNIE_TINY_SIZES = {**COMMON_TINY, "intermediate_size": 256, "moe_num_experts": 16, "moe_k": 4,
+                    "num_hidden_layers": 3, "moe_layer_end_index": 2}
 
 # GLM-4.5's converter sets its special tokens from these (they follow the Qwen2 vocab's own)
 GLM_SPECIAL_TOKENS = ["[gMASK]", "<|user|>", "<|observation|>"]
 
 QWEN2_VOCAB = "ggml-vocab-qwen2.gguf"
+LLAMA_SPM_VOCAB = "ggml-vocab-llama-spm.gguf"
 FAMILY_ARCHITECTURES = {
     "qwen3moe": (QWEN2_VOCAB, QWEN3_30B_A3B_CONFIG, QWEN3_TINY_SIZES),
     "mixtral": (QWEN2_VOCAB, MIXTRAL_8X7B_CONFIG, MIXTRAL_TINY_SIZES),
@@ -120,11 +135,39 @@ FAMILY_ARCHITECTURES = {
     "gptoss": (QWEN2_VOCAB, GPT_OSS_20B_CONFIG, GPT_OSS_TINY_SIZES),
     "llama4": (QWEN2_VOCAB, LLAMA4_MAVERICK_TEXT_CONFIG, LLAMA4_TINY_SIZES),
     "granitemoe": (QWEN2_VOCAB, GRANITE_3_MOE_3B_CONFIG, GRANITE_TINY_SIZES),
+    "ernie45moe": (LLAMA_SPM_VOCAB, ERNIE_45_21B_A3B_CONFIG, ERNIE_TINY_SIZES),
 }
 
 
 def extra_special_tokens(arch: str) -> list[str]:
     return GLM_SPECIAL_TOKENS if arch == "glm4moe" else []
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(n & 0x7F | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:  # a length-delimited protobuf field
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def sentencepiece_model(tokens: list[str], scores: list[float], types: list[int]) -> bytes:
+    """A SentencePiece ModelProto (sentencepiece_model.proto) of a GGUF's SentencePiece vocab: the pieces with
+    their scores and types (GGUF's token types are SentencePiece's), a BPE model with byte fallback, and
+    Llama's normalizer (identity, a dummy prefix). Written by hand: the protobuf runtime that
+    sentencepiece_model_pb2 needs is not a dependency."""
+    import struct
+
+    pieces = b"".join(_field(1, _field(1, t.encode()) + b"\x15" + struct.pack("<f", s) + b"\x18" + _varint(k))
+                      for t, s, k in zip(tokens, scores, types))
+    trainer = b"\x18" + _varint(2) + b"\x20" + _varint(len(tokens)) + _varint(35 << 3) + _varint(1)
+    normalizer = _field(1, b"identity") + b"\x18\x01\x20\x00\x28\x01"
+    return pieces + _field(2, trainer) + _field(3, normalizer)
 
 
 # what transformers initialises to zeros and a tiny model draws: gating biases (DeepSeek-V3's and GLM-4.5's
