@@ -38,13 +38,13 @@ prepare)
     mkdir -p $CARRY /tmp/zipmoe-devsrc
     rm -rf /tmp/zipmoe-devsrc/*
     $REPO/.venv/bin/python $REPO/tools/prepare_source.py --dest /tmp/zipmoe-devsrc/llama.cpp-src
-    for dep in zstd lz4; do
+    for dep in zstd lz4 llama-ui; do
         $REPO/.venv/bin/python $REPO/tools/prepare_source.py --pin $REPO/vendor/$dep/pin.json --no-patches \
             --dest /tmp/zipmoe-devsrc/$dep-src
     done
     (cd /tmp/zipmoe-devsrc/llama.cpp-src && rm -rf docs benches media examples app .github .devops &&
      find models -mindepth 1 -not -name 'ggml-vocab-qwen2.gguf*' -not -name 'ggml-vocab-deepseek-llm.gguf*' -not -name 'ggml-vocab-llama-spm.gguf*' -delete)
-    tar -C /tmp/zipmoe-devsrc -cJf $CARRY/devsrc.tar.xz llama.cpp-src zstd-src lz4-src
+    tar -C /tmp/zipmoe-devsrc -cJf $CARRY/devsrc.tar.xz llama.cpp-src zstd-src lz4-src llama-ui-src
     tar -C $VENV -czf $CARRY/pylibs.tar.gz llama_cpp diskcache
     cp $REPO/../shared/tools/capped-run $CARRY/capped-run
     # the tests' tiny models (as tests/conftest.py makes them) and the bench model, as headers
@@ -87,7 +87,7 @@ build)
         echo "the prebuilt site.tar.xz does not run here: building" >&2
         ldd $SITE/zipmoe_py/lib/libggml-cuda.so | grep 'not found' >&2 || true
     fi
-    [ -d $B/llama.cpp-src ] || tar -xJf $CARRY/devsrc.tar.xz -C $B
+    [ -d $B/llama-ui-src ] || tar -xJf $CARRY/devsrc.tar.xz -C $B
     [ -f $B/build.ninja ] || cmake -S $REPO -B $B -G Ninja -DCMAKE_BUILD_TYPE=Release -DZIPMOE_CUDA=ON \
         -DGGML_CUDA_FA=OFF -DPython3_EXECUTABLE=$(command -v $PY)
     cmake --build $B -j $(nproc)
@@ -97,7 +97,7 @@ build)
     ;;
 test)
     for a in deepseek2 qwen2moe; do fill $a $a; done
-    cd /tmp && ZIPMOE_TEST_MODELS=$MODELS $PY -m pytest -v -p no:cacheprovider --timeout 300 $REPO/tests/test_cuda.py \
+    cd /tmp && ZIPMOE_TEST_MODELS=$MODELS $PY -m pytest -v -p no:cacheprovider -p no:jaxtyping --timeout 300 $REPO/tests/test_cuda.py \
         $REPO/tests/test_codec.py -k "cuda or bit_pattern or lengths" 2>&1 | tee $OUT/cuda_tests.log
     ;;
 models)  # the bench model and its two repacks, ahead of bench (it can run beside test)
