@@ -234,6 +234,8 @@ def main() -> int:
         print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB)")
         return 0
     real = ARCHITECTURES[args.arch][1]
+    if "text_config" in real:
+        ap.error(f"{args.arch}: a checkpoint with a vision tower; its text model's geometry is another architecture's")
     layers = args.layers or real["num_hidden_layers"]
     with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".templates-") as tmp:
         tmp = Path(tmp)

@@ -65,11 +65,54 @@ def test_dense_llama_checkpoint_is_refused(tmp_path, tiny_hf):
     dense = tmp_path / "dense"
     shutil.copytree(tiny_hf("qwen2moe"), dense)
     config = json.loads((dense / "config.json").read_text())
+    config = {k: v for k, v in config.items() if "expert" not in k}
     config.update(architectures=["LlamaForCausalLM"], model_type="llama")
     (dense / "config.json").write_text(json.dumps(config))
     err = _convert_error(dense, tmp_path / "out.gguf")
-    assert "architecture LlamaForCausalLM is not supported" in err
+    assert "architecture LlamaForCausalLM is not supported: config.json names no routed experts" in err
     assert str(dense / "config.json") in err
+
+
+def _checkpoint_folder(folder, config: dict):
+    """A folder check_checkpoint looks at: config.json, a weights file and a tokenizer (neither read)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+def test_a_moe_architecture_outside_the_families_is_accepted_with_a_warning(tmp_path):
+    """What llama.cpp's converter takes and names routed experts converts, the GGUF then checked as any GGUF:
+    MiniMax-M2 (its experts in config.json), GLM-4.5V (in its text_config); the warning names the verified
+    families and the checks that still apply."""
+    from zipmoe_py import convert, families
+
+    for arch, config in (("MiniMaxM2ForCausalLM", {"num_local_experts": 256}),
+                         ("Glm4vMoeForConditionalGeneration", {"text_config": {"n_routed_experts": 128}})):
+        assert arch in convert.converter_architectures() and arch not in families.BY_HF_ARCHITECTURE
+        folder = _checkpoint_folder(tmp_path / arch, {"architectures": [arch], **config})
+        assert convert.check_checkpoint(folder) == arch
+        warning = convert.unverified_warning(folder)
+        assert f"{arch} is not among the families ZipMoE has verified" in warning
+        assert all(f.hf_architecture in warning for f in families.FAMILIES) and "refused naming the tensor" in warning
+
+
+def test_an_architecture_the_converter_does_not_take_is_refused(tmp_path):
+    from zipmoe_py import ZipMoEError, convert
+
+    folder = _checkpoint_folder(tmp_path / "made-up", {"architectures": ["MadeUpMoeForCausalLM"], "num_experts": 8})
+    with pytest.raises(ZipMoEError, match="architecture MadeUpMoeForCausalLM is not supported: llama.cpp's "
+                                          "converter does not take it"):
+        convert.check_checkpoint(folder)
+
+
+def test_every_verified_family_is_one_the_converter_takes_and_converts_without_a_warning(tmp_path):
+    from zipmoe_py import convert, families
+
+    assert {f.hf_architecture for f in families.FAMILIES} <= convert.converter_architectures()
+    folder = _checkpoint_folder(tmp_path / "qwen3", {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128})
+    assert convert.check_checkpoint(folder) == "Qwen3MoeForCausalLM" and convert.unverified_warning(folder) is None
 
 
 @pytest.mark.parametrize("problem, message", [

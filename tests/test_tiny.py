@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from zipmoe_py import _paths
-from zipmoe_py.devtools.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A27B_CONFIG
+from zipmoe_py.devtools.tiny import ARCHITECTURES, DEEPSEEK_V2_LITE_CONFIG, QWEN15_MOE_A27B_CONFIG, tiny_config
 
 from conftest import run, zipmoe_command
 
@@ -196,3 +196,16 @@ def test_mxfp4_is_refused_for_a_family_not_published_so(tmp_path):
     proc = run([zipmoe_command("zipmoe-make-tiny"), "qwen3moe", tmp_path / "x", "--mxfp4"])
     assert proc.returncode == 1 and b"--mxfp4: qwen3moe is not published with MXFP4 experts (only gptoss)" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_nested_checkpoint_takes_its_tiny_sizes_in_its_own_configs():
+    """Llama 4 as published: the text model's config in text_config beside vision_config; the tiny sizes go
+    into each, and the published keys the sizes leave alone stay."""
+    config = tiny_config("llama4vl")
+    assert config["architectures"] == ["Llama4ForConditionalGeneration"]
+    text, vision = config["text_config"], config["vision_config"]
+    assert text["hidden_size"] == 64 and text["num_hidden_layers"] == 4 and text["num_local_experts"] == 16
+    assert text["use_qk_norm"] is True and text["interleave_moe_layer_step"] == 1 and text["num_experts_per_tok"] == 1
+    assert text["rope_scaling"]["rope_type"] == "llama3" and text["vocab_size"] == config["vocab_size"]
+    assert vision["hidden_size"] == 32 and vision["patch_size"] == 14 and vision["pixel_shuffle_ratio"] == 0.5
+    assert "num_hidden_layers" not in config  # nothing of the text model's leaks to the top

@@ -10,6 +10,7 @@
 # Usage: bash tools/cuda_device.sh prepare        (here, after tools/setup.sh: writes .gpucarry/)
 #        bash tools/cuda_device.sh prebuild       (here, optional: needs nvcc, cuBLAS and libcuda's stub;
 #                                                   docs/CUDA.md "Building here for the GPU machine")
+#        bash tools/cuda_device.sh check [DEADLINE] [bench options] (there: build, test and bench in one call)
 #        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
 #                                                   build takes site.tar.xz when it runs there;
 #                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
@@ -119,8 +120,27 @@ bench-ds27)
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/ds27-bf16.gguf --zipmoe $MODELS/ds27.zipmoe.gguf \
         --out $OUT/cuda_bench_ds27.json "${@:2}" 2>&1 | tee $OUT/cuda_bench_ds27.log
     ;;
+check)  # one device call (its 10 minutes): build, the tests beside the bench model's fill, then the bench
+    # (bench's options after the deadline) until DEADLINE seconds from the start (default 540); $OUT keeps
+    # the build log, the tests' log and the bench's rounds so far, whatever stops first
+    deadline=${2:-540}
+    t0=$(date +%s)
+    mkdir -p $OUT
+    bash $0 build > $OUT/build.log 2>&1 || { tail -c 4000 $OUT/build.log; exit 1; }
+    echo "built in $(( $(date +%s) - t0 )) s"
+    bash $0 models > $OUT/models.log 2>&1 &
+    fill=$!
+    bash $0 test > /dev/null 2>&1 || true
+    tail -n 3 $OUT/cuda_tests.log
+    wait $fill || { tail -c 2000 $OUT/models.log; exit 1; }
+    left=$(( deadline - ($(date +%s) - t0) ))
+    echo "bench: $left s left"
+    timeout $left bash $0 bench "${@:3}" > /dev/null 2>&1 ||
+        echo "the bench stopped at the deadline: cuda_bench.partial.json holds its finished runs"
+    tail -n 12 $OUT/cuda_bench.log
+    ;;
 *)
-    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27" >&2
+    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27|check" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,8 @@
 """zipmoe-convert: Hugging Face MoE checkpoint -> BF16 GGUF.
 
 Runs llama.cpp's own, unmodified convert_hf_to_gguf.py from the pinned source: the
-code path real checkpoints take (the families of zipmoe_py/families.py). The checkpoint and the options
+code path real checkpoints take (the families of zipmoe_py/families.py; any other MoE architecture the
+converter takes, with a warning that it is unverified). The checkpoint and the options
 are checked first so that unsupported or incomplete input fails with a message naming the file or
 option at fault, and the output is written under a temporary name of its own (OUT.<pid>.<random>.partial)
 and renamed only when complete (and, for a ZipMoE GGUF, read back: every chunk checked and decoded), so an
@@ -12,6 +13,7 @@ instead of corrupting the first; leftovers of a killed conversion are removed by
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import contextlib
 import json
@@ -44,10 +46,13 @@ def check_checkpoint(hf_dir: Path) -> str:
     if not archs:
         raise ZipMoEError(f"{config_path} names no architecture (\"architectures\" is missing)")
     arch = archs[0]
-    family = families.BY_HF_ARCHITECTURE.get(arch)
-    if family is None:
-        raise ZipMoEError(f"{config_path}: architecture {arch} is not supported; ZipMoE serves "
-                          f"Mixture-of-Experts models: {families.described()}")
+    if arch not in families.BY_HF_ARCHITECTURE:
+        why = ("llama.cpp's converter does not take it" if arch not in converter_architectures() else
+               "config.json names no routed experts (num_experts, num_local_experts, n_routed_experts, "
+               "moe_num_experts)" if routed_expert_count(config) < 2 else None)
+        if why is not None:
+            raise ZipMoEError(f"{config_path}: architecture {arch} is not supported: {why}; ZipMoE serves "
+                              f"Mixture-of-Experts models: {families.described()}")
     weights = list(hf_dir.glob("*.safetensors")) + list(hf_dir.glob("pytorch_model*.bin"))
     if not weights:
         raise ZipMoEError(f"{hf_dir} has no weights (*.safetensors or pytorch_model*.bin)")
@@ -60,6 +65,43 @@ def check_checkpoint(hf_dir: Path) -> str:
     if not any((hf_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
         raise ZipMoEError(f"{hf_dir} has no tokenizer (tokenizer.json or tokenizer.model)")
     return arch
+
+
+def converter_architectures() -> frozenset[str]:
+    """The Hugging Face architectures the vendored convert_hf_to_gguf.py writes a text GGUF for (its
+    TEXT_MODEL_MAP), read from its source: importing it would take torch."""
+    source = _paths.LLAMA_CPP_DIR / "conversion" / "__init__.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(getattr(target, "id", None) == "TEXT_MODEL_MAP" for target in targets) and node.value is not None:
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routed_expert_count(config: dict) -> int:
+    """The routed experts per layer a config.json names, or in its text_config (a model with a vision
+    tower); 0 when it names none (a dense model)."""
+    counts = [value for c in (config, config.get("text_config")) if isinstance(c, dict)
+              for key, value in c.items() if key in _EXPERT_COUNT_KEYS and isinstance(value, int)]
+    return max(counts, default=0)
+
+
+def unverified_warning(hf_dir: Path) -> str | None:
+    """For a checkpoint check_checkpoint accepts outside the table of families: what is and is not known."""
+    arch = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    if arch in families.BY_HF_ARCHITECTURE:
+        return None
+    return (f"{hf_dir / 'config.json'}: {arch} is not among the families ZipMoE has verified ({families.described()}). "
+            "llama.cpp's converter takes it, and its GGUF is checked as any GGUF is: served where its routed experts "
+            "are gate, up and down tensors, refused naming the tensor where they are not. Compare its logits with "
+            "the BF16 GGUF's (--keep-bf16) before relying on it")
 
 
 def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> Path:
@@ -223,6 +265,9 @@ def _refuse_before_work(args, ap: argparse.ArgumentParser) -> bool:
     if from_checkpoint:
         check_checkpoint(args.source)
         require_extra("convert", "converting a Hugging Face checkpoint")
+        unverified = unverified_warning(args.source)
+        if unverified:
+            print(f"zipmoe-convert: warning: {unverified}", file=sys.stderr)
     return from_checkpoint
 
 
@@ -232,8 +277,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(
         prog="zipmoe-convert",
-        description=f"Convert a Hugging Face Mixture-of-Experts checkpoint ({families.described()}) to a "
-                    "ZipMoE GGUF: llama.cpp's own converter (pinned, unmodified) makes a BF16 GGUF, whose "
+        description=f"Convert a Hugging Face Mixture-of-Experts checkpoint (verified: {families.described()}; "
+                    "any other MoE architecture llama.cpp's converter takes, with a warning) to a ZipMoE GGUF: llama.cpp's own converter (pinned, unmodified) makes a BF16 GGUF, whose "
                     "routed experts are then repacked into the ZipMoE split-bitfield format (docs/FORMAT.md); "
                     "the intermediate BF16 file is deleted unless --keep-bf16. The input may also be a GGUF "
                     "(repacked directly): BF16 experts are split, experts of any other type (a quantized GGUF "

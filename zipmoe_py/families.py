@@ -47,6 +47,8 @@ FAMILIES = (
     Family("OlmoeForCausalLM", "olmoe", "OLMoE", "olmoe"),
     Family("Glm4MoeForCausalLM", "glm4moe", "GLM-4.5, GLM-4.5-Air", "glm4moe"),
     Family("Llama4ForCausalLM", "llama4", "Llama 4 Scout, Maverick (text)", "llama4"),
+    Family("Llama4ForConditionalGeneration", "llama4", "Llama 4 Scout, Maverick (as published; vision left out)",
+           "llama4vl"),
     Family("GraniteMoeForCausalLM", "granitemoe", "Granite 3.0 / 3.1 MoE (1b-a400m, 3b-a800m)", "granitemoe"),
     Family("Ernie4_5_MoeForCausalLM", "ernie4_5-moe", "ERNIE-4.5 MoE (21B-A3B, 300B-A47B; text)", "ernie45moe"),
     Family("GptOssForCausalLM", "gpt-oss", "gpt-oss-20b, -120b (expert biases)", "gptoss", "MXFP4_MOE",

@@ -181,9 +181,25 @@ ARCHITECTURES = {
 
 def tiny_config(arch: str) -> dict:
     _, real, sizes = ARCHITECTURES[arch]
-    config = dict(real)
-    config.update(sizes)
-    return config
+    return _merged(real, sizes)
+
+
+def _merged(config: dict, sizes: dict) -> dict:
+    """config with sizes on top; a nested config (text_config, vision_config) takes its own sizes key by key."""
+    merged = dict(config)
+    for key, value in sizes.items():
+        merged[key] = _merged(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def _model_class(hf_config):
+    """transformers' class the config names: a checkpoint with a vision tower (Llama4ForConditionalGeneration) is
+    an image-text-to-text model, the rest causal language models."""
+    import transformers
+
+    if hasattr(hf_config, "text_config") and hasattr(hf_config, "vision_config"):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _read_vocab_gguf(path: Path) -> dict:
@@ -344,6 +360,8 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     out_dir.mkdir(parents=True, exist_ok=True)
 
     config = tiny_config(arch)
+    if real_widths_layers is not None and "text_config" in config:
+        raise ZipMoEError(f"{arch}: a checkpoint with a vision tower is made tiny only (no real widths)")
     if real_widths_layers is not None:
         config = dict(ARCHITECTURES[arch][1])
         config["num_hidden_layers"] = real_widths_layers
@@ -354,7 +372,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
         if arch == "deepseek2" and real_widths_layers not in (26, 27):
             config["q_lora_rank"] = 1536  # llama.cpp treats q_lora_rank-less models as "Lite" only at 26/27 layers
     if sizes:
-        config.update(sizes)
+        config = _merged(config, sizes)
     if std is not None:
         config["initializer_range"] = std
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -371,7 +389,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
 
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     torch.manual_seed(seed)
     hf_config = AutoConfig.from_pretrained(out_dir, trust_remote_code=False)
@@ -381,7 +399,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, std: float | None = None,
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # initialise in BF16: no F32 copy of a multi-GB model
     try:
-        model = AutoModelForCausalLM.from_config(hf_config).to(torch.bfloat16)
+        model = _model_class(hf_config).from_config(hf_config).to(torch.bfloat16)
     finally:
         torch.set_default_dtype(default_dtype)
     state = randomized_buffers(_untied(model.state_dict()), torch.Generator().manual_seed(seed))

@@ -8,7 +8,8 @@ SentencePiece vocab GGUF, written as a tokenizer.model (sentencepiece_model).
 The tiny sizes keep what the serving path branches on: more experts than top-k, top-k > 1 and 1 (Llama 4),
 expert groups (DeepSeek-V3), dense leading layers (DeepSeek-V3, GLM-4.5) or every other layer dense (Llama
 4), shared experts, normalised or plain top-k weights, sigmoid gating with a correction bias, expert biases
-(gpt-oss), widths that every 32-value block type divides.
+(gpt-oss), widths that every 32-value block type divides, and a published checkpoint's nesting (Llama 4's
+text_config beside its vision tower).
 """
 from __future__ import annotations
 
@@ -75,6 +76,24 @@ LLAMA4_MAVERICK_TEXT_CONFIG = {
     "attention_bias": False, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "rope_scaling": None,
     "max_position_embeddings": 1048576, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS,
 }
+# Llama 4 as Meta published it (Scout): the text model in text_config beside a vision tower; the converter writes
+# the text model's GGUF and leaves the vision tower to an mmproj file, which ZipMoE does not touch
+LLAMA4_SCOUT_CONFIG = {
+    "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "llama4_text", "hidden_act": "silu", "hidden_size": 5120, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+        "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1,
+        "attention_chunk_size": 8192, "use_qk_norm": True, "attention_bias": False, "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 10485760, "tie_word_embeddings": False, "torch_dtype": "bfloat16", **QWEN2_IDS},
+    "vision_config": {
+        "model_type": "llama4_vision_model", "hidden_size": 1408, "num_hidden_layers": 34, "num_attention_heads": 16,
+        "intermediate_size": 5632, "vision_output_dim": 4096, "image_size": 336, "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096, "projector_output_dim": 4096, "norm_eps": 1e-05},
+    "torch_dtype": "bfloat16", **QWEN2_IDS,
+}
 ERNIE_45_21B_A3B_CONFIG = {
     "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_act": "silu",
     "hidden_size": 2560, "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 28,
@@ -114,6 +133,15 @@ GPT_OSS_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "n
 # every other layer dense (interleave_moe_layer_step 2), one expert a token, as Maverick
 LLAMA4_TINY_SIZES = {**COMMON_TINY, "head_dim": 16, "num_local_experts": 16, "intermediate_size": 64,
                      "intermediate_size_mlp": 128, "num_hidden_layers": 4}
+# a checkpoint with a text_config takes its sizes there (tiny.tiny_config merges them); every layer MoE, as Scout;
+# 4 layers, as for Llama 4's text model: the fourth is its first without RoPE, whose attention-temperature input
+# llama.cpp sets (and asserts is allocated) for every model
+LLAMA4_VL_TINY_SIZES = {
+    "text_config": LLAMA4_TINY_SIZES,
+    "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+                      "vision_output_dim": 64, "image_size": 28, "patch_size": 14, "projector_input_dim": 64,
+                      "projector_output_dim": 64},
+}
 GRANITE_TINY_SIZES = {**COMMON_TINY, "num_local_experts": 16, "num_experts_per_tok": 4, "intermediate_size": 64,
                       "num_hidden_layers": 2}
 # layer 0 dense; the converter sizes the shared experts as intermediate_size / num_key_value_heads, which is
@@ -134,6 +162,7 @@ FAMILY_ARCHITECTURES = {
     "glm4moe": (QWEN2_VOCAB, GLM45_AIR_CONFIG, GLM45_TINY_SIZES),
     "gptoss": (QWEN2_VOCAB, GPT_OSS_20B_CONFIG, GPT_OSS_TINY_SIZES),
     "llama4": (QWEN2_VOCAB, LLAMA4_MAVERICK_TEXT_CONFIG, LLAMA4_TINY_SIZES),
+    "llama4vl": (QWEN2_VOCAB, LLAMA4_SCOUT_CONFIG, LLAMA4_VL_TINY_SIZES),
     "granitemoe": (QWEN2_VOCAB, GRANITE_3_MOE_3B_CONFIG, GRANITE_TINY_SIZES),
     "ernie45moe": (LLAMA_SPM_VOCAB, ERNIE_45_21B_A3B_CONFIG, ERNIE_TINY_SIZES),
 }
