@@ -371,9 +371,9 @@ def completion(path, *extra, env=None) -> tuple[int, str]:
 def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf, zipmoe_gguf):
     """n_ctx unset (llama-completion's default): stock takes the trained context (the tiny DeepSeek-V2
     keeps DeepSeek-V2-Lite's 163,840 tokens); a ZipMoE model takes it only when its KV cache fits in
-    what every expert in BF16 leaves of the memory beside the non-expert weights, else the largest
-    multiple of 256 that does, at least upstream fit's 4096 tokens: a small machine's experts keep their
-    memory. A context size given stays as given."""
+    what every expert leaves of the memory beside the non-expert weights, the cache's buffers, twice its
+    margin and a ubatch's logits, else the largest multiple of 256 that does, at least upstream fit's 4096 tokens:
+    a small machine's experts keep their memory. A context size given stays as given."""
     import re
 
     trained = 163840
@@ -384,21 +384,26 @@ def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf
     said_re = re.compile(rf"no context size given: (\d+) tokens \(a KV cache of {size}\), not the trained "
                          rf"163840 \({size}\): as upstream's fit, the context gets what the model leaves, at "
                          rf"least 4096 tokens, and here the model's experts \({size}\) take all but {size} "
-                         rf"of the {size} left beside the non-expert weights")
+                         rf"of the {size} left beside the non-expert weights, the expert cache's buffers, twice its "
+                         rf"margin and a ubatch's logits \({size}\)")
     units = {"bytes": 0, "KiB": 10, "MiB": 20, "GiB": 30}
 
     def gib(text):
         number, unit = text.split()
         return float(number) * 2 ** (units[unit] - 30)
 
-    for limit_mib in (256, 48):  # the spare memory holds 100k tokens; under 4096
+    # the spare memory holds about 100k tokens (beside 200 MiB of logits: 102,400 tokens x 512 x 4 bytes); under 4096
+    for limit_mib in (512, 256):
         limit = {"ZIPMOE_MEM_LIMIT": str(limit_mib << 20)}
         n_ctx, log = completion(zipmoe, env=limit)
         said = said_re.search(log)
         assert said and int(said.group(1)) == n_ctx, log[-3000:]
-        kv_gib, trained_gib, experts_gib, spare_gib, left_gib = (gib(said.group(i)) for i in range(2, 7))
+        kv_gib, trained_gib, experts_gib, spare_gib, left_gib, overhead_gib = (gib(said.group(i)) for i in range(2, 8))
         assert 4096 <= n_ctx < trained and n_ctx % 256 == 0
-        assert abs(left_gib - experts_gib - spare_gib) <= 0.015 and spare_gib < trained_gib  # three roundings to 0.01
+        assert overhead_gib >= 200 / 1024  # the logits of a 512-token ubatch at least
+        # four roundings to 0.01, and nothing of what is left but the spare
+        assert abs(left_gib - experts_gib - overhead_gib - spare_gib) <= 0.02 or spare_gib == 0
+        assert spare_gib < trained_gib
         per_token_gib = trained_gib / trained
         if n_ctx > 4096:  # the most the spare memory holds, to 256 tokens and the log's rounding
             assert kv_gib <= spare_gib + 0.005 and (n_ctx + 256) * per_token_gib > spare_gib - 0.005
@@ -410,6 +415,29 @@ def test_an_unset_context_gets_what_the_experts_leave_as_upstreams_fit(tiny_gguf
     assert completion(zipmoe, "-c", 512, env=limit)[0] == 512
 
 
+def test_an_unset_context_leaves_the_slots_every_expert(zipmoe_gguf):
+    """Where the trained context's KV cache fits beside every expert but not beside the cache's buffers, its
+    margin and the context's logits too, an unset context is made smaller, so that the slots hold every
+    expert and the preload fills them (a trained context there left the slots a few experts short, the
+    preload read nothing, and every expert was then missed once: slower than stock)."""
+    import re
+
+    zipmoe = zipmoe_gguf("deepseek2")
+    n_ctx, log = completion(zipmoe, env={"ZIPMOE_MEM_LIMIT": str(2 << 30)})
+    assert n_ctx == 163840 and "ZipMoE preloaded" in log, log[-3000:]
+    kv_mib = float(re.findall(r"KV buffer size =\s+([0-9.]+) MiB", log)[-1])
+    left = re.search(r"\(available ([0-9.]+) GiB .*?- non-expert weights ([0-9.]+) (MiB|GiB)", log)
+    non_expert_mib = float(left.group(2)) * (1024 if left.group(3) == "GiB" else 1)
+    experts_mib = float(re.search(r"all experts ([0-9.]+) MiB", log).group(1))
+    # the trained context's KV cache and 100 MiB fit beside every expert: less than a ubatch's logits (200 MiB)
+    limit_mib = non_expert_mib + experts_mib + kv_mib + 100
+    n_ctx, log = completion(zipmoe, env={"ZIPMOE_MEM_LIMIT": str(int(limit_mib * 2**20))})
+    assert 4096 <= n_ctx < 163840, log[-3000:]
+    assert "nothing loaded: the slots in use do not hold every expert" not in log
+    preloaded = re.search(r"ZipMoE preloaded (\d+) experts", log)
+    assert preloaded, log[-3000:]
+
+
 def test_an_unset_context_of_a_sliding_window_model_counts_its_window(zipmoe_gguf):
     """gpt-oss: every other layer attends within a window of 8 tokens here, and llama.cpp keeps only that
     window and a ubatch of cells for them. An unset context gets what the experts leave, counting the full
@@ -418,7 +446,8 @@ def test_an_unset_context_of_a_sliding_window_model_counts_its_window(zipmoe_ggu
     ubatch counted at its largest (n_batch)."""
     import re
 
-    n_ctx, log = completion(zipmoe_gguf("gptoss"), env={"ZIPMOE_MEM_LIMIT": str(60 << 20)})
+    # about 10 MiB spare beside every expert, the cache's buffers, twice its margin and a ubatch's logits (297 MiB)
+    n_ctx, log = completion(zipmoe_gguf("gptoss"), env={"ZIPMOE_MEM_LIMIT": str(520 << 20)})
     said = re.search(r"no context size given: (\d+) tokens \(a KV cache of ([0-9.]+) (KiB|MiB)\), not the trained 131072", log)
     assert said and int(said.group(1)) == n_ctx, log[-3000:]
     assert 4096 < n_ctx < 131072 and n_ctx % 256 == 0

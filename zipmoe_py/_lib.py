@@ -130,7 +130,7 @@ class ServingInfo(ctypes.Structure):
     _fields_ = [("expert_bytes", ctypes.c_uint64), ("all_experts", ctypes.c_uint64),
                 ("slot_ne", (ctypes.c_int64 * 2) * 3), ("n_moe_layers", ctypes.c_int32), ("max_expert", ctypes.c_int32),
                 ("capacity", ctypes.c_int32), ("fewest", ctypes.c_int32), ("with_pools", ctypes.c_int32),
-                ("raw", ctypes.c_int32), ("slot_bytes", ctypes.c_uint64 * 3)]
+                ("raw", ctypes.c_int32), ("slot_bytes", ctypes.c_uint64 * 3), ("n_experts", ctypes.c_int32)]
 
 
 class ServingDemand(ctypes.Structure):

@@ -55,6 +55,8 @@ struct ggml_zipmoe_serving_info {
     int32_t  with_pools;     // pools were given
     int32_t  raw;            // the experts are stored raw (not BF16: a quantized file): one F pool
     uint64_t slot_bytes[3];  // by kind: bytes of a slot (the largest of any layer's expert tensor)
+    int32_t  n_experts;      // routed experts of every MoE layer: the most slots ever in use (every expert
+                             // held takes n_experts x expert_bytes, more than all_experts where layers' types differ)
 };
 
 // the last sizing: what llama.h's llama_zipmoe_memory_plan reports, field for field
@@ -138,6 +140,11 @@ GGML_ZIPMOE_API int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, c
 // (slots in a device's memory: once, adds host stores beside them if those steps missed once per step
 // or more). Returns 1 if the slot layout changed (graphs must be rebuilt), else 0.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t n_seqs);
+
+// what a sizing keeps beside the slots, the non-expert weights and the contexts, for the graph threads seen so
+// far (the plan's cache_buffers and margin): what a context size chosen for the slots' sake must leave too
+GGML_ZIPMOE_API void ggml_zipmoe_serving_overhead(const struct ggml_zipmoe_serving * s, uint64_t * cache_buffers,
+                                                  uint64_t * margin);
 
 // the last sizing (before the first: what load decided)
 GGML_ZIPMOE_API void ggml_zipmoe_serving_get_plan(const struct ggml_zipmoe_serving * s,

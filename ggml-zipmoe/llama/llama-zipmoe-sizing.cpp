@@ -129,9 +129,8 @@ static std::string hard_limit_text(const ggml_zipmoe_memory & mem, uint64_t head
                   llama_zipmoe_size_text(mem.cgroup_used).c_str(), llama_zipmoe_size_text(headroom).c_str());
 }
 
-void llama_zipmoe::check_load_fits(const gguf_context * meta) const {
-    const int64_t tokens = meta != nullptr ? gguf_find_key(meta, "tokenizer.ggml.tokens") : -1;
-    const uint64_t vocab = tokens >= 0 ? (uint64_t) gguf_get_arr_n(meta, tokens) * k_vocab_bytes_per_token : 0;
+void llama_zipmoe::check_load_fits() const {
+    const uint64_t vocab = n_vocab * k_vocab_bytes_per_token;
     ggml_zipmoe_memory mem;
     const uint64_t headroom = hard_limit_headroom(mem);
     if (headroom < vocab + k_load_slack) {
@@ -139,7 +138,7 @@ void llama_zipmoe::check_load_fits(const gguf_context * meta) const {
                                         "(%" PRId64 " tokens); the kernel would kill the process. Raise the limit",
                                         fname.c_str(), hard_limit_text(mem, headroom).c_str(),
                                         llama_zipmoe_size_text(vocab + k_load_slack).c_str(),
-                                        (int64_t) gguf_get_arr_n(meta, tokens)));
+                                        (int64_t) n_vocab));
     }
 }
 
@@ -176,13 +175,24 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
     }
     const kv_cache_model kv(hparams, type_k, type_v, shape);
     // as upstream's fit (common/fit.cpp) sizes an unset context: what the model leaves of the memory,
-    // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in
-    // BF16: each expert slot speeds decoding up, while KV cells are only ever used by a long context
+    // at least its floor of 4096 tokens. The model here is the non-expert weights and every expert in a
+    // slot: each expert slot speeds decoding up, while KV cells are only ever used by a long context.
+    // Beside them the sizing keeps the cache's buffers and a margin, and the context its compute buffer,
+    // mostly a ubatch's F32 logits; the margin counts twice, for what the process takes before the slots
+    // are sized (a program that loads the model a second time, after upstream fit's dry run, has 18 MiB
+    // more resident then). Without them a trained context that fits beside every expert leaves the slots
+    // a few experts short of all, and the preload, which fills only all, reads nothing
     const ggml_zipmoe_serving_plan plan = serving_plan();
     ggml_zipmoe_serving_info info;
     ggml_zipmoe_serving_get_info(serving, &info);
-    const uint64_t left  = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
-    const uint64_t spare = left > info.all_experts ? left - info.all_experts : 0;
+    uint64_t cache_buffers = 0, margin = 0;
+    ggml_zipmoe_serving_overhead(serving, &cache_buffers, &margin);
+    const uint64_t logits   = 4 * n_vocab * shape.n_outputs;
+    const uint64_t overhead = cache_buffers + 2 * margin + logits;
+    const uint64_t left     = plan.available > non_expert_bytes ? plan.available - non_expert_bytes : 0;
+    const uint64_t experts  = (uint64_t) info.n_experts * info.expert_bytes; // every expert in a slot
+    const uint64_t taken    = experts + overhead;
+    const uint64_t spare    = left > taken ? left - taken : 0;
     if (kv.bytes(n_train) <= spare) {
         return n_train; // stock's unset context: the trained one, shared by the streams
     }
@@ -192,11 +202,11 @@ uint32_t llama_zipmoe::unset_context_size(const llama_hparams & hparams, ggml_ty
     const uint32_t n = std::min(n_train, std::max<uint32_t>(floor_ctx, kv.fits_in(spare)));
     LLAMA_LOG_INFO("%s: ZipMoE: no context size given: %u tokens (a KV cache of %s), not the trained %u (%s): as "
                    "upstream's fit, the context gets what the model leaves, at least %u tokens, and here the model's "
-                   "experts (%s) take all but %s of the %s left beside the non-expert weights; give -c / n_ctx for "
-                   "another\n", __func__, n, llama_zipmoe_size_text(kv.bytes(n)).c_str(), n_train,
-                   llama_zipmoe_size_text(kv.bytes(n_train)).c_str(), floor_ctx,
-                   llama_zipmoe_size_text(info.all_experts).c_str(), llama_zipmoe_size_text(spare).c_str(),
-                   llama_zipmoe_size_text(left).c_str());
+                   "experts (%s) take all but %s of the %s left beside the non-expert weights, the expert cache's "
+                   "buffers, twice its margin and a ubatch's logits (%s); give -c / n_ctx for another\n", __func__, n,
+                   llama_zipmoe_size_text(kv.bytes(n)).c_str(), n_train, llama_zipmoe_size_text(kv.bytes(n_train)).c_str(),
+                   floor_ctx, llama_zipmoe_size_text(experts).c_str(), llama_zipmoe_size_text(spare).c_str(),
+                   llama_zipmoe_size_text(left).c_str(), llama_zipmoe_size_text(overhead).c_str());
     return n;
 }
 

@@ -127,6 +127,8 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
                 file_non_expert += gguf_get_tensor_size(meta, i);
             }
         }
+        const int64_t tokens = gguf_find_key(meta, "tokenizer.ggml.tokens");
+        n_vocab = tokens >= 0 ? (uint64_t) gguf_get_arr_n(meta, tokens) : 0;
     }
 
     char err[1024];
@@ -164,7 +166,7 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     }
     ggml_zipmoe_serving_get_info(serving, &info);
     try {
-        check_load_fits(meta);
+        check_load_fits();
     } catch (...) {
         ggml_zipmoe_serving_free(serving);
         ggml_zipmoe_file_close(file);

@@ -69,6 +69,7 @@ struct llama_zipmoe_kv_shape {
     bool     unified   = false;
     uint32_t n_ubatch  = 512; // at most: the context's n_batch or n_ubatch, whichever is larger
     bool     swa_full  = false; // sliding-window layers keep every cell (--swa-full)
+    uint32_t n_outputs = 512;   // logits rows the context's compute buffer holds: its n_ubatch (at most n_batch)
 };
 
 // every ZipMoE option, as the loader uses it: a KV override (--override-kv zipmoe.NAME=TYPE:VALUE), else
@@ -162,8 +163,9 @@ struct llama_zipmoe {
     void check_model(const llama_model & model);
 
     // the context size of a context made without one (n_ctx 0), as upstream's fit sizes one for a model
-    // that does not fit: the trained context (per stream) when its KV cache fits in what every expert in
-    // BF16 leaves beside the non-expert weights, else the largest multiple of 256 that does, at least
+    // that does not fit: the trained context (per stream) when its KV cache fits in what every expert in a
+    // slot leaves beside the non-expert weights, the cache's buffers, twice its margin and a ubatch's
+    // logits (the bulk of the context's compute buffer), else the largest multiple of 256 that does, at least
     // 4096 tokens per stream. The KV cache is cleared, so all of it is resident from the start, and an
     // unset context's is mostly never used: the trained context of DeepSeek-V2-Lite (163,840 tokens,
     // 4.9 GiB) would take the experts' memory, or a small machine's whole. Sliding-window layers count at
@@ -176,7 +178,7 @@ struct llama_zipmoe {
     // the process uses already; for a context of n_ctx tokens, its KV cache (cleared, so all resident),
     // the cache's own buffers and the fewest slots. A soft limit (MemAvailable, zipmoe.mem_limit) only
     // sizes the slots; paged weights never count, as a mapped model may page.
-    void check_load_fits(const gguf_context * meta) const;
+    void check_load_fits() const;
     void check_context_fits(const llama_hparams & hparams, uint32_t n_ctx, ggml_type type_k, ggml_type type_v,
                             const llama_zipmoe_kv_shape & shape) const;
 
@@ -293,6 +295,7 @@ private:
     std::vector<int32_t>  layer_tensors;     // [n_layer][3] the file's tensor of each layer's gate, up, down
     int32_t               n_expert_used = 1; // the model's top-k
     uint64_t              file_non_expert = 0; // bytes of the file's tensors that are not expert chunks
+    uint64_t              n_vocab = 0;       // the vocabulary's tokens (a context's logits are this wide)
 
     // the sizing (ggml-zipmoe-serving.h) and its view of the slots
     ggml_zipmoe_serving *     serving = nullptr;

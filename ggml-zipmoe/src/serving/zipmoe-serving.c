@@ -97,6 +97,21 @@ static void measure_memory(struct ggml_zipmoe_serving * s) {
     }
 }
 
+// routed experts of every MoE layer: the most slots ever in use. Not the experts' bytes in slots: a quantized
+// file may type layers apart (Q4_K_M: Q6_K down experts in half of them), and every slot has the largest's size
+static int32_t expert_count(const struct ggml_zipmoe_serving * s) {
+    int64_t n = 0;
+    for (int l = 0; l < s->p.n_layer; ++l) {
+        const int t = s->layer_tensors[3 * l];
+        if (t >= 0) {
+            int64_t ne[3];
+            ggml_zipmoe_file_tensor_shape(s->p.file, t, ne);
+            n += ne[2];
+        }
+    }
+    return (int32_t) MIN(n, (int64_t) INT32_MAX);
+}
+
 // the experts' geometry from the file: one slot shape per kind (the cache checks every layer has it)
 static int measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
     static const char * const kinds[3] = { "gate", "up", "down" };
@@ -144,6 +159,7 @@ static int measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t er
         in->n_moe_layers += strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_gate_exps") != NULL;
         in->max_expert = MAX(in->max_expert, (int32_t) ne[2]);
     }
+    in->n_experts = expert_count(s);
     return GGML_ZIPMOE_OK;
 }
 
@@ -151,7 +167,7 @@ static int measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t er
 static int choose_capacity(struct ggml_zipmoe_serving * s, char * err, size_t err_size) {
     struct ggml_zipmoe_serving_info * in = &s->info;
     const int32_t * pools = s->p.pools;
-    const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
+    const int32_t all_slots = MAX(1, s->info.n_experts);
     if (in->with_pools) {
         // pools hold experts per MoE layer: more than a layer has is a mistake (a slot count?), and
         // would reserve memory no expert ever uses
@@ -245,7 +261,7 @@ int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const cha
                            size_text(s->available), size_text(free_bytes), s->source);
         free_bytes = s->available;
     }
-    const int32_t all_slots = MAX(1, slots_for(s, in->all_experts));
+    const int32_t all_slots = MAX(1, s->info.n_experts);
     const int32_t fit       = slots_for(s, free_bytes > reserve_bytes ? free_bytes - reserve_bytes : 0);
     const int32_t fewest    = MIN(all_slots, s->p.n_expert_used);
     if (!in->with_pools && s->p.budget == 0) {
@@ -421,26 +437,39 @@ static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, char * buf
              size_text(pl->contexts), size_text(pl->cache_buffers), size_text(pl->margin), size_text(pl->fits));
 }
 
-// the slots that fit beside everything else, into s->plan (its sizing fields) and *n_out; logs when a
-// budget is cut or memory is short. ERR_ARG when pools given do not fit while making a context.
-static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_serving_demand * d, int32_t * n_out,
-                      char * err, size_t err_size) {
-    const bool pools_given = s->info.with_pools;
-    // the stores of C, S and E are sized with the slots, from what is left beside the cache's other buffers
+// what a sizing keeps beside the slots and the contexts: the cache's own buffers for n_threads_max graph
+// threads (less the stores, which are sized with the slots unless pools were given) and a margin
+static void overheads(const struct ggml_zipmoe_serving * s, int32_t n_threads_max, uint64_t * cache_buffers,
+                      uint64_t * margin) {
     uint64_t stores = 0;
     for (int p = GGML_ZIPMOE_POOL_C; p <= GGML_ZIPMOE_POOL_E; ++p) {
         size_t entry = 0;
         stores += (uint64_t) MAX(0, ggml_zipmoe_cache_pool_entries(s->cache, p, &entry)) * entry;
     }
-    const uint64_t extra = ggml_zipmoe_cache_extra_bytes(s->cache, s->n_threads_max);
+    const uint64_t extra = ggml_zipmoe_cache_extra_bytes(s->cache, n_threads_max);
+    *cache_buffers = s->info.with_pools || extra < stores ? extra : extra - stores;
+    *margin        = (64ull << 20) + s->available / 32; // heap growth, readahead, allocator slack
+}
+
+void ggml_zipmoe_serving_overhead(const struct ggml_zipmoe_serving * s, uint64_t * cache_buffers, uint64_t * margin) {
+    *cache_buffers = *margin = 0;
+    if (s != NULL && s->cache != NULL) {
+        overheads(s, s->n_threads_max, cache_buffers, margin);
+    }
+}
+
+// the slots that fit beside everything else, into s->plan (its sizing fields) and *n_out; logs when a
+// budget is cut or memory is short. ERR_ARG when pools given do not fit while making a context.
+static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_serving_demand * d, int32_t * n_out,
+                      char * err, size_t err_size) {
+    const bool pools_given = s->info.with_pools;
     struct ggml_zipmoe_serving_plan pl;
     memset(&pl, 0, sizeof(pl));
     pl.available     = s->available;
     pl.non_expert    = d->non_expert;
     pl.contexts      = d->contexts;
     pl.n_contexts    = d->n_contexts;
-    pl.cache_buffers = pools_given || extra < stores ? extra : extra - stores;
-    pl.margin        = (64ull << 20) + s->available / 32; // heap growth, readahead, allocator slack
+    overheads(s, s->n_threads_max, &pl.cache_buffers, &pl.margin);
     const uint64_t fixed = d->non_expert + d->contexts + pl.cache_buffers + pl.margin;
     pl.fits          = s->available > fixed ? s->available - fixed : 0;
     pl.budget        = s->p.budget;
