@@ -14,9 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
-#define MAX(a, b) ((a) > (b) ? (a) : (b))
-
 void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r) {
     free(r->seen_counts);
     free(r->seen_ubatches);

@@ -1,11 +1,15 @@
-// The serving object's state, shared by zipmoe-serving.c (geometry, slot memory, sizing) and
-// zipmoe-replan.c (the pools planned again from the routing seen). Not part of the public API.
+// The serving object's state, shared by zipmoe-serving.c (memory, slot memory, sizing), zipmoe-geometry.c
+// (the experts' geometry) and zipmoe-replan.c (the pools planned again from the routing seen). Not part of
+// the public API.
 
 #pragma once
 
 #include "ggml-zipmoe.h"
 #include "ggml-zipmoe-policy.h"
 #include "ggml-zipmoe-serving.h"
+
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -88,6 +92,10 @@ void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const c
 // entries. Where the stores cannot be allocated the cache falls back to one F pool, and *pools says so.
 // OK, or the cache's refusal (nothing changed)
 int zipmoe_serving_use_slots(struct ggml_zipmoe_serving * s, int32_t n, struct ggml_zipmoe_default_pools * pools);
+
+// zipmoe-geometry.c: s->info's geometry (slot shapes and bytes, every expert's bytes, MoE layers, the largest
+// layer's and all experts' counts) from the file; ERR_ARG with a message where a layer's shapes differ
+int zipmoe_serving_measure_experts(struct ggml_zipmoe_serving * s, char * err, size_t err_size);
 
 // zipmoe-replan.c
 void zipmoe_routing_profile_free(struct zipmoe_routing_profile * r);
