@@ -50,7 +50,7 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
           "so most of the weights sit idle at any moment and can wait on disk until they are needed. ")
 H2D = re.compile(r"([0-9.]+) MB to the slots' device")
 CUDA_WEIGHTS = re.compile(r"CUDA\d+ model buffer size =\s*([0-9.]+) MiB")
-GPU_SLOTS = re.compile(r"ZipMoE expert cache: (\d+) slots of ([0-9.]+) MiB in CUDA\d+ memory")
+GPU_SLOTS = re.compile(r"ZipMoE expert cache: (?:the \d+ MoE layers whose experts are computed there: )?(\d+) slots of ([0-9.]+) MiB in CUDA\d+ memory")
 
 
 def run_one(model: Path, extra: list[str], env: dict, args) -> dict:

@@ -110,18 +110,25 @@ class Server:
 
 
 # system -> (which file, ZipMoE's environment beyond the budget); zipmoe-device-stores: zipmoe.device_stores
-# on, host memory keeping compressed experts beside the first server's slots once decode steps miss
+# on, host memory keeping compressed experts beside the first server's slots once decode steps miss;
+# zipmoe-one-set: every layer's experts placed on the first server (-ot), so that one slot set there serves
+# every layer and the second server's layers compute their experts on the first; its budget is half the cap's
+# (a budget is the slots of every server, and here one server holds them all)
 SYSTEMS = {"stock": ("stock", {}), "zipmoe": ("zipmoe", {}),
-           "zipmoe-device-stores": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1"})}
+           "zipmoe-device-stores": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1"}), "zipmoe-one-set": ("zipmoe", {})}
+EXPERTS_ON_FIRST_SERVER = {"zipmoe-one-set"}
 
 
-def run_one(cap: int, model: Path, budget: int | None, args, extra_env: dict | None = None) -> dict:
+def run_one(cap: int, model: Path, budget: int | None, args, extra_env: dict | None = None,
+            experts_on_first_server: bool = False) -> dict:
     servers = [Server(cap), Server(cap)]
     endpoints = ",".join(f"127.0.0.1:{s.port}" for s in servers)
     cmd = [sys.executable, str(CAPPED_RUN), "--mem", "64G", "--evict", str(model), "--", str(llama_completion()),
            "-m", str(model), "--rpc", endpoints, "-ngl", "99", "-c", str(args.ctx), "-t", str(args.threads), "-p",
            PROMPT, "-n", str(args.gen_tokens), "--temp", "1", "--seed", str(args.seed), "--ignore-eos", "-no-cnv",
            "-v"]
+    if experts_on_first_server:  # the first server's buffer type, as ggml-rpc names it
+        cmd[cmd.index("-v"):cmd.index("-v")] = ["-ot", rf"\.ffn_(up|down|gate)_exps=RPC0[127.0.0.1:{servers[0].port}]"]
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}
     if budget is not None:
         env["ZIPMOE_BUDGET"] = str(budget)
@@ -256,8 +263,10 @@ def main() -> int:
                     continue
                 kind, extra_env = SYSTEMS[system]
                 budget = budgets[cap] if kind == "zipmoe" else None
+                if system in EXPERTS_ON_FIRST_SERVER:
+                    budget //= 2
                 row = {"round": rnd, "system": system, "cap_bytes": cap,
-                       **run_one(cap, files[kind], budget, args, extra_env)}
+                       **run_one(cap, files[kind], budget, args, extra_env, system in EXPERTS_ON_FIRST_SERVER)}
                 rows.append(row)
                 tag = f"round {rnd} {cap / (1 << 30):.0f} GiB {system:20s}"
                 if "error" in row:

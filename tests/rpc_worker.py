@@ -9,6 +9,13 @@ process, and a test's servers are gone after it. Three jobs:
         one sequence, 48 decode steps at half the experts, zipmoe.device_stores on, the re-plan after 4: the
         same comparison; prints
         the ZipMoE run's statistics
+    rpc_worker.py placement ARCH BF16 ZIPMOE SERVERS N_SEQ PLACEMENT_JSON BUDGET_NAME...
+        as exact, every layer offloaded and the placement's keyword arguments (override_tensor, n_cpu_moe)
+        given to both; prints one JSON line: the ZipMoE runs' statistics, and by MoE layer the device
+        stock llama.cpp gave its experts (its loader's debug log) and the device of the ZipMoE slots
+    rpc_worker.py device_budgets ZIPMOE SERVERS BUDGETS
+        every layer offloaded, zipmoe_device_budgets=BUDGETS; prints one JSON line: each set's device and
+        slots, or {"error": MESSAGE} where the load fails
     rpc_worker.py die ZIPMOE SERVERS
         greedy decoding, printing "step N" after each token, until a decode fails (the test kills a
         server); prints "error: MESSAGE" and exits 0, or exits 1 after 2000 steps
@@ -16,6 +23,7 @@ process, and a test's servers are gone after it. Three jobs:
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace
@@ -30,6 +38,67 @@ def trace(path, servers: str, n_seq: int, n_decode: int = N_DECODE, prompts=PROM
         return got, tokens, llm.zipmoe_stats()
     finally:
         llm.close()
+
+
+class LoaderLog:
+    """llama.cpp's log, debug lines included, while a model loads: zipmoe_py's Llama forwards the loader's
+    lines to llama_cpp._logger.llama_log_callback, taken over here"""
+
+    def __enter__(self):
+        from llama_cpp import _logger
+
+        from zipmoe_py.bindings import llama_cpp as lc
+
+        self.logger, self.saved, self.lines = _logger, _logger.llama_log_callback, []
+
+        @lc.llama_log_callback
+        def capture(level, text, user_data):
+            self.lines.append(text.decode(errors="replace"))
+
+        self.capture = capture
+        _logger.llama_log_callback = capture
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.llama_log_callback = self.saved
+
+
+def stock_expert_devices(log: list[str]) -> dict[int, str]:
+    """By layer, where stock's loader put the routed experts: the layer's device, or the buffer type an
+    override gave them (CPU: host memory)"""
+    text = "".join(log)
+    devices = {int(il): dev for il, dev in re.findall(r"layer +(\d+) assigned to device (\S+),", text)}
+    experts = {}
+    for il, buft in re.findall(r"tensor blk\.(\d+)\.ffn_(?:gate|up|down)_exps\.weight \(.*?\) buffer type overridden to (\S+)", text):
+        experts[int(il)] = "CPU" if buft.startswith("CPU") else buft
+    return {il: experts.get(il, dev) for il, dev in devices.items()}
+
+
+def placement(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str, placement_json: str, *budget_names) -> int:
+    from zipmoe_py.slot_sets import caches, served_layers
+
+    where = json.loads(placement_json)
+    with LoaderLog() as log:
+        stock = load(bf16, rpc_servers=servers, n_gpu_layers=99, **where)
+    try:
+        want, want_tokens = logits_trace(stock, PROMPTS[:int(n_seq)], N_DECODE)
+    finally:
+        stock.close()
+    stock_devices = stock_expert_devices(log.lines)
+    out = {"stock": stock_devices, "runs": {}}
+    for name in budget_names:
+        llm = load(zipmoe, rpc_servers=servers, n_gpu_layers=99, zipmoe_budget=budget_of(zipmoe, arch, name), **where)
+        try:
+            slots = {layer: device for device, cache in caches(llm._model.model) for layer in served_layers(cache)}
+            got, got_tokens = logits_trace(llm, PROMPTS[:int(n_seq)], N_DECODE)
+            stats = llm.zipmoe_stats()
+        finally:
+            llm.close()
+        assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}, {where}), budget {name}")
+        out["runs"][name] = {"slots": slots, "n_slots": stats["n_slots"], "h2d_bytes": stats["h2d_bytes"],
+                             "misses": stats["expert_misses"], "sets": [s["device"] for s in stats["sets"]]}
+    print(json.dumps(out))
+    return 0
 
 
 def exact(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str, *budget_names: str) -> int:
@@ -55,6 +124,22 @@ def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
     return 0
 
 
+def device_budgets(zipmoe: str, servers: str, budgets: str) -> int:
+    from zipmoe_py import ZipMoEError
+
+    try:
+        llm = load(zipmoe, rpc_servers=servers, n_gpu_layers=99, zipmoe_device_budgets=budgets)
+    except ZipMoEError as e:
+        print(json.dumps({"error": str(e)}))
+        return 0
+    try:
+        logits_trace(llm, PROMPTS[:1], 2)
+        print(json.dumps({s["device"]: s["n_slots"] for s in llm.zipmoe_stats()["sets"]}))
+    finally:
+        llm.close()
+    return 0
+
+
 def die(zipmoe: str, servers: str) -> int:
     from zipmoe_py import ZipMoEError
 
@@ -75,4 +160,5 @@ def die(zipmoe: str, servers: str) -> int:
 
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
-    sys.exit({"exact": exact, "device_pools": device_pools, "die": die}[job](*args))
+    sys.exit({"exact": exact, "device_pools": device_pools, "placement": placement, "device_budgets": device_budgets,
+              "die": die}[job](*args))

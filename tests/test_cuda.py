@@ -131,6 +131,27 @@ def test_cpu_layers_keep_host_slots_beside_a_gpu(arch, zipmoe_gguf, reference):
     assert stats["h2d_bytes"] == 0
 
 
+@pytest.mark.parametrize("n_seq", [1, PROMPTS])
+@pytest.mark.parametrize("budget_name", ["top-k", "half", "everything"])
+def test_cuda_n_cpu_moe_gives_a_set_per_device_bit_identical(arch, n_seq, budget_name, tiny_gguf, zipmoe_gguf):
+    """-ngl 99 --n-cpu-moe 3: the first three layers' experts in host memory (a host slot set, computed
+    on the CPU as stock does), the others' slots in VRAM; logits bit-identical to stock with the same flags."""
+    from zipmoe_py.slot_sets import caches, served_layers
+
+    llm = load(tiny_gguf(arch), n_gpu_layers=GPU_LAYERS, n_cpu_moe=3)
+    try:
+        want, want_tokens = logits_trace(llm, _prompts()[:n_seq])
+    finally:
+        llm.close()
+    path = zipmoe_gguf(arch)
+    llm = load(path, n_gpu_layers=GPU_LAYERS, n_cpu_moe=3, zipmoe_budget=budget_of(path, arch, budget_name))
+    sets = {device: served_layers(cache) for device, cache in caches(llm._model.model)}
+    got, got_tokens, stats = trace_and_close(llm, n_seq)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert sorted(sets) == ["CPU", "CUDA0"] and max(sets["CPU"]) < 3 <= min(sets["CUDA0"]), sets
+    assert stats["h2d_bytes"] > 0
+
+
 def test_cuda_phase2_ghuf_is_bit_identical_and_sends_compressed_exponents(arch, tiny_gguf, zipmoe_gguf, cuda_reference,
                                                                          tmp_path):
     """Phase 2: E-chunks in the GPU layout cross compressed and are decoded on the GPU: the same

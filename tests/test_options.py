@@ -206,12 +206,38 @@ def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
     (dict(zipmoe_budget="inf"), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_budget=float("inf")), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_bugdet="1M"), "unknown option\\(s\\) zipmoe_bugdet; ZipMoE's options are zipmoe_auto_pools"),
+    (dict(zipmoe_device_budgets="CUDA0"), "zipmoe_device_budgets must be like 'CUDA0=6G CPU=8G'.*got 'CUDA0'"),
+    (dict(zipmoe_device_budgets="CPU=1G cpu=2G"), "zipmoe_device_budgets must be like"),
+    (dict(zipmoe_device_budgets={"CPU": "lots"}), "zipmoe_device_budgets must be like.*got 'CPU=lots'"),
+    (dict(zipmoe_device_budgets="=4G"), "zipmoe_device_budgets must be like"),
+    (dict(zipmoe_device_budgets=42), "zipmoe_device_budgets must be like.*got 42"),
 ])
 def test_python_options_are_checked_before_the_loader(model, kwargs, message):
     from zipmoe_py import Llama
 
     with pytest.raises(ZipMoEError, match=message):
         Llama(model_path=str(model[0]), n_ctx=128, verbose=False, **kwargs)
+
+
+def test_device_budgets_size_the_host_set_and_name_a_device_without_one(model):
+    """A model on the CPU alone has one set, in host memory ("CPU"): device_budgets sizes it as a budget
+    would, given as text, a dict or the environment; a device that holds no set is a load error naming it."""
+    from zipmoe_py import Llama
+    from zipmoe_py.errors import ZipMoELoadError
+
+    path, one = model
+    for given in (f"CPU={6 * one}", {"cpu": 6 * one}):
+        llm = Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_device_budgets=given)
+        try:
+            assert llm.zipmoe_stats()["slot_capacity"] == 6, given
+        finally:
+            llm.close()
+    proc = completion(path, environment=env(ZIPMOE_DEVICE_BUDGETS=f"CPU={5 * one}"))
+    assert proc.returncode == 0 and slots_in_use(proc.stderr) == 5
+    assert b"of 5 slots in use, 0.1 MiB (zipmoe.device_budgets' CPU; available" in proc.stderr
+    with pytest.raises(ZipMoELoadError, match="zipmoe.device_budgets names CUDA0, which computes no MoE layer's "
+                                              "experts here: the devices with expert slots are CPU"):
+        Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_device_budgets="CUDA0=1G")
 
 
 def test_buddy_substitution_from_the_environment_needs_a_profile_too(model):

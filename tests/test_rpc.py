@@ -25,6 +25,7 @@ import pytest
 from zipmoe_py.devtools.ports import free_port
 
 from conftest import run, zipmoe_command
+from test_quantized import quant_models  # noqa: F401 (a fixture)
 from test_serve import budget_of, expert_geometry
 
 HERE = Path(__file__).resolve().parent
@@ -85,10 +86,10 @@ def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, 
     for name in budgets:
         s = stats[name]
         # the slots hold what the budget does, on the server: every miss's BF16 crossed the network once
-        assert s["n_slots"] == budget_of(zipmoe_gguf(arch), arch, name) // one
+        assert s["n_slots"] == budget_of(zipmoe_gguf(arch), arch, name) // one, s["sets"]
         assert s["expert_misses"] > 0 and s["bytes_read"] > 0
         # every expert made full (a miss, or a hit in a host store) crossed the network once
-        assert s["h2d_bytes"] == (s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]) * one, (name, s)
+        assert s["h2d_bytes"] == (s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]) * one, (name, s["sets"])
     # fewer slots, more misses: the bytes sent follow the budget
     assert stats["top-k"]["h2d_bytes"] > stats["everything"]["h2d_bytes"]
 
@@ -220,3 +221,60 @@ def test_a_port_that_is_not_an_rpc_server_is_an_error_naming_it_not_a_hang(zipmo
                     "-ngl", 99], text=True, cwd=HERE, timeout=120, env={**os.environ, "GGML_NO_BACKTRACE": "1"})
         assert chat.returncode not in (0, -signal.SIGABRT, -signal.SIGSEGV) and "Traceback" not in chat.stderr
         assert endpoint in chat.stderr and "handshake" in chat.stderr, chat.stderr[-2000:]
+
+
+PLACEMENTS = {"n_cpu_moe": {"n_cpu_moe": 3},
+              "override_tensor": {"override_tensor": r"blk\.(2|5|6)\.ffn_(up|down|gate)_exps=CPU"}}
+
+
+@pytest.mark.parametrize("where, n_seq", [("n_cpu_moe", 1), ("override_tensor", 4)])
+def test_each_layers_slots_are_where_stock_puts_its_experts_and_bit_identical(arch, where, n_seq, tiny_gguf,
+                                                                              zipmoe_gguf, rpc_servers):
+    """Two rpc-servers take every layer (n_gpu_layers 99), some layers' experts kept in host memory (llama.cpp's
+    --n-cpu-moe, -ot): a slot set per device, each MoE layer's slots on the device stock's loader gave that
+    layer's experts (its debug log), and every logit bit-identical to stock with the same placement."""
+    servers, _ = rpc_servers(2)
+    budgets = ("top-k", "half", "everything") if n_seq == 4 else ("top-k", "everything")
+    proc = worker("placement", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers, n_seq,
+                  json.dumps(PLACEMENTS[where]), *budgets)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, _, _ = expert_geometry(zipmoe_gguf(arch))
+    for name in budgets:
+        run_ = out["runs"][name]
+        slots = {int(layer): device for layer, device in run_["slots"].items()}
+        assert slots and all(slots[layer] == out["stock"][str(layer)] for layer in slots), (name, slots, out["stock"])
+        # one set per device stock computes experts on: host memory (some layers' experts kept there) and a server
+        assert sorted(run_["sets"]) == sorted(set(slots.values())) and "CPU" in slots.values(), run_["sets"]
+        assert any(device.startswith("RPC") for device in run_["sets"]), run_["sets"]
+        assert run_["n_slots"] * one <= budget_of(zipmoe_gguf(arch), arch, name) + 3 * one
+        assert run_["h2d_bytes"] > 0  # the servers' misses crossed the network
+
+
+def test_quantized_slots_per_device_are_bit_identical(quant_models, rpc_servers):
+    """The same on a Q4_K_M file (Q4_K and Q6_K experts stored raw): the host set in the buffer type stock
+    gives experts overridden to the CPU (ggml-cpu's repacking one for Q4_K on x86), a server's set in its memory."""
+    stock, zipmoe = quant_models("qwen2moe", "Q4_K_M")
+    servers, _ = rpc_servers(2)
+    proc = worker("placement", "qwen2moe", stock, zipmoe, servers, 4, json.dumps({"n_cpu_moe": 1}),
+                  "top-k", "everything")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, run_ in out["runs"].items():
+        slots = {int(layer): device for layer, device in run_["slots"].items()}
+        assert slots == {int(k): v for k, v in out["stock"].items() if int(k) in slots}, (name, slots, out["stock"])
+        assert slots[0] == "CPU" and slots[1].startswith("RPC"), slots
+
+
+def test_device_budgets_size_each_servers_set(zipmoe_gguf, rpc_servers):
+    """zipmoe.device_budgets gives each server's set its own slots; a device that holds no set is an error
+    naming it and the devices that do."""
+    servers, _ = rpc_servers(2)
+    one, _, _ = expert_geometry(zipmoe_gguf("qwen2moe"))
+    proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, f"RPC0={5 * one} rpc1={7 * one}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"RPC0": 5, "RPC1": 7}
+    proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, "RPC0=1G CUDA3=2G")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]
+    assert "zipmoe_device_budgets names CUDA3" in error and "are RPC0, RPC1" in error, error

@@ -123,7 +123,7 @@ class ServingParams(ctypes.Structure):
                 ("work_slots", ctypes.c_int32), ("eviction", ctypes.c_int32), ("threads", ctypes.c_int32),
                 ("auto_pools", ctypes.c_int32), ("device_stores", ctypes.c_int32), ("replan_tokens", ctypes.c_int32),
                 ("log", LOG_FN),
-                ("log_data", ctypes.c_void_p)]
+                ("log_data", ctypes.c_void_p), ("available_source", ctypes.c_char_p)]
 
 
 class ServingInfo(ctypes.Structure):
@@ -163,7 +163,7 @@ class SchedResult(ctypes.Structure):
 
 
 # ggml-zipmoe-options.h: enum ggml_zipmoe_option_type, ggml_zipmoe_option_surface, ggml_zipmoe_option_given
-TYPE_SIZE, TYPE_BOOL, TYPE_INT, TYPE_REAL, TYPE_NAME, TYPE_POOLS, TYPE_PATH = range(7)
+TYPE_SIZE, TYPE_BOOL, TYPE_INT, TYPE_REAL, TYPE_NAME, TYPE_POOLS, TYPE_PATH, TYPE_DEVICE_SIZES = range(8)
 SURFACE_LOADER, SURFACE_PYTHON = 1, 2
 GIVEN_TEXT, GIVEN_INT, GIVEN_REAL, GIVEN_BOOL = range(4)
 

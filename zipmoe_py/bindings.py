@@ -87,10 +87,12 @@ def _zipmoe_kwargs(kwargs: dict, pop: bool = False) -> dict:
 
 class _Checked:
     """What Llama's arguments said once checked (_check_arguments): the zipmoe_* options given
-    ({name: value}), the KV overrides they make, the buddy profile read, the rpc-server hosts."""
+    ({name: value}), the KV overrides they make, the buddy profile read, the rpc-server hosts, the
+    tensor placement (override_tensor, n_cpu_moe, cpu_moe: (pattern, buffer type) pairs)."""
 
-    def __init__(self, given: dict, overrides: dict, profile, rpc_servers):
+    def __init__(self, given: dict, overrides: dict, profile, rpc_servers, placement):
         self.given, self.overrides, self.profile, self.rpc_servers = given, overrides, profile, rpc_servers
+        self.placement = placement
 
 
 def _check_arguments(model_path, kwargs: dict) -> _Checked:
@@ -106,6 +108,9 @@ def _check_arguments(model_path, kwargs: dict) -> _Checked:
         from .devices import add_rpc_servers
 
         add_rpc_servers(rpc_servers)
+    from .placement import tensor_overrides
+
+    placement = tensor_overrides(*(kwargs.get(name) for name in _PLACEMENT))
     overrides = zipmoe_overrides(given)
     profile = given.get("buddy_profile")
     substitution, source = _effective_substitution(kwargs)
@@ -118,7 +123,11 @@ def _check_arguments(model_path, kwargs: dict) -> _Checked:
         profile = load_profile(Path(profile), Path(model_path))
     if given.get("plan") is not None:
         _check_plan_matches(Path(given["plan"]), Path(model_path))
-    return _Checked(given, overrides, profile, rpc_servers)
+    return _Checked(given, overrides, profile, rpc_servers, placement)
+
+
+# llama.cpp's -ot, --n-cpu-moe and --cpu-moe, as Llama's keyword arguments (zipmoe_py/placement.py)
+_PLACEMENT = ("override_tensor", "n_cpu_moe", "cpu_moe")
 
 
 def _as_given(reason: str, given: dict) -> str:
@@ -260,6 +269,10 @@ class Llama(llama_cpp.Llama):
         # rpc-server hosts as devices for n_gpu_layers (llama.cpp's --rpc; llama-cpp-python 0.3.36 has no such
         # argument): added by the check
         self._zipmoe_rpc_servers = kwargs.pop("rpc_servers", None)
+        self._zipmoe_placement = {name: kwargs.pop(name) for name in _PLACEMENT if kwargs.get(name) is not None}
+        from .placement import override_array
+
+        self._zipmoe_overrides_array = override_array(checked.placement)  # read by model_params' setter
         self._zipmoe_buddy_profile = given.get("buddy_profile")
         profile = checked.profile
         overrides = dict(kwargs.pop("kv_overrides", None) or {})
@@ -278,7 +291,7 @@ class Llama(llama_cpp.Llama):
         if profile is not None:
             from .buddy_profile import apply_profile
 
-            apply_profile(_lib.llama_model_zipmoe_cache(self._model.model), profile)
+            apply_profile(self._model.model, profile)
         self._hold_the_whole_context()
         if not self.verbose:  # with verbose, llama.cpp's log has shown them
             for text in errors.warnings():
@@ -287,6 +300,19 @@ class Llama(llama_cpp.Llama):
         if ignored and not _lib.llama_model_zipmoe_cache(self._model.model):
             # llama.cpp's loader warns too, in its log (silent with verbose=False)
             warnings.warn(OptionsIgnoredWarning(model_path, ignored), stacklevel=2)
+
+    # llama-cpp-python makes model_params in __init__ and loads the model with it: the placement's tensor
+    # overrides go in as it is set (the array lives as long as this object)
+    @property
+    def model_params(self):
+        return self.__dict__["model_params"]
+
+    @model_params.setter
+    def model_params(self, params) -> None:
+        array = getattr(self, "_zipmoe_overrides_array", None)
+        if array is not None:
+            params.tensor_buft_overrides = ctypes.cast(array, ctypes.c_void_p)
+        self.__dict__["model_params"] = params
 
     def _hold_the_whole_context(self) -> None:
         """llama.cpp rounds the context size up (to a multiple of 256: n_ctx=16 gives 256, self.n_ctx()),
@@ -312,6 +338,7 @@ class Llama(llama_cpp.Llama):
             state["zipmoe_buddy_profile"] = self._zipmoe_buddy_profile
         if getattr(self, "_zipmoe_rpc_servers", None):
             state["rpc_servers"] = self._zipmoe_rpc_servers
+        state.update(getattr(self, "_zipmoe_placement", {}))
         return state
 
     def _check_open(self) -> None:
@@ -346,18 +373,18 @@ class Llama(llama_cpp.Llama):
     def zipmoe_stats(self) -> dict | None:
         """Cumulative expert-cache statistics, or None for a model that is not a ZipMoE GGUF."""
         self._check_open()
-        cache = _lib.llama_model_zipmoe_cache(self._model.model)
-        if not cache:
-            return None
-        stats = _lib.cache_stats(cache)
-        stats["memory"] = _lib.memory_plan(self._model.model)
+        from .slot_sets import model_stats
+
+        stats = model_stats(self._model.model)
+        if stats is not None:
+            stats["memory"] = _lib.memory_plan(self._model.model)
         return stats
 
     def zipmoe_reset_stats(self) -> None:
         self._check_open()
-        cache = _lib.llama_model_zipmoe_cache(self._model.model)
-        if cache:
-            _lib.lib().ggml_zipmoe_cache_reset_stats(cache)
+        from .slot_sets import reset_stats
+
+        reset_stats(self._model.model)
 
 
 _LLAMA_DOC = """llama-cpp-python's `Llama`, unchanged in API, running on the ZipMoE fork.
@@ -369,6 +396,10 @@ ZipMoELoadError with its reason. See README.md for memory sizing, pools and the 
 
 rpc_servers="host:port,..." adds rpc-server hosts as devices for n_gpu_layers, as llama.cpp's --rpc
 (docs/DISTRIBUTED.md); a server that cannot be reached raises ZipMoEError.
+
+override_tensor="PATTERN=BUFFER_TYPE,...", n_cpu_moe=N and cpu_moe=True place tensors as llama.cpp's -ot,
+--n-cpu-moe and --cpu-moe do (routed experts of the first N layers, or of all, in host memory); a ZipMoE
+model's expert slots follow, each layer's on the device stock llama.cpp gives its experts.
 
 {options}
 """

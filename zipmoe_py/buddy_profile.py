@@ -69,9 +69,12 @@ def load_profile(path: Path, model: Path) -> dict:
     return doc
 
 
-def apply_profile(cache, doc: dict) -> None:
-    """Hands a loaded profile's lists to the cache (ggml_zipmoe_cache_set_buddies)."""
+def apply_profile(model, doc: dict) -> None:
+    """Hands a loaded profile's lists to the cache of each layer of a llama_model (ggml_zipmoe_cache_set_buddies)."""
+    from .slot_sets import cache_of_layer
+
     for layer, entry in doc["layers"].items():
+        cache = cache_of_layer(model, int(layer))
         n = len(entry["buddies"])
         k_max = max(1, max((len(b) for b in entry["buddies"]), default=1))
         ids = np.full((n, k_max), -1, dtype=np.int32)

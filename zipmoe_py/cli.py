@@ -336,7 +336,7 @@ def add_option_flag(ap: argparse.ArgumentParser, option) -> None:
 
     checked.__name__ = option.name
     metavar = {_lib.TYPE_SIZE: "SIZE", _lib.TYPE_INT: "N", _lib.TYPE_REAL: "X", _lib.TYPE_POOLS: "F=N,C=N,S=N,E=N",
-               _lib.TYPE_PATH: "FILE"}.get(option.type)
+               _lib.TYPE_PATH: "FILE", _lib.TYPE_DEVICE_SIZES: "DEVICE=SIZE,..."}.get(option.type)
     ap.add_argument(flag, dest=option.kwarg, type=checked, default=None, metavar=metavar,
                     choices=option.choices or None, help=help_text.replace("%", "%%"))
 

@@ -54,7 +54,8 @@ class Option:
     @property
     def python_type(self) -> str:
         return {_lib.TYPE_SIZE: "int | str", _lib.TYPE_BOOL: "bool", _lib.TYPE_INT: "int", _lib.TYPE_REAL: "float",
-                _lib.TYPE_NAME: "str", _lib.TYPE_POOLS: "str | dict", _lib.TYPE_PATH: "str | os.PathLike"}[self.type]
+                _lib.TYPE_NAME: "str", _lib.TYPE_POOLS: "str | dict", _lib.TYPE_PATH: "str | os.PathLike",
+                _lib.TYPE_DEVICE_SIZES: "str | dict"}[self.type]
 
 
 @functools.cache
@@ -106,6 +107,8 @@ def parse_value(option: Option, value, what: str | None = None):
     bool only (bool("no") would be True); text from a command line goes through parse_text. what: how
     the caller names the option in errors (default: its keyword argument)."""
     what = what or option.kwarg
+    if option.type == _lib.TYPE_DEVICE_SIZES:
+        return device_sizes_text(option, value, what)
     if option.type == _lib.TYPE_BOOL:
         if not isinstance(value, bool):
             raise ZipMoEError(f"{what} must be True or False; got {value!r}")
@@ -120,6 +123,8 @@ def parse_text(option: Option, text: str, what: str | None = None, shown=None):
     library (ggml_zipmoe_option_parse): the words it accepts are the option table's, for a boolean
     too (its true/false words). Returns the value as parse_value does. shown: the value to quote in
     errors (default: text)."""
+    if option.type == _lib.TYPE_DEVICE_SIZES:
+        return device_sizes_text(option, text if shown is None else shown, what or option.kwarg)
     parsed = _lib.OptionValue()
     given = _lib.OptionInput(_lib.GIVEN_TEXT, text.encode(), 0, 0.0)
     # a NUL would end the text C reads
@@ -132,6 +137,20 @@ def parse_text(option: Option, text: str, what: str | None = None, shown=None):
     if option.type == _lib.TYPE_REAL:
         return parsed.f
     return option.choices[parsed.i] if option.type == _lib.TYPE_NAME else parsed.i
+
+
+def device_sizes_text(option: Option, value, what: str) -> str:
+    """A DEVICE_SIZES value ("CUDA0=6G CPU=8G", or {"CUDA0": "6G", "CPU": 8 << 30}) as the loader's text,
+    checked by the C library."""
+    if isinstance(value, dict):
+        value = " ".join(f"{device}={size}" for device, size in value.items())
+    if not isinstance(value, str) or "\0" in value:
+        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    parsed = _lib.OptionValue()
+    given = _lib.OptionInput(_lib.GIVEN_TEXT, value.encode(), 0, 0.0)
+    if _lib.lib().ggml_zipmoe_option_parse(option.id, ctypes.byref(given), ctypes.byref(parsed)) != _lib.OK:
+        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+    return " ".join(value.replace(",", " ").split())  # a comma would split llama.cpp's --override-kv
 
 
 def parse_size(value, what: str = "zipmoe_budget") -> int:
@@ -211,6 +230,8 @@ def zipmoe_overrides(given: dict | None = None, name_of=None, **named) -> dict:
             flags[find("pools").id] = True  # a plan sets the pools: their rules apply
         elif option.type == _lib.TYPE_POOLS:
             out.update(pool_overrides(value, name_of(option)))
+        elif option.type == _lib.TYPE_DEVICE_SIZES:
+            out[option.key] = parse_value(option, value, name_of(option))
         elif option.type != _lib.TYPE_PATH:
             out[option.key] = parse_value(option, value, name_of(option))
             parsed = out[option.key]

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _lib
+from .slot_sets import served_layers
 from .errors import ZipMoEError
 from .plan_files import COSTS_FORMAT, FORMAT_VERSION, PROFILE_FORMAT
 from .plan_math import rank_inclusion_probabilities
@@ -115,10 +116,6 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise ZipMoEError(f"{path} holds no prompt (one prompt per line)")
     return prompts
-
-
-def served_layers(cache) -> list[int]:
-    return [il for il in range(4096) if _lib.lib().ggml_zipmoe_cache_has_layer(cache, il)]
 
 
 def activation_counts(cache, layers: list[int]) -> tuple[np.ndarray, int]:

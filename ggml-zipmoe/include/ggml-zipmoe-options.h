@@ -21,6 +21,7 @@ extern "C" {
 // the options, in the table's order (ggml_zipmoe_option_at(id))
 enum ggml_zipmoe_option_id {
     GGML_ZIPMOE_OPTION_BUDGET,
+    GGML_ZIPMOE_OPTION_DEVICE_BUDGETS,
     GGML_ZIPMOE_OPTION_MEM_LIMIT,
     GGML_ZIPMOE_OPTION_DIRECT_IO,
     GGML_ZIPMOE_OPTION_PRELOAD,
@@ -61,6 +62,8 @@ enum ggml_zipmoe_option_type {
     GGML_ZIPMOE_TYPE_NAME  = 4, // one of the names ggml_zipmoe_option_choice gives
     GGML_ZIPMOE_TYPE_POOLS = 5, // "F=4,C=8,E=2": the Python layer turns it into the pool_* options
     GGML_ZIPMOE_TYPE_PATH  = 6, // a file the Python layer reads (a plan, a buddy profile)
+    GGML_ZIPMOE_TYPE_DEVICE_SIZES = 7, // "CUDA0=6G CPU=8G": a size per device (by ggml's device name), space-
+                                       // or comma-separated (a comma would split llama.cpp's --override-kv)
 };
 
 // where an option is given (ggml_zipmoe_option.surfaces)
@@ -135,6 +138,11 @@ struct ggml_zipmoe_option_value {
 // a name from text only; POOLS and PATH are not the library's to check.
 GGML_ZIPMOE_API int ggml_zipmoe_option_parse(int id, const struct ggml_zipmoe_option_input * in,
                                              struct ggml_zipmoe_option_value * out);
+
+// entry k of a DEVICE_SIZES value: the device's name into name (always NUL-terminated) and its size into
+// *bytes. OK; GGML_ZIPMOE_ERR_ARG past the last entry or where the text is malformed.
+GGML_ZIPMOE_API int ggml_zipmoe_device_size_at(const char * text, int k, char * name, size_t name_size,
+                                               uint64_t * bytes);
 
 // the rules between options (SMoE's alpha needs substitution smoe, pools need rank eviction):
 // values[id] holds option id's value where given[id] is true. only_given: a rule applies only when

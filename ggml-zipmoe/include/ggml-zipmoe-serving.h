@@ -41,6 +41,7 @@ struct ggml_zipmoe_serving_params {
     int32_t                         replan_tokens; // zipmoe.replan_tokens (0: never)
     ggml_zipmoe_log_fn              log;           // may be NULL
     void *                          log_data;
+    const char *                    available_source; // where a given `available` came from (NULL: "given")
 };
 
 // the served experts' geometry and the slots to reserve

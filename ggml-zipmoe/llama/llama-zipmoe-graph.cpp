@@ -19,7 +19,7 @@ llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass) {
     if (it != args_index.end()) {
         return it->second;
     }
-    args.push_back({ this, il, pass });
+    args.push_back({ this, set_of(il), il, pass });
     args_index[key] = &args.back();
     return &args.back();
 }
@@ -35,7 +35,7 @@ void llama_zipmoe::fail(const char * message) {
 // message, which names the chunk at fault, reaches the caller
 static void zipmoe_check(const llama_zipmoe::op_args * a, int status) {
     if (status != GGML_ZIPMOE_OK) {
-        a->zm->fail(ggml_zipmoe_cache_error(a->zm->cache));
+        a->zm->fail(ggml_zipmoe_cache_error(a->set->cache));
     }
 }
 
@@ -53,23 +53,23 @@ static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * us
     }
     const ggml_tensor * scores = a->pass == 0 ? dst->src[1] : nullptr; // zipmoe.eviction=score
     if (scores != nullptr) {
-        ggml_zipmoe_cache_observe_scores(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0], scores->ne[1],
+        ggml_zipmoe_cache_observe_scores(a->set->cache, a->il, (const float *) scores->data, scores->ne[0], scores->ne[1],
                                          scores->nb[1] / sizeof(float));
     }
-    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->set->cache, a->il, a->pass, (const int32_t *) ids->data,
                                                   ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
 }
 
 // passes the slot ids on once the slots are filled, so that the products depend on it
 static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
     const auto * a = (const llama_zipmoe::op_args *) userdata;
-    zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->zm->cache, ith, nth));
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->set->cache, ith, nth));
     if (ith == 0) {
         memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
-        if (a->zm->absent_slot(0, 1) != GGML_ZIPMOE_NO_SLOT) { // slots in GPU memory only
+        if (a->set->absent_slot(0, 1) != GGML_ZIPMOE_NO_SLOT) { // slots in GPU memory only
             int32_t * ids = (int32_t *) dst->data;
             for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
-                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->zm->absent_slot(i, dst->ne[0]) : ids[i];
+                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->set->absent_slot(i, dst->ne[0]) : ids[i];
             }
         }
     }
@@ -90,7 +90,7 @@ static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata
         a->zm->fail(format("layer %d, pass %d: the merged products differ in shape", a->il, a->pass).c_str());
         return;
     }
-    const int status = ggml_zipmoe_cache_merge_pass(a->zm->cache, a->il, a->pass, (const int32_t *) ids->data,
+    const int status = ggml_zipmoe_cache_merge_pass(a->set->cache, a->il, a->pass, (const int32_t *) ids->data,
                                                     ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
                                                     acc ? acc->data : nullptr, cur->data, dst->data,
                                                     ggml_row_size(dst->type, dst->ne[0]), dst->nb[1], dst->nb[2]);
@@ -106,7 +106,7 @@ static void zipmoe_prefetch_op(ggml_tensor * dst, int ith, int nth, void * userd
     const ggml_tensor * ids = dst->src[0];
     if (ith == 0) {
         // advisory: a prediction that cannot be read ahead (ERR_ARG) costs the fetch nothing
-        ggml_zipmoe_cache_prefetch(a->zm->cache, a->il, (const int32_t *) ids->data, ids->ne[0], ids->ne[1],
+        ggml_zipmoe_cache_prefetch(a->set->cache, a->il, (const int32_t *) ids->data, ids->ne[0], ids->ne[1],
                                    ids->nb[1] / sizeof(int32_t));
     }
 }
@@ -120,7 +120,7 @@ static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * use
     const auto *        a      = (const llama_zipmoe::op_args *) userdata;
     const ggml_tensor * ids    = dst->src[0];
     const ggml_tensor * scores = dst->src[1];
-    const int status = ggml_zipmoe_cache_substitute(a->zm->cache, a->il, (const float *) scores->data, scores->ne[0],
+    const int status = ggml_zipmoe_cache_substitute(a->set->cache, a->il, (const float *) scores->data, scores->ne[0],
                                                     scores->nb[1] / sizeof(float), (const int32_t *) ids->data,
                                                     ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t),
                                                     (int32_t *) dst->data);
@@ -134,6 +134,8 @@ static void zipmoe_substitute_op(ggml_tensor * dst, int ith, int nth, void * use
 
 ggml_tensor * llama_zipmoe::substitute(ggml_context * ctx0, int il, ggml_tensor * probs, ggml_tensor * selected,
                                       ggml_tensor ** weight_ids) {
+    const llama_zipmoe_slot_set * set = set_of(il);
+    ggml_zipmoe_cache * cache = set != nullptr ? set->cache : nullptr;
     if ((opt.substitution == GGML_ZIPMOE_SUBST_NONE && !opt.trace_routing) || cache == nullptr || !ggml_zipmoe_cache_has_layer(cache, il) ||
         probs == nullptr || probs->type != GGML_TYPE_F32 || selected->type != GGML_TYPE_I32 ||
         ggml_n_dims(probs) > 2 || probs->ne[0] != ggml_zipmoe_cache_n_expert(cache, il) ||
@@ -181,14 +183,14 @@ void llama_zipmoe::build_prefetch(ggml_context * ctx0, ggml_cgraph * gf, int il,
     ggml_build_forward_expand(gf, op);
 }
 
-bool llama_zipmoe::resident_bases(std::vector<int32_t> & base) {
+bool llama_zipmoe::resident_bases(const llama_zipmoe_slot_set & set, std::vector<int32_t> & base) {
     base.assign(gate_inp.size(), -1);
     bool any = false;
     for (int il = 0; il < (int) base.size(); ++il) {
-        if (!ggml_zipmoe_cache_has_layer(cache, il)) {
+        if (set_of(il) != &set || !ggml_zipmoe_cache_has_layer(set.cache, il)) {
             continue;
         }
-        base[il] = ggml_zipmoe_cache_resident_base(cache, il);
+        base[il] = ggml_zipmoe_cache_resident_base(set.cache, il);
         if (base[il] < 0) {
             return false; // one layer fetching could evict another's experts from under its views
         }
@@ -202,14 +204,15 @@ std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ct
     if (it != resident_weights.end()) {
         return it->second;
     }
-    const int64_t n_expert = ggml_zipmoe_cache_n_expert(cache, il);
+    const llama_zipmoe_slot_set * set = set_of(il);
+    const int64_t n_expert = ggml_zipmoe_cache_n_expert(set->cache, il);
     ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr,
                                 /*.no_alloc =*/ true };
     ggml_context * rc = ggml_init(params);
     std::array<ggml_tensor *, 3> w = {};
     bool placed = rc != nullptr;
     for (int k = 0; k < 3 && placed; ++k) {
-        ggml_tensor * s = slots_of(il, k);
+        ggml_tensor * s = set->slots_of(il, k);
         w[k] = ggml_new_tensor_3d(rc, s->type, s->ne[0], s->ne[1], n_expert);
         w[k]->nb[1] = s->nb[1];
         w[k]->nb[2] = s->nb[2];
@@ -227,7 +230,7 @@ std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ct
     // context, which cost only the backend's fusion
     ggml_free(rc);
     for (int k = 0; k < 3; ++k) {
-        ggml_tensor * s = slots_of(il, k);
+        ggml_tensor * s = set->slots_of(il, k);
         w[k] = ggml_view_3d(ctx0, s, s->ne[0], s->ne[1], n_expert, s->nb[1], s->nb[2], (size_t) base * s->nb[2]);
         ggml_format_name(w[k], "zipmoe.resident.%s-%d", k_zipmoe_kinds[k], il);
     }
@@ -239,18 +242,26 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
                                           const experts_fn & build, bool * deferred) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
+    llama_zipmoe_slot_set * set = set_of(il);
+    ggml_zipmoe_cache * cache = set->cache;
     int32_t view_base = -1;
     {
         std::lock_guard<std::mutex> lock(state_mutex);
         built[gf] = layout;
-        if (views_wanted && views_layout != layout) {
-            // once per slot layout: every layer in place, or none used in place
-            if (!resident_bases(views_base)) {
-                views_base.assign(gate_inp.size(), -1);
+        if (views_layout != layout) {
+            // once per slot layout: every layer of a set in place, or none of the set's used in place
+            views_base.assign(gate_inp.size(), -1);
+            for (const auto & s : sets) {
+                std::vector<int32_t> base;
+                if (s->views_wanted && resident_bases(*s, base)) {
+                    for (size_t l = 0; l < base.size() && l < views_base.size(); ++l) {
+                        views_base[l] = set_of((int) l) == s.get() ? base[l] : views_base[l];
+                    }
+                }
             }
             views_layout = layout;
         }
-        if (views_wanted && il < (int) views_base.size()) {
+        if (set->views_wanted && il < (int) views_base.size()) {
             view_base = views_base[il];
         }
     }
@@ -289,7 +300,7 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
                                                 zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
         ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
-        ggml_tensor * out = build(slot_ids, slots_of(il, 0), slots_of(il, 1), slots_of(il, 2));
+        ggml_tensor * out = build(slot_ids, set->slots_of(il, 0), set->slots_of(il, 1), set->slots_of(il, 2));
         if (n_passes == 1) {
             return out;
         }
@@ -302,20 +313,22 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
 }
 
 uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used_max) const {
-    if (cache == nullptr) {
-        return 0;
-    }
-    // the narrowest pass resize ever makes (the fewest slots in use with one F pool, the working
-    // slots with pools): a graph reserved now stays big enough after it
-    const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
-    const int64_t fewest   = std::min<int64_t>(opt.with_pools() ? capacity : std::min(capacity, n_expert_used),
-                                               std::max(1, opt.work_slots));
     uint32_t total = 0;
     for (int i = 0; i < ggml_zipmoe_file_n_tensors(file); ++i) {
         if (strstr(ggml_zipmoe_file_tensor_name(file, i), "ffn_down_exps") == nullptr) {
             continue;
         }
-        const int     il       = ggml_zipmoe_file_tensor_layer(file, i);
+        const int il = ggml_zipmoe_file_tensor_layer(file, i);
+        const llama_zipmoe_slot_set * set = set_of(il);
+        if (set == nullptr || set->cache == nullptr) {
+            continue;
+        }
+        ggml_zipmoe_cache * cache = set->cache;
+        // the narrowest pass resize ever makes (the fewest slots in use with one F pool, the working
+        // slots with pools): a graph reserved now stays big enough after it
+        const int32_t capacity = ggml_zipmoe_cache_slot_capacity(cache);
+        const int64_t fewest   = std::min<int64_t>(opt.with_pools() ? capacity : std::min(capacity, n_expert_used),
+                                                   std::max(1, opt.work_slots));
         const int64_t n_ids    = (int64_t) n_tokens * n_expert_used_max;
         const int64_t distinct = std::min<int64_t>(n_ids, ggml_zipmoe_cache_n_expert(cache, il));
         const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
@@ -358,9 +371,12 @@ static std::string lost_rpc_server(const llama_model & model) {
 ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status, uint32_t n_tokens, uint32_t n_seqs) {
     // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
     // begin) left the fetch open: its reads stop and its slots are forgotten
-    ggml_zipmoe_cache_cancel(cache);
-    if (graph_start_us >= 0) {
-        ggml_zipmoe_cache_count_graph(cache, (uint64_t) (ggml_time_us() - graph_start_us) * 1000u);
+    for (const auto & set : sets) {
+        ggml_zipmoe_cache_cancel(set->cache);
+    }
+    if (graph_start_us >= 0 && !sets.empty()) {
+        // the graph's whole time, counted once: in the first set's statistics
+        ggml_zipmoe_cache_count_graph(sets[0]->cache, (uint64_t) (ggml_time_us() - graph_start_us) * 1000u);
         graph_start_us = -1;
     }
     context_state & st = state_of(lctx);
@@ -386,7 +402,9 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
         // the routing seen may re-plan the default pools (state_mutex: memory_plan reads the sizing)
         std::lock_guard<std::mutex> lock(state_mutex);
         // graphs built for the old slots are rebuilt
-        layout += ggml_zipmoe_serving_observe(serving, (int32_t) n_tokens, (int32_t) n_seqs);
+        for (const auto & set : sets) {
+            layout += ggml_zipmoe_serving_observe(set->serving, (int32_t) n_tokens, (int32_t) n_seqs);
+        }
     }
     return status;
 }

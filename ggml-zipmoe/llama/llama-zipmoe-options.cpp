@@ -155,6 +155,9 @@ llama_zipmoe_options from_values(const std::vector<given_value> & given,
     o.buddy.search      = (int32_t) number(GGML_ZIPMOE_OPTION_BUDDY_SEARCH);
     o.buddy.eta         = (float) number(GGML_ZIPMOE_OPTION_BUDDY_ETA);
     o.trace_routing  = number(GGML_ZIPMOE_OPTION_TRACE_ROUTING) != 0;
+    if (is_given[GGML_ZIPMOE_OPTION_DEVICE_BUDGETS]) {
+        o.device_budgets = given[GGML_ZIPMOE_OPTION_DEVICE_BUDGETS].text;
+    }
     // a budget from the environment is named as the user set it (an override by its key, the default)
     const ggml_zipmoe_option * budget = ggml_zipmoe_option_at(GGML_ZIPMOE_OPTION_BUDGET);
     if (is_given[GGML_ZIPMOE_OPTION_BUDGET] && given[GGML_ZIPMOE_OPTION_BUDGET].source.rfind(budget->env, 0) == 0) {

@@ -223,27 +223,56 @@ void llama_zipmoe::resize(const llama_context * making) {
         }
     }
     demand.n_threads_max = n_threads_max;
-    int changed = 0;
-    char err[2048];
-    if (ggml_zipmoe_serving_resize(serving, &demand, &changed, err, sizeof(err)) != GGML_ZIPMOE_OK) {
-        throw std::runtime_error(err);
+    // the sets in devices' memory first: their caches' buffers are in host memory, beside the host set's slots
+    std::vector<llama_zipmoe_slot_set *> order;
+    for (const auto & set : sets) {
+        order.push_back(set.get());
     }
-    layout += changed; // graphs built for another slot count must be rebuilt
+    std::stable_partition(order.begin(), order.end(), [](const llama_zipmoe_slot_set * s) { return s->on_device; });
+    uint64_t device_sets_buffers = 0;
+    for (llama_zipmoe_slot_set * set : order) {
+        ggml_zipmoe_serving_demand d = demand;
+        if (!set->on_device) {
+            d.contexts += device_sets_buffers;
+        }
+        int changed = 0;
+        char err[2048];
+        if (ggml_zipmoe_serving_resize(set->serving, &d, &changed, err, sizeof(err)) != GGML_ZIPMOE_OK) {
+            throw std::runtime_error(sets.size() > 1 ? format("the expert slots in %s: %s", set->device_name(), err) : err);
+        }
+        layout += changed; // graphs built for another slot count must be rebuilt
+        if (set->on_device) {
+            uint64_t buffers = 0, margin = 0;
+            ggml_zipmoe_serving_overhead(set->serving, &buffers, &margin);
+            device_sets_buffers += buffers;
+        }
+    }
     sized = true;
 }
 
 ggml_zipmoe_serving_plan llama_zipmoe::serving_plan() const {
+    const llama_zipmoe_slot_set * set = primary();
+    if (set != nullptr) {
+        return serving_plan(*set);
+    }
     std::lock_guard<std::mutex> lock(state_mutex);
     ggml_zipmoe_serving_plan p;
     ggml_zipmoe_serving_get_plan(serving, &p);
+    p.non_expert = non_expert_bytes; // no context made yet
+    return p;
+}
+
+ggml_zipmoe_serving_plan llama_zipmoe::serving_plan(const llama_zipmoe_slot_set & set) const {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    ggml_zipmoe_serving_plan p;
+    ggml_zipmoe_serving_get_plan(set.serving, &p);
     if (!sized) {
         p.non_expert = non_expert_bytes; // no context made yet
     }
     return p;
 }
 
-llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
-    const ggml_zipmoe_serving_plan p = serving_plan();
+static llama_zipmoe_memory_plan to_memory_plan(const ggml_zipmoe_serving_plan & p) {
     static_assert(sizeof(p.source) == sizeof(llama_zipmoe_memory_plan::source) &&
                   sizeof(p.pools_why) == sizeof(llama_zipmoe_memory_plan::pools_why), "plan fields differ");
     llama_zipmoe_memory_plan out = {};
@@ -265,8 +294,22 @@ llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
     return out;
 }
 
+llama_zipmoe_memory_plan llama_zipmoe::memory_plan() const {
+    return to_memory_plan(serving_plan());
+}
+
+bool llama_model_zipmoe_cache_memory_plan(const struct llama_model * model, int32_t i,
+                                          struct llama_zipmoe_memory_plan * plan) {
+    if (model == nullptr || !model->zipmoe || plan == nullptr || i < 0 ||
+        i >= (int32_t) model->zipmoe->slot_sets().size()) {
+        return false;
+    }
+    *plan = to_memory_plan(model->zipmoe->serving_plan(*model->zipmoe->slot_sets()[i]));
+    return true;
+}
+
 bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct llama_zipmoe_memory_plan * plan) {
-    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr || plan == nullptr) {
+    if (model == nullptr || !model->zipmoe || model->zipmoe->first_cache() == nullptr || plan == nullptr) {
         return false;
     }
     *plan = model->zipmoe->memory_plan();
@@ -277,12 +320,13 @@ size_t llama_model_zipmoe_metrics(const struct llama_model * model, char * buf, 
     if (buf != nullptr && buf_size > 0) {
         buf[0] = '\0';
     }
-    if (model == nullptr || !model->zipmoe || model->zipmoe->cache == nullptr) {
+    ggml_zipmoe_cache * cache = model != nullptr && model->zipmoe ? model->zipmoe->first_cache() : nullptr;
+    if (cache == nullptr) {
         return 0;
     }
     const ggml_zipmoe_serving_plan plan = model->zipmoe->serving_plan();
-    std::string text(ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, nullptr, 0), '\0');
-    ggml_zipmoe_cache_format_metrics(model->zipmoe->cache, text.data(), text.size() + 1);
+    std::string text(ggml_zipmoe_cache_format_metrics(cache, nullptr, 0), '\0');
+    ggml_zipmoe_cache_format_metrics(cache, text.data(), text.size() + 1);
     std::string sizing(ggml_zipmoe_serving_format_metrics(&plan, nullptr, 0), '\0');
     ggml_zipmoe_serving_format_metrics(&plan, sizing.data(), sizing.size() + 1);
     text += sizing;

@@ -1,7 +1,7 @@
-// ZipMoE fork: where the expert slots lie and how bytes reach them (llama-zipmoe.h): in a device's memory
-// (place_on_device) or in host memory (place_in_host, a repacking buffer type where stock uses one), their
-// tensors (make_slot_tensors), and the cache's callbacks that write a slot through a buffer (slot_fill,
-// slot_write, slot_sync). Which device: llama_zipmoe::slot_device (llama-zipmoe.cpp).
+// ZipMoE fork: where a slot set's expert slots lie and how bytes reach them (llama-zipmoe.h): in a device's
+// memory (place_on_device) or in host memory (place_in_host, a repacking buffer type where stock uses one),
+// their tensors (make_slot_tensors), the cache over them (make_cache), and the cache's callbacks that write a
+// slot through a buffer (slot_fill, slot_write, slot_sync). Which device: llama-zipmoe-sets.cpp.
 
 #include "llama-zipmoe.h"
 
@@ -15,13 +15,46 @@
 #include <map>
 #include <stdexcept>
 
+llama_zipmoe_slot_set::~llama_zipmoe_slot_set() {
+    llama_zipmoe_register_slots(*this, false);
+    ggml_zipmoe_cache_free(cache);
+    ggml_zipmoe_serving_free(serving); // and the host slots it reserved
+    if (plain_buf) {
+        ggml_backend_buffer_free(plain_buf); // a view of buf's memory: frees nothing of it
+    }
+    if (slot_backend) {
+        ggml_backend_free(slot_backend);
+    }
+    if (buf) {
+        ggml_backend_buffer_free(buf);
+    }
+    if (ctx) {
+        ggml_free(ctx);
+    }
+}
+
+const char * llama_zipmoe_slot_set::device_name() const {
+    return dev != nullptr ? ggml_backend_dev_name(dev) : "CPU";
+}
+
+ggml_tensor * llama_zipmoe_slot_set::slots_of(int il, int kind) const {
+    const int t = il >= 0 && 3 * il + kind < (int) layer_tensors.size() ? layer_tensors[3 * il + kind] : -1;
+    const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(zm->file, t) : GGML_TYPE_BF16;
+    for (ggml_tensor * s : slots[kind]) {
+        if (s->type == type) {
+            return s;
+        }
+    }
+    return slots[kind].empty() ? nullptr : slots[kind][0];
+}
+
 // the slots in a device's memory: every slot in use, plus zero slots (absent_slot)
-void llama_zipmoe::place_on_device(ggml_backend_dev_t dev) {
+void llama_zipmoe_slot_set::place_on_device(uint64_t weights_bytes) {
     size_t free_bytes = 0, total_bytes = 0;
     ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
     zero_slots = info.max_expert;
-    // the non-expert weights, KV cache and compute buffers, cuBLAS' workspace, the zero slots
-    const uint64_t reserve = file_non_expert + (1ull << 30) + free_bytes / 16 + (uint64_t) zero_slots * info.expert_bytes;
+    // the model's weights there, KV cache and compute buffers, cuBLAS' workspace, the zero slots
+    const uint64_t reserve = weights_bytes + (1ull << 30) + free_bytes / 16 + (uint64_t) zero_slots * info.expert_bytes;
     const bool    igpu     = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_IGPU; // Jetson: the host's memory
     const int32_t capacity = ggml_zipmoe_serving_fit_device(serving, ggml_backend_dev_name(dev), free_bytes, reserve, igpu);
     ggml_zipmoe_serving_get_info(serving, &info);
@@ -83,7 +116,9 @@ bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft) {
 // the slots in host memory: address space reserved by ggml-zipmoe, committed where a slot is written;
 // or, where stock llama.cpp puts the experts in one of ggml-cpu's repacking buffer types (quantized
 // experts), a buffer of that type, so that the products run stock's kernels on stock's layout
-void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
+void llama_zipmoe_slot_set::place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft) {
+    const ggml_zipmoe_file * file = zm->file;
+    const std::string & fname = zm->fname;
     const auto bufts = stock_host_bufts(file, layer_tensors, weight_buft);
     ggml_backend_buffer_type_t extra = nullptr;
     std::map<std::pair<int, int>, bool> expected_extra;
@@ -139,8 +174,10 @@ void llama_zipmoe::place_in_host(const weight_buft_fn & weight_buft) {
     make_slot_tensors(data, stride, expected_extra);
 }
 
-void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3],
-                                     const std::map<std::pair<int, int>, bool> & expected_extra) {
+void llama_zipmoe_slot_set::make_slot_tensors(void * const data[3], const size_t stride[3],
+                                              const std::map<std::pair<int, int>, bool> & expected_extra) {
+    const ggml_zipmoe_file * file = zm->file;
+    const std::string & fname = zm->fname;
     // the types of each kind, in file order
     std::vector<ggml_type> types[3];
     for (size_t i = 0; i < layer_tensors.size(); ++i) {
@@ -175,7 +212,7 @@ void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3
             ggml_tensor * t = ggml_new_tensor_3d(ctx, type, info.slot_ne[k][0], info.slot_ne[k][1], n_slots);
             t->nb[2] = stride[k];
             t->nb[3] = stride[k] * (size_t) n_slots;
-            ggml_format_name(t, "zipmoe.slots.%s.%s", k_zipmoe_kinds[k], ggml_type_name(type));
+            ggml_format_name(t, "zipmoe.slots.%s.%s.%s", device_name(), k_zipmoe_kinds[k], ggml_type_name(type));
             if (ggml_backend_tensor_alloc(in, t, data[k]) != GGML_STATUS_SUCCESS) {
                 throw std::runtime_error("cannot place the ZipMoE slot tensors");
             }
@@ -207,13 +244,13 @@ void llama_zipmoe::make_slot_tensors(void * const data[3], const size_t stride[3
     }
 }
 
-int llama_zipmoe::slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
-                            size_t err_size) {
-    const llama_zipmoe * zm = (const llama_zipmoe *) data;
-    const int type = ggml_zipmoe_file_tensor_type(zm->file, tensor);
-    const auto it = zm->fill_views.find({ kind, type });
-    if (it == zm->fill_views.end()) {
-        ggml_tensor * s = zm->slots[kind][0];
+int llama_zipmoe_slot_set::slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size,
+                                     char * err, size_t err_size) {
+    const llama_zipmoe_slot_set * set = (const llama_zipmoe_slot_set *) data;
+    const int type = ggml_zipmoe_file_tensor_type(set->zm->file, tensor);
+    const auto it = set->fill_views.find({ kind, type });
+    if (it == set->fill_views.end()) {
+        ggml_tensor * s = set->slots[kind][0];
         memcpy((char *) s->data + (size_t) slot * s->nb[2], src, size);
         return 0;
     }
@@ -226,10 +263,10 @@ int llama_zipmoe::slot_fill(void * data, int kind, int tensor, int32_t slot, con
     return 0;
 }
 
-int llama_zipmoe::slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
-                             size_t size, char * err, size_t err_size) {
-    llama_zipmoe * zm = (llama_zipmoe *) data;
-    const int il = ggml_zipmoe_file_tensor_layer(zm->file, tensor);
+int llama_zipmoe_slot_set::slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
+                                      size_t size, char * err, size_t err_size) {
+    llama_zipmoe_slot_set * zm = (llama_zipmoe_slot_set *) data;
+    const int il = ggml_zipmoe_file_tensor_layer(zm->zm->file, tensor);
     ggml_tensor * slots = zm->slots_of(il, kind);
     const size_t at = (size_t) slot * slots->nb[2] + offset;
     if (slot < 0 || slot >= zm->info.capacity || offset + size > slots->nb[2] || at + size > ggml_nbytes(slots)) {
@@ -253,9 +290,76 @@ int llama_zipmoe::slot_write(void * data, int kind, int tensor, int32_t slot, si
     return 0;
 }
 
-int llama_zipmoe::slot_sync(void * data, char * err, size_t err_size) {
+int llama_zipmoe_slot_set::slot_sync(void * data, char * err, size_t err_size) {
     (void) err;
     (void) err_size;
-    ggml_backend_synchronize(((llama_zipmoe *) data)->slot_backend);
+    ggml_backend_synchronize(((llama_zipmoe_slot_set *) data)->slot_backend);
     return 0;
+}
+
+void llama_zipmoe_slot_set::make_cache() {
+    const llama_zipmoe_options & opt = zm->opt;
+    ggml_zipmoe_cache_params cp = {};
+    cp.file       = zm->file;
+    cp.n_slots    = info.capacity;
+    cp.n_decoders = opt.threads;
+    cp.eviction   = opt.eviction;
+    cp.rank_delta = opt.rank_delta;
+    std::copy(opt.pools, opt.pools + 4, cp.pool_capacity);
+    for (int k = 0; k < 3; ++k) {
+        cp.slot_data[k]   = slots[k][0]->data; // every type's slots of a kind lie over the same memory
+        cp.slot_stride[k] = slots[k][0]->nb[2];
+    }
+    if (!fill_views.empty()) {
+        cp.slot_fill = slot_fill;
+    }
+    cp.slot_fill_data = this;
+    if (on_device && !cuda_slots) {
+        cp.slot_write = slot_write;
+        cp.slot_sync  = slot_backend != nullptr ? slot_sync : nullptr;
+    }
+    cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
+    cp.layer_tensors = layer_tensors.data();
+    // a bank of half a token's experts, the best-scored of those the cache lacks: a decode step's
+    // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
+    // taken from the slots
+    cp.prefetch_experts = opt.prefetch ? (zm->n_expert_used + 1) / 2 : 0;
+    // a ubatch whose experts take several passes (a prompt, several sequences) reads a bank of the next
+    // pass's experts as this one decodes and computes: one token's worth, of the working slots' pass
+    cp.lookahead_experts = zm->n_expert_used;
+    cp.slot_memory      = cuda_slots ? GGML_ZIPMOE_SLOTS_CUDA : on_device ? GGML_ZIPMOE_SLOTS_DEVICE : GGML_ZIPMOE_SLOTS_HOST;
+    cp.slot_pages_movable = slots_in_own_mapping;
+    char err[1024];
+    cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
+    if (cache == nullptr) {
+        throw std::runtime_error(err);
+    }
+    if (opt.substitution != GGML_ZIPMOE_SUBST_NONE) {
+        ggml_zipmoe_cache_set_substitution(cache, opt.substitution, opt.smoe_alpha);
+        ggml_zipmoe_cache_set_buddy_params(cache, &opt.buddy);
+    }
+    if (opt.trace_routing) {
+        ggml_zipmoe_cache_trace_routing(cache, 1, opt.buddy.temperature, 0);
+    }
+    if (ggml_zipmoe_serving_set_cache(serving, cache, on_device, err, sizeof(err)) != GGML_ZIPMOE_OK) {
+        throw std::runtime_error(err);
+    }
+    llama_zipmoe_register_slots(*this, true);
+    const char * reads = ggml_zipmoe_file_is_direct(zm->file) ? "with O_DIRECT" : "through the page cache";
+    const std::string layers = n_layers == info.n_moe_layers && (int) zm->slot_sets().size() == 1 ? "" :
+        format("the %d MoE layers whose experts are computed there: ", n_layers);
+    if (on_device) {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %s%d slots of %.2f MiB in %s memory (%s; all experts %.1f MiB%s); "
+                       "chunks read %s, %s\n", __func__, layers.c_str(), info.capacity, info.expert_bytes / k_zipmoe_mib,
+                       ggml_backend_dev_name(dev), ggml_backend_dev_description(dev), info.all_experts / k_zipmoe_mib,
+                       opt.budget != 0 ? ", zipmoe.budget" : "", reads,
+                       cuda_slots ? "exponents decoded on the CPU (codec ghuf: on the GPU), BF16 recovered on the GPU"
+                                  : "decoded and recovered on the CPU, the BF16 experts sent to the device");
+    } else {
+        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %s%d slots of %.2f MiB reserved in host memory (all experts %.1f MiB%s%s%s); "
+                       "sized when a context is made; chunks read %s\n", __func__, layers.c_str(), info.capacity,
+                       info.expert_bytes / k_zipmoe_mib, info.all_experts / k_zipmoe_mib, info.raw ? ", stored raw" : "",
+                       fill_views.empty() ? "" : ", laid out for ", fill_views.empty() ? "" : ggml_backend_buffer_name(buf),
+                       reads);
+    }
 }

@@ -1,6 +1,6 @@
 // ZipMoE fork: the model's expert cache (llama-zipmoe.h): made when the model loads, contexts attached and
-// detached. How much memory it may take: llama-zipmoe-sizing.cpp; where its slots lie and how bytes reach
-// them: llama-zipmoe-slots.cpp.
+// detached. How much memory it may take: llama-zipmoe-sizing.cpp; which device each layer's slots take:
+// llama-zipmoe-sets.cpp; where a set's slots lie and how bytes reach them: llama-zipmoe-slots.cpp.
 
 #include "llama-zipmoe.h"
 
@@ -28,7 +28,20 @@ const char * llama_zipmoe_build_info(void) {
 static std::mutex                                              g_registry_mutex;
 static std::unordered_map<const ggml_tensor *, llama_zipmoe *> g_registry;
 
-static std::string expert_tensor_name(int layer, int kind) {
+void llama_zipmoe_register_slots(const llama_zipmoe_slot_set & set, bool add) {
+    std::lock_guard<std::mutex> lock(g_registry_mutex);
+    for (const auto & of_kind : set.slots) {
+        for (ggml_tensor * s : of_kind) {
+            if (add) {
+                g_registry[s] = set.zm;
+            } else {
+                g_registry.erase(s);
+            }
+        }
+    }
+}
+
+std::string llama_zipmoe_expert_tensor_name(int layer, int kind) {
     return format("blk.%d.ffn_%s_exps.weight", layer, k_zipmoe_kinds[kind]);
 }
 
@@ -41,13 +54,11 @@ static std::vector<int32_t> layer_tensor_table(const ggml_zipmoe_file * file) {
     std::vector<int32_t> table(3 * (size_t) n_layer);
     for (int l = 0; l < n_layer; ++l) {
         for (int k = 0; k < 3; ++k) {
-            table[3 * l + k] = ggml_zipmoe_file_find_tensor(file, expert_tensor_name(l, k).c_str());
+            table[3 * l + k] = ggml_zipmoe_file_find_tensor(file, llama_zipmoe_expert_tensor_name(l, k).c_str());
         }
     }
     return table;
 }
-
-static constexpr double k_mib = 1024.0 * 1024.0;
 
 std::string llama_zipmoe_size_text(uint64_t bytes) {
     char buf[32];
@@ -120,11 +131,21 @@ static int32_t expert_used_count(const gguf_context * meta) {
 llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
                            const std::unordered_map<std::string, llama_model_kv_override> & overrides)
     : fname(fname), opt(llama_zipmoe_options::parse(overrides)), n_expert_used(expert_used_count(meta)) {
-    // the non-expert weights, which a GPU's memory holds beside its slots
+    // the non-expert weights, by layer: a device's memory holds its layers' beside its slots
     if (meta != nullptr) {
         for (int64_t i = 0; i < gguf_get_n_tensors(meta); ++i) {
-            if (!is_chunk_tensor(gguf_get_tensor_name(meta, i))) {
-                file_non_expert += gguf_get_tensor_size(meta, i);
+            const char * name = gguf_get_tensor_name(meta, i);
+            if (is_chunk_tensor(name)) {
+                continue;
+            }
+            const uint64_t bytes = gguf_get_tensor_size(meta, i);
+            file_non_expert += bytes;
+            int il = -1;
+            if (sscanf(name, "blk.%d.", &il) == 1 && il >= 0 && il < (1 << 16)) {
+                layer_non_expert.resize(std::max<size_t>(layer_non_expert.size(), (size_t) il + 1), 0);
+                layer_non_expert[il] += bytes;
+            } else {
+                other_non_expert += bytes;
             }
         }
         const int64_t tokens = gguf_find_key(meta, "tokenizer.ggml.tokens");
@@ -143,22 +164,7 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     layer_tensors = layer_tensor_table(file);
 
     // what this process may take is measured now, before the model's weights are mapped
-    ggml_zipmoe_serving_params sp = {};
-    sp.file          = file;
-    sp.layer_tensors = layer_tensors.data();
-    sp.n_layer       = (int32_t) (layer_tensors.size() / 3);
-    sp.n_expert_used = n_expert_used;
-    sp.mem_limit     = opt.mem_limit;
-    sp.budget        = opt.budget;
-    sp.budget_name   = opt.budget_source.c_str();
-    std::copy(opt.pools, opt.pools + 4, sp.pools);
-    sp.work_slots    = opt.work_slots;
-    sp.eviction      = opt.eviction;
-    sp.threads       = opt.threads;
-    sp.auto_pools    = opt.auto_pools;
-    sp.device_stores = opt.device_stores;
-    sp.replan_tokens = opt.replan_tokens;
-    sp.log           = log_serving;
+    const ggml_zipmoe_serving_params sp = serving_params(layer_tensors);
     serving = ggml_zipmoe_serving_new(&sp, err, sizeof(err));
     if (serving == nullptr) {
         ggml_zipmoe_file_close(file);
@@ -174,30 +180,35 @@ llama_zipmoe::llama_zipmoe(const std::string & fname, const gguf_context * meta,
     }
 }
 
+ggml_zipmoe_serving_params llama_zipmoe::serving_params(const std::vector<int32_t> & table) const {
+    ggml_zipmoe_serving_params sp = {};
+    sp.file          = file;
+    sp.layer_tensors = table.data();
+    sp.n_layer       = (int32_t) (table.size() / 3);
+    sp.n_expert_used = n_expert_used;
+    sp.mem_limit     = opt.mem_limit;
+    sp.budget        = opt.budget;
+    sp.budget_name   = opt.budget_source.c_str();
+    std::copy(opt.pools, opt.pools + 4, sp.pools);
+    sp.work_slots    = opt.work_slots;
+    sp.eviction      = opt.eviction;
+    sp.threads       = opt.threads;
+    sp.auto_pools    = opt.auto_pools;
+    sp.device_stores = opt.device_stores;
+    sp.replan_tokens = opt.replan_tokens;
+    sp.log           = log_serving;
+    return sp;
+}
+
 llama_zipmoe::~llama_zipmoe() {
-    {
-        std::lock_guard<std::mutex> lock(g_registry_mutex);
-        for (const auto & of_kind : slots) {
-            for (ggml_tensor * t : of_kind) {
-                g_registry.erase(t);
-            }
-        }
+    const bool serving_in_a_set = std::any_of(sets.begin(), sets.end(), [&](const auto & set) {
+        return set->serving == serving;
+    });
+    sets.clear(); // their caches, servings and slots
+    if (!serving_in_a_set) {
+        ggml_zipmoe_serving_free(serving);
     }
-    ggml_zipmoe_cache_free(cache);
-    ggml_zipmoe_serving_free(serving); // and the host slots it reserved
     ggml_zipmoe_file_close(file);
-    if (plain_buf) {
-        ggml_backend_buffer_free(plain_buf); // a view of buf's memory: frees nothing of it
-    }
-    if (slot_backend) {
-        ggml_backend_free(slot_backend);
-    }
-    if (buf) {
-        ggml_backend_buffer_free(buf);
-    }
-    if (ctx) {
-        ggml_free(ctx);
-    }
     for (ggml_context * rc : resident_ctxs) {
         ggml_free(rc);
     }
@@ -205,7 +216,8 @@ llama_zipmoe::~llama_zipmoe() {
 
 ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializer_list<int64_t> & ne) const {
     const int t = ggml_zipmoe_file_find_tensor(file, name.c_str());
-    if (t < 0 || cache == nullptr) {
+    const llama_zipmoe_slot_set * set = t >= 0 ? set_of(ggml_zipmoe_file_tensor_layer(file, t)) : nullptr;
+    if (set == nullptr || set->cache == nullptr) {
         return nullptr;
     }
     int64_t shape[3];
@@ -218,21 +230,10 @@ ggml_tensor * llama_zipmoe::serve(const std::string & name, const std::initializ
     }
     for (int k = 0; k < 3; ++k) {
         if (name.find(std::string("ffn_") + k_zipmoe_kinds[k] + "_exps") != std::string::npos) {
-            return slots_of(ggml_zipmoe_file_tensor_layer(file, t), k);
+            return set->slots_of(ggml_zipmoe_file_tensor_layer(file, t), k);
         }
     }
     return nullptr;
-}
-
-ggml_tensor * llama_zipmoe::slots_of(int il, int kind) const {
-    const int t = il >= 0 && 3 * il + kind < (int) layer_tensors.size() ? layer_tensors[3 * il + kind] : -1;
-    const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(file, t) : GGML_TYPE_BF16;
-    for (ggml_tensor * s : slots[kind]) {
-        if (s->type == type) {
-            return s;
-        }
-    }
-    return slots[kind].empty() ? nullptr : slots[kind][0];
 }
 
 void llama_zipmoe::log_substitution() const {
@@ -246,116 +247,6 @@ void llama_zipmoe::log_substitution() const {
                    ggml_zipmoe_substitution_name(opt.substitution), params.c_str());
 }
 
-// the device whose memory holds the slots, or nullptr for host memory (sets on_device): the first served
-// layer's placement, or a tensor override's for its experts (upstream matches overrides only for
-// tensors the file holds, and the repacked experts are not among them)
-ggml_backend_dev_t llama_zipmoe::slot_device(const layer_buft_fn & layer_buft,
-                                             const llama_model_tensor_buft_override * overrides) {
-    int first = 0;
-    while (first < (int) layer_tensors.size() / 3 && layer_tensors[3 * first] < 0) {
-        ++first;
-    }
-    ggml_backend_buffer_type_t buft = layer_buft(first);
-    for (const auto * o = overrides; o && o->pattern != nullptr; ++o) {
-        const std::regex pattern(o->pattern);
-        if (std::regex_search(expert_tensor_name(first, 0), pattern) || std::regex_search(expert_tensor_name(first, 1), pattern) ||
-            std::regex_search(expert_tensor_name(first, 2), pattern)) {
-            buft = o->buft;
-            break;
-        }
-    }
-    // slots in a device's memory when the layer's weights go there (a CPU layer's list starts with the
-    // GPU's pinned host buffer type, whose device is the GPU: host memory all the same); CUDA's are
-    // recovered by ZipMoE's kernels where the build has them, any other device's through slot_write
-    ggml_backend_dev_t dev = buft != nullptr ? ggml_backend_buft_get_device(buft) : nullptr;
-    const enum ggml_backend_dev_type type = dev != nullptr ? ggml_backend_dev_type(dev) : GGML_BACKEND_DEVICE_TYPE_CPU;
-    on_device  = dev != nullptr && !ggml_backend_buft_is_host(buft) &&
-                 (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU);
-    cuda_slots = on_device && strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "CUDA") == 0 &&
-                 ggml_zipmoe_cuda_devices() > 0;
-    return on_device ? dev : nullptr;
-}
-
-void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
-                              const llama_model_tensor_buft_override * overrides) {
-    ggml_backend_dev_t dev = slot_device(layer_buft, overrides);
-    if (on_device) {
-        place_on_device(dev);
-    } else {
-        place_in_host(weight_buft);
-    }
-
-    ggml_zipmoe_cache_params cp = {};
-    cp.file       = file;
-    cp.n_slots    = info.capacity;
-    cp.n_decoders = opt.threads;
-    cp.eviction   = opt.eviction;
-    cp.rank_delta = opt.rank_delta;
-    std::copy(opt.pools, opt.pools + 4, cp.pool_capacity);
-    for (int k = 0; k < 3; ++k) {
-        cp.slot_data[k]   = slots[k][0]->data; // every type's slots of a kind lie over the same memory
-        cp.slot_stride[k] = slots[k][0]->nb[2];
-    }
-    if (!fill_views.empty()) {
-        cp.slot_fill = slot_fill;
-    }
-    cp.slot_fill_data = this;
-    if (on_device && !cuda_slots) {
-        cp.slot_write = slot_write;
-        cp.slot_sync  = slot_backend != nullptr ? slot_sync : nullptr;
-    }
-    cp.n_layer       = (int32_t) (layer_tensors.size() / 3);
-    cp.layer_tensors = layer_tensors.data();
-    // a bank of half a token's experts, the best-scored of those the cache lacks: a decode step's
-    // prediction names about half of them right (bench/prefetch_recall.py), and a bank's memory is
-    // taken from the slots
-    cp.prefetch_experts = opt.prefetch ? (n_expert_used + 1) / 2 : 0;
-    // a ubatch whose experts take several passes (a prompt, several sequences) reads a bank of the next
-    // pass's experts as this one decodes and computes: one token's worth, of the working slots' pass
-    cp.lookahead_experts = n_expert_used;
-    cp.slot_memory      = cuda_slots ? GGML_ZIPMOE_SLOTS_CUDA : on_device ? GGML_ZIPMOE_SLOTS_DEVICE : GGML_ZIPMOE_SLOTS_HOST;
-    cp.slot_pages_movable = slots_in_own_mapping;
-    char err[1024];
-    cache = ggml_zipmoe_cache_new(&cp, err, sizeof(err));
-    if (cache == nullptr) {
-        throw std::runtime_error(err);
-    }
-    if (opt.substitution != GGML_ZIPMOE_SUBST_NONE) {
-        ggml_zipmoe_cache_set_substitution(cache, opt.substitution, opt.smoe_alpha);
-        ggml_zipmoe_cache_set_buddy_params(cache, &opt.buddy);
-        log_substitution();
-    }
-    if (opt.trace_routing) {
-        ggml_zipmoe_cache_trace_routing(cache, 1, opt.buddy.temperature, 0);
-    }
-    if (ggml_zipmoe_serving_set_cache(serving, cache, on_device, err, sizeof(err)) != GGML_ZIPMOE_OK) {
-        throw std::runtime_error(err);
-    }
-    {
-        std::lock_guard<std::mutex> lock(g_registry_mutex);
-        for (const auto & of_kind : slots) {
-            for (ggml_tensor * s : of_kind) {
-                g_registry[s] = this;
-            }
-        }
-    }
-    const char * reads = ggml_zipmoe_file_is_direct(file) ? "with O_DIRECT" : "through the page cache";
-    if (on_device) {
-        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB in %s memory (%s; all experts %.1f MiB%s); "
-                       "chunks read %s, %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
-                       ggml_backend_dev_name(dev), ggml_backend_dev_description(dev), info.all_experts / k_mib,
-                       opt.budget != 0 ? ", zipmoe.budget" : "", reads,
-                       cuda_slots ? "exponents decoded on the CPU (codec ghuf: on the GPU), BF16 recovered on the GPU"
-                                  : "decoded and recovered on the CPU, the BF16 experts sent to the device");
-    } else {
-        LLAMA_LOG_INFO("%s: ZipMoE expert cache: %d slots of %.2f MiB reserved (all experts %.1f MiB%s%s%s); sized when "
-                       "a context is made; chunks read %s\n", __func__, info.capacity, info.expert_bytes / k_mib,
-                       info.all_experts / k_mib, info.raw ? ", stored raw" : "",
-                       fill_views.empty() ? "" : ", laid out for ", fill_views.empty() ? "" : ggml_backend_buffer_name(buf),
-                       reads);
-    }
-}
-
 llama_zipmoe::context_state & llama_zipmoe::state_of(const llama_context * lctx) {
     std::lock_guard<std::mutex> lock(state_mutex);
     auto & st = contexts[lctx];
@@ -367,7 +258,7 @@ llama_zipmoe::context_state & llama_zipmoe::state_of(const llama_context * lctx)
 }
 
 void llama_zipmoe::attach(llama_context * lctx) {
-    if (cache == nullptr) {
+    if (sets.empty()) {
         return;
     }
     uint64_t host = 0;
@@ -397,33 +288,39 @@ void llama_zipmoe::attach(llama_context * lctx) {
     }
 }
 
+// each set's slots filled, where they hold every expert of its layers
 void llama_zipmoe::preload(llama_context * lctx) {
     std::lock_guard<std::mutex> compute(compute_mutex);
-    const int64_t t0 = ggml_time_us();
-    int32_t n_loaded = 0;
-    const int status = ggml_zipmoe_cache_preload(cache, std::max(1, (int) llama_n_threads_batch(lctx)), &n_loaded);
-    const double seconds = (ggml_time_us() - t0) / 1e6;
-    if (status != GGML_ZIPMOE_OK) {
-        // the expert at fault fails again, with its name, if a token ever needs it
-        LLAMA_LOG_WARN("%s: ZipMoE preload stopped after %d experts: %s\n", __func__, n_loaded,
-                       ggml_zipmoe_cache_error(cache));
-        return;
-    }
-    if (n_loaded == 0) { // a prompt reads the experts it needs
-        LLAMA_LOG_INFO("%s: ZipMoE preload: nothing loaded: the slots in use do not hold every expert\n", __func__);
-        return;
-    }
-    LLAMA_LOG_INFO("%s: ZipMoE preloaded %d experts (%.1f MiB of slots) in %.2f s\n", __func__, n_loaded,
-                   (double) n_loaded * info.expert_bytes / k_mib, seconds);
-    // every expert resident: the graphs may use the slots in place (rebuilt for it)
-    const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && on_device);
-    if (views && !opt.with_pools() && !ggml_zipmoe_serving_auto_pools_active(serving)) {
-        std::vector<int32_t> base;
-        if (resident_bases(base)) {
-            std::lock_guard<std::mutex> lock(state_mutex);
-            views_wanted = true;
-            layout++;
-            LLAMA_LOG_INFO("%s: ZipMoE: every expert is resident: products use the slots in place, no fetch\n", __func__);
+    for (const auto & set : sets) {
+        const std::string where = sets.size() > 1 ? format(" (%s)", set->device_name()) : "";
+        const int64_t t0 = ggml_time_us();
+        int32_t n_loaded = 0;
+        const int status = ggml_zipmoe_cache_preload(set->cache, std::max(1, (int) llama_n_threads_batch(lctx)), &n_loaded);
+        const double seconds = (ggml_time_us() - t0) / 1e6;
+        if (status != GGML_ZIPMOE_OK) {
+            // the expert at fault fails again, with its name, if a token ever needs it
+            LLAMA_LOG_WARN("%s: ZipMoE preload%s stopped after %d experts: %s\n", __func__, where.c_str(), n_loaded,
+                           ggml_zipmoe_cache_error(set->cache));
+            continue;
+        }
+        if (n_loaded == 0) { // a prompt reads the experts it needs
+            LLAMA_LOG_INFO("%s: ZipMoE preload%s: nothing loaded: the slots in use do not hold every expert\n", __func__,
+                           where.c_str());
+            continue;
+        }
+        LLAMA_LOG_INFO("%s: ZipMoE preloaded%s %d experts (%.1f MiB of slots) in %.2f s\n", __func__, where.c_str(),
+                       n_loaded, (double) n_loaded * set->info.expert_bytes / k_zipmoe_mib, seconds);
+        // every expert resident: the graphs may use the slots in place (rebuilt for it)
+        const bool views = opt.resident_views == 1 || (opt.resident_views == -1 && set->on_device);
+        if (views && !opt.with_pools() && !ggml_zipmoe_serving_auto_pools_active(set->serving)) {
+            std::vector<int32_t> base;
+            if (resident_bases(*set, base)) {
+                std::lock_guard<std::mutex> lock(state_mutex);
+                set->views_wanted = true;
+                layout++;
+                LLAMA_LOG_INFO("%s: ZipMoE: every expert%s is resident: products use the slots in place, no fetch\n",
+                               __func__, sets.size() > 1 ? format(" in %s", set->device_name()).c_str() : "");
+            }
         }
     }
 }
@@ -437,11 +334,23 @@ void llama_zipmoe::detach(llama_context * lctx) {
         }
         const bool was_attached = it->second->attached;
         contexts.erase(it);
-        if (!was_attached || cache == nullptr) {
+        if (!was_attached || sets.empty()) {
             return;
         }
     }
-    // where the time went, for programs that print no statistics of their own (llama-completion)
+    for (const auto & set : sets) {
+        log_statistics(*set, sets.size() > 1);
+    }
+    try {
+        resize(nullptr);
+    } catch (const std::exception & e) {
+        LLAMA_LOG_WARN("%s: %s\n", __func__, e.what());
+    }
+}
+
+// where the time went, for programs that print no statistics of their own (llama-completion)
+void llama_zipmoe::log_statistics(const llama_zipmoe_slot_set & set, bool name_the_device) {
+    ggml_zipmoe_cache * cache = set.cache;
     ggml_zipmoe_cache_stats s;
     ggml_zipmoe_cache_get_stats(cache, &s);
     uint64_t predicted = 0, actual = 0, correct = 0;
@@ -451,13 +360,14 @@ void llama_zipmoe::detach(llama_context * lctx) {
     if (actual > 0) {
         snprintf(recall, sizeof(recall), "recall %.2f", (double) correct / actual);
     }
-    LLAMA_LOG_INFO("%s: ZipMoE expert cache so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
+    const std::string where = name_the_device ? format(" of %s", set.device_name()) : "";
+    LLAMA_LOG_INFO("%s: ZipMoE expert cache%s so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, %s); io %.1f ms, decode "
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
                    "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C/S to F "
                    "%llu experts in %.1f ms, %.1f MB of the stores' pages into their slots\n",
-                   __func__,
+                   "detach", where.c_str(),
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
                    s.bytes_read / 1e6, s.prefetch_bytes_read / 1e6, s.prefetch_bytes_used / 1e6,
@@ -468,15 +378,6 @@ void llama_zipmoe::detach(llama_context * lctx) {
                    s.h2d_bytes / 1e6, (unsigned long long) s.preload_experts, s.preload_bytes_read / 1e6,
                    s.populate_bytes / 1e6, s.populate_ns / 1e6, (unsigned long long) s.migrate_experts,
                    s.migrate_ns / 1e6, s.moved_page_bytes / 1e6);
-    try {
-        resize(nullptr);
-    } catch (const std::exception & e) {
-        LLAMA_LOG_WARN("%s: %s\n", __func__, e.what());
-    }
-}
-
-struct ggml_zipmoe_cache * llama_model_zipmoe_cache(const struct llama_model * model) {
-    return model != nullptr && model->zipmoe ? model->zipmoe->cache : nullptr;
 }
 
 const char * llama_zipmoe_last_error(const struct llama_context * lctx) {

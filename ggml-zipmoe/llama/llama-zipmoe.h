@@ -1,7 +1,10 @@
 #pragma once
 
 // ZipMoE fork: routed experts of a ZipMoE GGUF are not loaded; they are read on demand by
-// ggml-zipmoe into slot tensors shared by all layers (see ggml-zipmoe.h for the cache).
+// ggml-zipmoe into slot tensors (see ggml-zipmoe.h for the cache). Each device that computes some MoE
+// layer's experts, by stock llama.cpp's placement (-ngl, -ot, --n-cpu-moe, -ts, RPC servers), holds one
+// slot set: the slots of those layers, in its memory, with its own sizing and cache; host memory is the
+// set of the layers computed on the CPU.
 //
 // This glue is ZipMoE's own source, compiled into libllama by the ZipMoE project's CMakeLists.txt;
 // the patch series (vendor/llama.cpp/patches) only adds the calls into it from llama.cpp's loader,
@@ -9,6 +12,8 @@
 //   llama-zipmoe.h / .cpp       the model's expert cache: made at load, sized per context
 //   llama-zipmoe-options.cpp    the options, from KV overrides and the environment
 //   llama-zipmoe-graph.cpp      the graph's ops: fetch, merge, prefetch, substitution; errors
+//   llama-zipmoe-sets.cpp       which device each layer's slots take; the sets' sizing and statistics
+//   llama-zipmoe-slots.cpp      a set's slots in a device's or host memory, and how bytes reach them
 //
 // Memory. The sizing is ggml-zipmoe's (ggml-zipmoe-serving.h): the slot tensors reserve address
 // space for every expert but take memory only for the slots in use, decided when a context is made
@@ -55,9 +60,18 @@ struct ggml_zipmoe_cache;
 struct llama_context;
 struct llama_hparams;
 struct llama_model;
+struct llama_zipmoe_slot_set;
 
 // a size in words ("1.23 GiB", "18.0 KiB": ggml_zipmoe_size_text), for the glue's messages
 std::string llama_zipmoe_size_text(uint64_t bytes);
+
+// the name of layer il's routed-expert tensor of a kind in llama.cpp ("blk.3.ffn_up_exps.weight")
+std::string llama_zipmoe_expert_tensor_name(int il, int kind);
+
+// a set's slot tensors entered in (add) or removed from the registry llama_zipmoe::of reads
+void llama_zipmoe_register_slots(const llama_zipmoe_slot_set & set, bool add);
+
+inline constexpr double k_zipmoe_mib = 1024.0 * 1024.0;
 
 // a buffer type of the CPU device other than its plain one: ggml-cpu's repacking ("CPU_REPACK")
 bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft);
@@ -77,6 +91,7 @@ struct llama_zipmoe_kv_shape {
 // ggml-zipmoe's option table (ggml-zipmoe-options.h); parse fills every field from it.
 struct llama_zipmoe_options {
     uint64_t    budget         = 0;     // bytes of expert slots (0: from memory)
+    std::string device_budgets;         // "CUDA0=6G CPU=8G": a set's slots by its device's name ("": none)
     uint64_t    mem_limit      = 0;     // memory the process may use in all (0: its cgroup limits and MemAvailable)
     int         direct_io      = -1;    // 1, 0, -1: where the filesystem supports it
     bool        preload        = true;  // fill the slots when the first context is made
@@ -135,12 +150,13 @@ struct llama_zipmoe {
     // plain CPU one, or one of ggml-cpu's that lay weights out their own way (repacking quantized types)
     using weight_buft_fn = std::function<ggml_backend_buffer_type_t (ggml_tensor * w)>;
 
-    // makes the slot tensors and the expert cache, before the model's tensors are created: the slots
-    // go where the first served layer's weights go, or where a tensor override sends its experts; a
-    // device's own (not host) buffer type puts them in its memory: CUDA's, recovered by ZipMoE's
-    // kernels (a build with ZIPMOE_CUDA, docs/CUDA.md), or any other backend's (an rpc-server's,
-    // docs/DISTRIBUTED.md), written with ggml_backend_tensor_set. Host slots take the buffer type stock
-    // llama.cpp gives the experts (weight_buft), so that the products run the same kernels. Throws on error.
+    // makes the slot sets, their slot tensors and expert caches, before the model's tensors are created:
+    // a layer's slots go where stock llama.cpp puts its experts, the layer's weights' device or where a
+    // tensor override sends them (layer_buft, overrides), one set per device. A device's own (not host)
+    // buffer type puts them in its memory: CUDA's, recovered by ZipMoE's kernels (a build with
+    // ZIPMOE_CUDA, docs/CUDA.md), or any other backend's (an rpc-server's, docs/DISTRIBUTED.md), written
+    // with ggml_backend_tensor_set. Host slots take the buffer type stock llama.cpp gives the experts
+    // (weight_buft), so that the products run the same kernels. Throws on error.
     void make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
                     const llama_model_tensor_buft_override * overrides);
 
@@ -148,15 +164,13 @@ struct llama_zipmoe {
     // repacked in the file. Throws if the shape is not the file's.
     ggml_tensor * serve(const std::string & name, const std::initializer_list<int64_t> & ne) const;
 
-    // the slot id given to selection i (of n_used per token) that a pass does not compute:
-    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in a device's memory, one of
-    // the zero slots beyond the cache's, distinct within a token, whose rows the merge drops (ggml's
-    // CUDA mul_mat_id has no id that skips a row and wants a token's ids distinct; an rpc-server may
-    // run stock ggml, or CUDA)
-    int32_t absent_slot(int64_t i, int64_t n_used) const {
-        return on_device ? zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, zero_slots)))
-                         : GGML_ZIPMOE_NO_SLOT;
+    // the slot sets, in the order of their first layers, and the set serving layer il (nullptr: none)
+    const std::vector<std::unique_ptr<llama_zipmoe_slot_set>> & slot_sets() const { return sets; }
+    llama_zipmoe_slot_set * set_of(int il) const {
+        return il >= 0 && il < (int) layer_set.size() && layer_set[il] >= 0 ? sets[layer_set[il]].get() : nullptr;
     }
+    // the first set's cache: the one llama_model_zipmoe_cache gives (nullptr before make_cache)
+    ggml_zipmoe_cache * first_cache() const;
 
     // after the model's tensors are made: refuses layers the slots cannot serve (expert biases,
     // per-expert scales, merged gate_up) and records the non-expert weights held in host memory
@@ -235,24 +249,27 @@ struct llama_zipmoe {
     // the message of lctx's last failed decode ("" if none)
     const char * last_error(const llama_context * lctx);
 
-    // how the slots in use were last sized
+    // how the slots in use were last sized: the set in host memory's (else the first set's), and set i's
     llama_zipmoe_memory_plan memory_plan() const;
     ggml_zipmoe_serving_plan serving_plan() const; // the last sizing (what memory_plan reports)
+    ggml_zipmoe_serving_plan serving_plan(const llama_zipmoe_slot_set & set) const;
 
-    ggml_zipmoe_file  * file  = nullptr;
-    ggml_zipmoe_cache * cache = nullptr;
+    ggml_zipmoe_file * file = nullptr;
 
     // what a graph's fetch / merge op works on
     struct op_args {
-        llama_zipmoe * zm;
-        int            il;
-        int            pass;
+        llama_zipmoe *          zm;
+        llama_zipmoe_slot_set * set; // the layer's
+        int                     il;
+        int                     pass;
     };
 
     // an op's failure: stops the graph (through abort_callback) with this message
     void fail(const char * message);
 
 private:
+    friend struct llama_zipmoe_slot_set;
+
     struct context_state {
         llama_zipmoe *      zm            = nullptr;
         ggml_abort_callback user_callback = nullptr;
@@ -269,35 +286,39 @@ private:
     // the slots in use sized again for the live contexts (making: the one being made)
     void resize(const llama_context * making);
     void preload(llama_context * lctx);
-    // slot memory for capacity slots: a device's, or reserved host address space
-    ggml_backend_dev_t slot_device(const layer_buft_fn & layer_buft, const llama_model_tensor_buft_override * overrides);
-    void place_on_device(ggml_backend_dev_t dev);
-    void place_in_host(const weight_buft_fn & weight_buft);
-    // slot tensors at data[k], nb[2] stride[k]: one per kind and ggml type of the file's tensors of that
-    // kind; expected_extra: by (kind, type), whether the buffer's type must lay them out its own way
-    void make_slot_tensors(void * const data[3], const size_t stride[3],
-                           const std::map<std::pair<int, int>, bool> & expected_extra);
-    ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
-    // a raw expert's bytes into its slot (ggml_zipmoe_cache_params.slot_fill): through a per-slot view's
-    // set_tensor where its buffer lays weights out its own way, else copied
-    static int slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
-                         size_t err_size);
-    // slots in a device's memory other than ZipMoE's CUDA path (ggml_zipmoe_cache_params.slot_write and
-    // slot_sync): set through the device's backend (an rpc-server's queues it), else the buffer
-    static int slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
-                          size_t size, char * err, size_t err_size);
-    static int slot_sync(void * data, char * err, size_t err_size);
+    // the device whose memory holds layer il's slots (nullptr: host memory), as stock places its experts
+    ggml_backend_dev_t expert_device(int il, const layer_buft_fn & layer_buft,
+                                     const llama_model_tensor_buft_override * overrides) const;
+    // the serving's parameters from the options, for the layers of a table (-1 outside them)
+    ggml_zipmoe_serving_params serving_params(const std::vector<int32_t> & table) const;
+    // the model's non-expert weights that go to dev's memory (layer_buft: each layer's placement)
+    uint64_t weights_on(ggml_backend_dev_t dev, const layer_buft_fn & layer_buft) const;
+    // a set's sizing: the constructor's serving for a single set serving every layer, else its own
+    // (budget: the set's share of zipmoe.budget, 0 for none)
+    // (named: its device's in zipmoe.device_budgets)
+    void make_serving(llama_zipmoe_slot_set & set, size_t n_sets, bool host_set_exists, uint64_t budget, bool named);
+    // the set in host memory, else the first: what a context's host memory is sized against
+    const llama_zipmoe_slot_set * primary() const;
     void log_substitution() const;
-    bool resident_bases(std::vector<int32_t> & base); // every served layer's, if all are in place
+    void log_statistics(const llama_zipmoe_slot_set & set, bool name_the_device);
+    // every served layer's in set, if all are in place
+    bool resident_bases(const llama_zipmoe_slot_set & set, std::vector<int32_t> & base);
 
     std::string           fname;
     llama_zipmoe_options  opt;
     std::vector<int32_t>  layer_tensors;     // [n_layer][3] the file's tensor of each layer's gate, up, down
     int32_t               n_expert_used = 1; // the model's top-k
-    uint64_t              file_non_expert = 0; // bytes of the file's tensors that are not expert chunks
+    std::vector<uint64_t> layer_non_expert;  // by layer: bytes of the file's tensors of blk.N that are not expert chunks
+    uint64_t              other_non_expert = 0; // the rest of them (embeddings, output, final norm)
+    uint64_t              file_non_expert  = 0; // all of them
     uint64_t              n_vocab = 0;       // the vocabulary's tokens (a context's logits are this wide)
 
-    // the sizing (ggml-zipmoe-serving.h) and its view of the slots
+    // the slot sets (llama-zipmoe-sets.cpp) and, by layer, the index of the set serving it (-1: none)
+    std::vector<std::unique_ptr<llama_zipmoe_slot_set>> sets;
+    std::vector<int32_t>                                layer_set;
+
+    // the sizing (ggml-zipmoe-serving.h): made at load over every layer, before the placement is known;
+    // the single set's, or freed once the sets have their own
     ggml_zipmoe_serving *     serving = nullptr;
     ggml_zipmoe_serving_info  info    = {};
     uint64_t                  non_expert_bytes = 0; // non-expert weights in host memory a decode step reads
@@ -306,8 +327,7 @@ private:
     bool                      sized            = false; // a context sized the slots (resize)
 
     // resident views: every served layer's first slot, valid for slot layout views_layout (guarded by
-    // state_mutex); a layer at -1 (or views off) and every layer uses the fetch
-    bool                 views_wanted = false; // a preload left every expert resident (zipmoe.resident_views)
+    // state_mutex); a layer at -1 (or views off in its set) uses the fetch
     uint64_t             views_layout = UINT64_MAX;
     std::vector<int32_t> views_base;
     // their weights: leaf tensors over the slots, as stock's expert tensors are (a VIEW node between
@@ -319,6 +339,34 @@ private:
 
     // prefetch: by layer, the router's weights and the FFN norm's (nullptr where not served)
     std::vector<ggml_tensor *> gate_inp, ffn_norm;
+
+    // graphs and contexts
+    std::mutex                  compute_mutex; // held by lock_compute, and by resize
+    int64_t                     graph_start_us = -1; // the graph under compute_mutex began (lock_compute)
+    mutable std::mutex          state_mutex;   // args, contexts, built, layout
+    std::deque<op_args>         args;          // stable addresses for the graph's custom ops
+    std::unordered_map<int64_t, op_args *> args_index;
+    std::map<const llama_context *, std::unique_ptr<context_state>> contexts;
+    std::unordered_map<const ggml_cgraph *, uint64_t> built; // graph -> slot layout it was built for
+    uint64_t                    layout = 0;    // bumped by every change of the slot count
+
+    std::atomic<bool> failed { false };
+    std::string       failure;
+    std::mutex        failure_mutex;
+};
+
+// one device's expert slots: the MoE layers whose routed experts stock llama.cpp computes on that device
+// (or on the CPU, from host memory), their slots in its memory, and their own sizing and cache
+// (llama-zipmoe-slots.cpp)
+struct llama_zipmoe_slot_set {
+    llama_zipmoe *           zm      = nullptr;
+    ggml_backend_dev_t       dev     = nullptr; // the device whose memory holds the slots; nullptr: host memory
+    std::vector<int32_t>     layer_tensors;     // the file's table of the set's layers, -1 for every other layer
+    int32_t                  n_layers = 0;      // MoE layers in the set
+    ggml_zipmoe_serving *    serving = nullptr; // owned
+    ggml_zipmoe_serving_info info    = {};
+    ggml_zipmoe_cache *      cache   = nullptr; // owned
+    bool                     views_wanted = false; // a preload left every expert resident (zipmoe.resident_views)
 
     // slots in a device's memory: all allocated when the model loads, all in use (no host memory sizing)
     bool           on_device    = false;
@@ -343,17 +391,41 @@ private:
     // a [ne0, ne1] view per slot, set through the buffer
     std::map<std::pair<int, int>, std::vector<ggml_tensor *>> fill_views;
 
-    // graphs and contexts
-    std::mutex                  compute_mutex; // held by lock_compute, and by resize
-    int64_t                     graph_start_us = -1; // the graph under compute_mutex began (lock_compute)
-    mutable std::mutex          state_mutex;   // args, contexts, built, layout
-    std::deque<op_args>         args;          // stable addresses for the graph's custom ops
-    std::unordered_map<int64_t, op_args *> args_index;
-    std::map<const llama_context *, std::unique_ptr<context_state>> contexts;
-    std::unordered_map<const ggml_cgraph *, uint64_t> built; // graph -> slot layout it was built for
-    uint64_t                    layout = 0;    // bumped by every change of the slot count
+    ~llama_zipmoe_slot_set();
 
-    std::atomic<bool> failed { false };
-    std::string       failure;
-    std::mutex        failure_mutex;
+    // "CPU" for host memory, else the device's name ("CUDA0", "RPC0[host:port]")
+    const char * device_name() const;
+
+    // the slot id given to selection i (of n_used per token) that a pass does not compute:
+    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in a device's memory, one of
+    // the zero slots beyond the cache's, distinct within a token, whose rows the merge drops (ggml's
+    // CUDA mul_mat_id has no id that skips a row and wants a token's ids distinct; an rpc-server may
+    // run stock ggml, or CUDA)
+    int32_t absent_slot(int64_t i, int64_t n_used) const {
+        return on_device ? zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, zero_slots)))
+                         : GGML_ZIPMOE_NO_SLOT;
+    }
+
+    ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
+
+    // the slots: in the device's memory, beside weights_bytes of the model's weights there; or in host memory
+    void place_on_device(uint64_t weights_bytes);
+    void place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft);
+    // the cache over the placed slots, handed to the serving; logs where the slots are
+    void make_cache();
+
+private:
+    // slot tensors at data[k], nb[2] stride[k]: one per kind and ggml type of the file's tensors of that
+    // kind; expected_extra: by (kind, type), whether the buffer's type must lay them out its own way
+    void make_slot_tensors(void * const data[3], const size_t stride[3],
+                           const std::map<std::pair<int, int>, bool> & expected_extra);
+    // a raw expert's bytes into its slot (ggml_zipmoe_cache_params.slot_fill): through a per-slot view's
+    // set_tensor where its buffer lays weights out its own way, else copied
+    static int slot_fill(void * data, int kind, int tensor, int32_t slot, const void * src, size_t size, char * err,
+                         size_t err_size);
+    // slots in a device's memory other than ZipMoE's CUDA path (ggml_zipmoe_cache_params.slot_write and
+    // slot_sync): set through the device's backend (an rpc-server's queues it), else the buffer
+    static int slot_write(void * data, int kind, int tensor, int32_t slot, size_t offset, const void * src,
+                          size_t size, char * err, size_t err_size);
+    static int slot_sync(void * data, char * err, size_t err_size);
 };

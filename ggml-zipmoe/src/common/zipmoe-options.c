@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 // the names of the enums the options take (and the pools'): here, below the cache and the lossy
 // policies whose enums they name, so that the option table needs nothing above common/
@@ -45,7 +46,13 @@ const char * ggml_zipmoe_pool_name(int pool) {
 static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
     [GGML_ZIPMOE_OPTION_BUDGET] = { "budget", "zipmoe.budget", "ZIPMOE_BUDGET", GGML_ZIPMOE_TYPE_SIZE, BOTH, 0, 0,
         NAN, 0, NULL, NULL, "from the memory available",
-        "memory for the expert slots and pools; a budget that does not fit is reduced, with a warning", NONE },
+        "memory for the expert slots and pools; a budget that does not fit is reduced, with a warning; with "
+        "layers on several devices, the slots of all of them, each device's set taking its layers' share", NONE },
+    [GGML_ZIPMOE_OPTION_DEVICE_BUDGETS] = { "device_budgets", "zipmoe.device_budgets", "ZIPMOE_DEVICE_BUDGETS",
+        GGML_ZIPMOE_TYPE_DEVICE_SIZES, BOTH, 0, 0, NAN, 0, NULL, NULL, "none",
+        "the expert slots of the MoE layers on a device, by its name (CPU: host memory; CUDA0, RPC0: as "
+        "llama.cpp's log names them); a device not named takes its share of the budget, or its free memory",
+        NONE },
     [GGML_ZIPMOE_OPTION_MEM_LIMIT] = { "mem_limit", "zipmoe.mem_limit", "ZIPMOE_MEM_LIMIT", GGML_ZIPMOE_TYPE_SIZE,
         BOTH, 0, 0, NAN, 0, NULL, NULL, "the cgroup limits and MemAvailable",
         "memory the process may use in all, when it must share the machine below its cgroup and MemAvailable",
@@ -217,6 +224,9 @@ int ggml_zipmoe_option_expects(int id, char * buf, size_t size) {
         case GGML_ZIPMOE_TYPE_POOLS:
             append(buf, size, &len, "like F=4,C=8,E=2 (experts per MoE layer of the pools F, C, S, E)");
             break;
+        case GGML_ZIPMOE_TYPE_DEVICE_SIZES:
+            append(buf, size, &len, "like 'CUDA0=6G CPU=8G' (a device's name and a size, space- or comma-separated)");
+            break;
         default:
             append(buf, size, &len, "a file's path");
             break;
@@ -329,6 +339,71 @@ static bool parse_bool(const char * s, int64_t * out) {
     return false;
 }
 
+// DEVICE_SIZES: entry k of text ("CUDA0=6G CPU=8G") into name and *bytes; false past the last or malformed
+static bool device_size_at(const char * text, int k, char * name, size_t name_size, int64_t * bytes) {
+    const char * at = text;
+    for (int i = 0;; i++) {
+        at += strspn(at, " \t,");
+        if (*at == '\0') {
+            return false;
+        }
+        const size_t n = strcspn(at, " \t,");
+        const char * eq = memchr(at, '=', n);
+        if (eq == NULL || eq == at || eq == at + n - 1) {
+            return false; // every entry is NAME=SIZE, whichever is asked for
+        }
+        if (i == k) {
+            char size_text[64];
+            const size_t name_len = (size_t) (eq - at), size_len = n - name_len - 1;
+            if (name_len >= name_size || size_len >= sizeof(size_text)) {
+                return false;
+            }
+            memcpy(name, at, name_len);
+            name[name_len] = '\0';
+            memcpy(size_text, eq + 1, size_len);
+            size_text[size_len] = '\0';
+            for (char * c = size_text; *c; c++) {
+                *c = (char) tolower((unsigned char) *c);
+            }
+            return parse_size(size_text, bytes);
+        }
+        at += n;
+    }
+}
+
+int ggml_zipmoe_device_size_at(const char * text, int k, char * name, size_t name_size, uint64_t * bytes) {
+    int64_t b = 0;
+    if (text == NULL || name == NULL || name_size == 0 || bytes == NULL || k < 0 ||
+        !device_size_at(text, k, name, name_size, &b)) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    *bytes = (uint64_t) b;
+    return GGML_ZIPMOE_OK;
+}
+
+// every entry of a DEVICE_SIZES text well formed, at least one, no device twice: the entries' count, or -1
+static int64_t device_sizes_count(const char * text) {
+    int64_t entries = 0;
+    for (const char * at = text + strspn(text, " \t,"); *at; at += strspn(at, " \t,")) {
+        entries++;
+        at += strcspn(at, " \t,");
+    }
+    char name[64], other[64];
+    int64_t bytes = 0;
+    for (int64_t k = 0; k < entries; k++) {
+        if (!device_size_at(text, (int) k, name, sizeof(name), &bytes)) {
+            return -1;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            device_size_at(text, (int) j, other, sizeof(other), &bytes);
+            if (strcasecmp(other, name) == 0) {
+                return -1;
+            }
+        }
+    }
+    return entries > 0 ? entries : -1;
+}
+
 static bool in_range(const struct ggml_zipmoe_option * o, double v) {
     return (v >= o->min && v <= o->max) || v == o->also;
 }
@@ -363,6 +438,10 @@ int ggml_zipmoe_option_parse(int id, const struct ggml_zipmoe_option_input * in,
             ok = as_text ? parse_real(text, &v.f) : in->given != GGML_ZIPMOE_GIVEN_BOOL;
             v.f = as_text ? v.f : in->given == GGML_ZIPMOE_GIVEN_INT ? (double) in->i : in->f;
             ok = ok && in_range(o, v.f);
+            break;
+        case GGML_ZIPMOE_TYPE_DEVICE_SIZES:
+            v.i = as_text ? device_sizes_count(text) : -1;
+            ok  = v.i > 0;
             break;
         case GGML_ZIPMOE_TYPE_NAME:
             for (int k = 0; as_text && ggml_zipmoe_option_choice(id, k) != NULL; k++) {

@@ -67,7 +67,7 @@ static uint64_t resident_bytes(void) {
 static void measure_memory(struct ggml_zipmoe_serving * s) {
     if (s->p.available != 0) {
         s->available = s->p.available;
-        snprintf(s->source, sizeof(s->source), "given");
+        snprintf(s->source, sizeof(s->source), "%s", s->p.available_source ? s->p.available_source : "given");
         return;
     }
     struct ggml_zipmoe_memory mem;
@@ -158,6 +158,7 @@ struct ggml_zipmoe_serving * ggml_zipmoe_serving_new(const struct ggml_zipmoe_se
     s->auto_threads       = 1;
     s->n_threads_max      = 1;
     measure_memory(s);
+    s->p.available_source = NULL; // read once, above: the caller's string need not outlive the call
     if (zipmoe_serving_measure_experts(s, err, err_size) != GGML_ZIPMOE_OK || choose_capacity(s, err, err_size) != GGML_ZIPMOE_OK) {
         ggml_zipmoe_serving_free(s);
         return NULL;
@@ -577,8 +578,9 @@ int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, const struct ggml
     snprintf(pl->pools_why, sizeof(pl->pools_why), "%s", choice.why);
     char sums[768];
     describe_sums(pl, sums, sizeof(sums));
-    zipmoe_serving_log(s, 0, "ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s)", n, pl->slot_capacity,
-                       (double) n * s->info.expert_bytes / ZIPMOE_MIB, s->p.budget != 0 ? "zipmoe.budget; " : "", sums);
+    zipmoe_serving_log(s, 0, "ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s%s)", n, pl->slot_capacity,
+                       (double) n * s->info.expert_bytes / ZIPMOE_MIB, s->p.budget != 0 ? budget_name(s) : "",
+                       s->p.budget != 0 ? "; " : "", sums);
     if (changed_out != NULL) {
         *changed_out = changed;
     }
