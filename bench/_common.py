@@ -28,8 +28,18 @@ PROMPT = ("In a mixture of experts model every token is routed to a few experts 
 # llama-completion's timings
 PERF = re.compile(r"(prompt eval|eval) time =\s*([0-9.]+) ms /\s*(\d+) (?:tokens|runs)")
 LOAD = re.compile(r"load time =\s*([0-9.]+) ms")
-# the runtime's counters, logged when a context is freed
+# the runtime's counters, logged when a context is freed: one line, or one per slot set named by its device
 STATS = re.compile(r"ZipMoE expert cache so far: (.*)")
+DEVICE_STATS = re.compile(r"ZipMoE expert cache of (\S+) so far: (.*)")
+
+
+def last_stats(stderr: str) -> str | None:
+    """The counters of the last context freed: its line, or each slot set's ("CPU: ... | CUDA0: ...")"""
+    by_device = dict(DEVICE_STATS.findall(stderr))  # the last line of each device
+    if by_device:
+        return " | ".join(f"{device}: {text.strip()}" for device, text in by_device.items())
+    stats = STATS.findall(stderr)
+    return stats[-1].strip() if stats else None
 # in those counters: MB read, and the I/O thread's, decode and recover times
 COUNTERS = re.compile(r"([0-9.]+) MB read .*?io ([0-9.]+) ms, decode ([0-9.]+) ms, recover ([0-9.]+) ms")
 # and the time account (docs/GUIDE.md, "Where a token's time goes"): fetch wall, thread 0 decoding, waiting
@@ -94,10 +104,12 @@ def cell(values: list[float], fmt: str) -> str:
 
 def counter_lines(rows: list[dict], heading: str) -> list[str]:
     """ZipMoE's counters of each run (its log line when the context was freed), by cap and round"""
-    counters = [(r["cap_bytes"], r["round"], r["zipmoe_stats"]) for r in rows if r.get("zipmoe_stats")]
+    counters = [(r["cap_bytes"], r["round"], r.get("system", ""), r["zipmoe_stats"]) for r in rows
+                if r.get("zipmoe_stats")]
     if not counters:
         return []
-    return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}: {text}" for cap, rnd, text in counters]
+    return ["", heading, ""] + [f"- {cap / (1 << 30):.0f} GiB, round {rnd}{f', {system}' if system else ''}: {text}"
+                                for cap, rnd, system, text in counters]
 
 
 def fit_line(points: list[tuple[int, float]]) -> dict:

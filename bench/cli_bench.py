@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import CAPPED_RUN, PERF, STATS, disk_bw, llama_completion, zipmoe_beside
+from _common import CAPPED_RUN, PERF, last_stats, disk_bw, llama_completion, zipmoe_beside
 
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed.")
@@ -43,9 +43,9 @@ def run_one(cap: int, model: Path, args, context: str, env: dict | None = None) 
                           stdin=subprocess.DEVNULL,
                           env={**os.environ, **(env or {})})
     row = {"command": cmd[cmd.index("--") + 1:], "env": env or {}, "wall_s": time.perf_counter() - t}
-    stats = STATS.findall(proc.stderr)
+    stats = last_stats(proc.stderr)
     if stats:
-        row["zipmoe_stats"] = stats[-1].strip()  # the runtime's counters when the run ended: where the time went
+        row["zipmoe_stats"] = stats  # the runtime's counters when the run ended: where the time went
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     capped = json.loads(lines[-1]) if lines else {}
     row.update({"rc": capped.get("rc", proc.returncode), "peak_bytes": capped.get("peak_bytes")})

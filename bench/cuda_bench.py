@@ -15,6 +15,9 @@ Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignor
   zipmoe-P       the ZipMoE GGUF with ZIPMOE_BUDGET = P% of the routed experts' BF16 bytes: slots in
                  VRAM, misses read from disk (O_DIRECT), exponents decoded on the CPU, BF16
                  recovered on the GPU
+  zipmoe-n-cpu-moe-P  the ZipMoE GGUF with stock-n-cpu-moe-P's flags and no budget: a slot set in VRAM for
+                 the GPU layers (their experts, the VRAM stock gives them) and one in host memory for the
+                 others, sized from host memory and computed by the CPU as stock computes them
   zipmoe-ghuf-P  with --ghuf: the same with the model repacked --codec ghuf, exponents decoded on the
                  GPU (phase 2); its counters give the MB sent to the GPU against zipmoe-P's
 TTFT is llama-completion's "prompt eval time", TPOT its "eval time" per token. The ZipMoE runtime's
@@ -44,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import CAPPED_RUN, PERF, STATS
+from _common import CAPPED_RUN, PERF, last_stats
 
 PROMPT = ("In a mixture of experts model every token is routed to a few experts chosen by a small router, "
           "so most of the weights sit idle at any moment and can wait on disk until they are needed. ")
@@ -86,13 +89,13 @@ def run_one(model: Path, extra: list[str], env: dict, args) -> dict:
     row["cuda_weights_mib"] = round(sum(float(m) for m in CUDA_WEIGHTS.findall(proc.stderr))
                                     + sum(int(n) * float(mib) for n, mib in slots[-1:]), 1)
     row["resident_views"] = "products use the slots in place" in proc.stderr
-    stats = STATS.findall(proc.stderr)
+    stats = last_stats(proc.stderr)
     if stats:
-        row["zipmoe_stats"] = stats[-1].strip()
-        h2d = H2D.findall(stats[-1])
+        row["zipmoe_stats"] = stats
+        h2d = H2D.findall(stats)  # every slot set's
         if h2d:
-            row["h2d_mb"] = float(h2d[0])
-            row["h2d_mb_per_token"] = float(h2d[0]) / (row["prompt_tokens"] + args.gen_tokens)
+            row["h2d_mb"] = sum(float(mb) for mb in h2d)
+            row["h2d_mb_per_token"] = row["h2d_mb"] / (row["prompt_tokens"] + args.gen_tokens)
     return row
 
 
@@ -187,6 +190,7 @@ def main(argv=None) -> int:
         if pct < 100:
             n, shares[pct] = n_cpu_moe_for(moe_layers, pct)
             systems[f"stock-n-cpu-moe-{pct}"] = (args.bf16, ["--n-cpu-moe", str(n)], {})
+            systems[f"zipmoe-n-cpu-moe-{pct}"] = (args.zipmoe, ["--n-cpu-moe", str(n)], {})
         budget = {"ZIPMOE_BUDGET": str(all_experts * pct // 100)}
         systems[f"zipmoe-{pct}"] = (args.zipmoe, [], budget)
         if args.device_stores and pct < 100:

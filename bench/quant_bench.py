@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import limits as machine
-from _common import (ACCOUNT, CAPPED_RUN, COUNTERS, LOAD, PERF, PROMPT, STATS, cell, counter_lines,
+from _common import (ACCOUNT, CAPPED_RUN, COUNTERS, LOAD, PERF, PROMPT, last_stats, cell, counter_lines,
                      disk_bw, llama_completion, parse_size, round_order, run_facts, save, zipmoe_beside)
 
 # runs the command, then prints this process's /proc/self/io, which counts the reaped child's reads too
@@ -129,9 +129,9 @@ def run_one(cap: int, model: Path, extra: list[str], args, program: Path | None 
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     capped = json.loads(lines[-1]) if lines else {}
     row.update({"rc": capped.get("rc", proc.returncode), "peak_bytes": capped.get("peak_bytes")})
-    stats = STATS.findall(proc.stderr)
+    stats = last_stats(proc.stderr)
     if stats:
-        row["zipmoe_stats"] = stats[-1].strip()
+        row["zipmoe_stats"] = stats
     # the runtime's own lines: memory plan, pools chosen and re-planned, preload
     row["zipmoe_log"] = [line.strip() for line in proc.stderr.splitlines() if "ZipMoE" in line][:60]
     io = [line.split()[1:] for line in proc.stderr.splitlines() if line.startswith("IO ")]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from zipmoe_py.devtools.ports import free_port
 
-from _common import (CAPPED_RUN, LOAD, PERF, PROMPT, STATS, cell, counter_lines, disk_bw, llama_completion, parse_size,
+from _common import (CAPPED_RUN, LOAD, PERF, PROMPT, last_stats, cell, counter_lines, disk_bw, llama_completion, parse_size,
                      run_facts, save, zipmoe_beside)
 
 
@@ -163,9 +163,9 @@ def run_one(cap: int, model: Path, budget: int | None, args, extra_env: dict | N
     row = {"command": cmd[cmd.index("--") + 1:], "budget": budget, "env": extra_env or {}, "wall_s": time.perf_counter() - t,
            "rc": proc.returncode, "server_peak_bytes": [s.get("peak_bytes") for s in stops],
            "server_rc": [s.get("rc") for s in stops], "servers_alive": [s["alive_at_end"] for s in stops]}
-    stats = STATS.findall(stderr)
+    stats = last_stats(stderr)
     if stats:
-        row["zipmoe_stats"] = stats[-1].strip()
+        row["zipmoe_stats"] = stats
     perf = {kind: (float(ms), int(n)) for kind, ms, n in PERF.findall(stderr)}
     load = LOAD.findall(stderr)
     if proc.returncode != 0 or "eval" not in perf or not load or first is None:

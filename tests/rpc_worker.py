@@ -15,13 +15,15 @@ process, and a test's servers are gone after it. Three jobs:
         stock llama.cpp gave its experts (its loader's debug log) and the device of the ZipMoE slots
     rpc_worker.py device_budgets ZIPMOE SERVERS BUDGETS
         every layer offloaded, zipmoe_device_budgets=BUDGETS; prints one JSON line: each set's device and
-        slots, or {"error": MESSAGE} where the load fails
+        slots and the model's Prometheus text (llama_model_zipmoe_metrics), or {"error": MESSAGE} where the
+        load fails
     rpc_worker.py die ZIPMOE SERVERS
         greedy decoding, printing "step N" after each token, until a decode fails (the test kills a
         server); prints "error: MESSAGE" and exits 0, or exits 1 after 2000 steps
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import re
 import sys
@@ -134,7 +136,15 @@ def device_budgets(zipmoe: str, servers: str, budgets: str) -> int:
         return 0
     try:
         logits_trace(llm, PROMPTS[:1], 2)
-        print(json.dumps({s["device"]: s["n_slots"] for s in llm.zipmoe_stats()["sets"]}))
+        out = {s["device"]: s["n_slots"] for s in llm.zipmoe_stats()["sets"]}
+        from zipmoe_py import _paths
+
+        lib = ctypes.CDLL(str(_paths.shared_library("llama")))
+        lib.llama_model_zipmoe_metrics.restype = ctypes.c_size_t
+        lib.llama_model_zipmoe_metrics.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        text = ctypes.create_string_buffer(1 << 20)
+        lib.llama_model_zipmoe_metrics(ctypes.cast(llm._model.model, ctypes.c_void_p), text, len(text))
+        print(json.dumps({"slots": out, "metrics": text.value.decode()}))
     finally:
         llm.close()
     return 0

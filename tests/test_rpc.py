@@ -227,7 +227,8 @@ PLACEMENTS = {"n_cpu_moe": {"n_cpu_moe": 3},
               "override_tensor": {"override_tensor": r"blk\.(2|5|6)\.ffn_(up|down|gate)_exps=CPU"}}
 
 
-@pytest.mark.parametrize("where, n_seq", [("n_cpu_moe", 1), ("override_tensor", 4)])
+# both architectures, both ways of keeping experts on the client, one and four sequences: in two runs
+@pytest.mark.parametrize("arch, where, n_seq", [("qwen2moe", "n_cpu_moe", 1), ("deepseek2", "override_tensor", 4)])
 def test_each_layers_slots_are_where_stock_puts_its_experts_and_bit_identical(arch, where, n_seq, tiny_gguf,
                                                                               zipmoe_gguf, rpc_servers):
     """Two rpc-servers take every layer (n_gpu_layers 99), some layers' experts kept in host memory (llama.cpp's
@@ -273,7 +274,14 @@ def test_device_budgets_size_each_servers_set(zipmoe_gguf, rpc_servers):
     one, _, _ = expert_geometry(zipmoe_gguf("qwen2moe"))
     proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, f"RPC0={5 * one} rpc1={7 * one}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"RPC0": 5, "RPC1": 7}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["slots"] == {"RPC0": 5, "RPC1": 7}
+    # /metrics: each cache's series labelled with its device, a metric's lines together under one # TYPE
+    lines = out["metrics"].splitlines()
+    hits = [i for i, line in enumerate(lines) if line.startswith("zipmoe:expert_misses_total")]
+    assert [lines[i].split(" ")[0] for i in hits] == ['zipmoe:expert_misses_total{device="RPC0"}',
+                                                      'zipmoe:expert_misses_total{device="RPC1"}'], hits
+    assert hits[1] == hits[0] + 1 and lines.count("# TYPE zipmoe:expert_misses_total counter") == 1
     proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, "RPC0=1G CUDA3=2G")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     error = json.loads(proc.stdout.strip().splitlines()[-1])["error"]

@@ -456,6 +456,13 @@ def _libllama() -> ctypes.CDLL:
     handle.llama_zipmoe_last_error.argtypes = [ctypes.c_void_p]
     handle.llama_model_zipmoe_memory_plan.restype = ctypes.c_bool
     handle.llama_model_zipmoe_memory_plan.argtypes = [ctypes.c_void_p, ctypes.POINTER(MemoryPlan)]
+    # a cache per device (zipmoe_py/slot_sets.py)
+    for name, restype, argtypes in (("llama_model_zipmoe_n_caches", ctypes.c_int32, [ctypes.c_void_p]),
+                                    ("llama_model_zipmoe_cache_at", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int32]),
+                                    ("llama_model_zipmoe_cache_device", ctypes.c_char_p, [ctypes.c_void_p, ctypes.c_int32]),
+                                    ("llama_model_zipmoe_cache_memory_plan", ctypes.c_bool,
+                                     [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(MemoryPlan)])):
+        getattr(handle, name).restype, getattr(handle, name).argtypes = restype, argtypes
     return handle
 
 

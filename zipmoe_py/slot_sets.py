@@ -4,26 +4,11 @@ give one per device, each with its slots in that device's memory. Statistics of 
 from __future__ import annotations
 
 import ctypes
-import functools
 
-from . import _lib, _paths
+from . import _lib
+from ._lib import _libllama
 
 MAX_LAYERS = 4096  # served layers are looked up by index; models have far fewer
-
-
-@functools.lru_cache(maxsize=None)
-def _libllama() -> ctypes.CDLL:
-    handle = ctypes.CDLL(str(_paths.shared_library("llama")))
-    handle.llama_model_zipmoe_n_caches.restype = ctypes.c_int32
-    handle.llama_model_zipmoe_n_caches.argtypes = [ctypes.c_void_p]
-    handle.llama_model_zipmoe_cache_at.restype = ctypes.c_void_p
-    handle.llama_model_zipmoe_cache_at.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    handle.llama_model_zipmoe_cache_device.restype = ctypes.c_char_p
-    handle.llama_model_zipmoe_cache_device.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-    handle.llama_model_zipmoe_cache_memory_plan.restype = ctypes.c_bool
-    handle.llama_model_zipmoe_cache_memory_plan.argtypes = [ctypes.c_void_p, ctypes.c_int32,
-                                                            ctypes.POINTER(_lib.MemoryPlan)]
-    return handle
 
 
 def _model_pointer(model):

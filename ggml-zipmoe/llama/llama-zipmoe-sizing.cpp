@@ -16,6 +16,7 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#include <map>
 #include <stdexcept>
 
 void llama_zipmoe::check_model(const llama_model & model) {
@@ -316,17 +317,63 @@ bool llama_model_zipmoe_memory_plan(const struct llama_model * model, struct lla
     return true;
 }
 
+// the caches' Prometheus texts as one: each sample labelled device="NAME", a metric's samples of every
+// device together under its # HELP / # TYPE lines (the exposition format groups a metric's lines)
+static std::string metrics_by_device(const std::vector<std::pair<std::string, std::string>> & texts) {
+    std::vector<std::string> order;
+    std::map<std::string, std::pair<std::string, std::string>> families; // name -> (comments, samples)
+    for (size_t i = 0; i < texts.size(); ++i) {
+        const std::string & text = texts[i].second;
+        for (size_t at = 0; at < text.size();) {
+            size_t end = text.find('\n', at);
+            end = end == std::string::npos ? text.size() : end + 1;
+            const std::string line = text.substr(at, end - at);
+            at = end;
+            std::string name;
+            if (line.rfind("# ", 0) == 0) { // "# HELP name ..." / "# TYPE name ..."
+                const size_t from = line.find(' ', 2) + 1;
+                name = line.substr(from, line.find(' ', from) - from);
+            } else {
+                name = line.substr(0, line.find_first_of("{ "));
+            }
+            if (!families.count(name)) {
+                order.push_back(name);
+            }
+            auto & family = families[name];
+            if (line[0] == '#') {
+                family.first += i == 0 ? line : "";
+                continue;
+            }
+            const size_t name_end = name.size();
+            const std::string label = format("device=\"%s\"", texts[i].first.c_str());
+            family.second += name_end < line.size() && line[name_end] == '{'
+                ? line.substr(0, name_end + 1) + label + "," + line.substr(name_end + 1)
+                : name + "{" + label + "}" + line.substr(name_end);
+        }
+    }
+    std::string out;
+    for (const std::string & name : order) {
+        out += families[name].first + families[name].second;
+    }
+    return out;
+}
+
 size_t llama_model_zipmoe_metrics(const struct llama_model * model, char * buf, size_t buf_size) {
     if (buf != nullptr && buf_size > 0) {
         buf[0] = '\0';
     }
-    ggml_zipmoe_cache * cache = model != nullptr && model->zipmoe ? model->zipmoe->first_cache() : nullptr;
-    if (cache == nullptr) {
+    if (model == nullptr || !model->zipmoe || model->zipmoe->first_cache() == nullptr) {
         return 0;
     }
+    // the caches' counters: a model on one device as they are; with several sets, one series per device
+    std::vector<std::pair<std::string, std::string>> texts;
+    for (const auto & set : model->zipmoe->slot_sets()) {
+        std::string one(ggml_zipmoe_cache_format_metrics(set->cache, nullptr, 0), '\0');
+        ggml_zipmoe_cache_format_metrics(set->cache, one.data(), one.size() + 1);
+        texts.push_back({ set->device_name(), one });
+    }
+    std::string text = texts.size() == 1 ? texts[0].second : metrics_by_device(texts);
     const ggml_zipmoe_serving_plan plan = model->zipmoe->serving_plan();
-    std::string text(ggml_zipmoe_cache_format_metrics(cache, nullptr, 0), '\0');
-    ggml_zipmoe_cache_format_metrics(cache, text.data(), text.size() + 1);
     std::string sizing(ggml_zipmoe_serving_format_metrics(&plan, nullptr, 0), '\0');
     ggml_zipmoe_serving_format_metrics(&plan, sizing.data(), sizing.size() + 1);
     text += sizing;
