@@ -15,7 +15,8 @@ LLAMA_CPP_SHORT = {"-h": "--help", "-m": "--model", "-p": "--prompt", "-n": "--n
                    "-b": "--batch-size", "-ub": "--ubatch-size", "-t": "--threads", "-tb": "--threads-batch",
                    "-s": "--seed", "-ngl": "--n-gpu-layers", "-sys": "--system-prompt", "-f": "--file",
                    "-i": "--interactive", "-r": "--reverse-prompt", "-v": "--verbose", "-co": "--color",
-                   "-fa": "--flash-attn", "-ctk": "--cache-type-k", "-ctv": "--cache-type-v", "-np": "--parallel"}
+                   "-fa": "--flash-attn", "-ctk": "--cache-type-k", "-ctv": "--cache-type-v", "-np": "--parallel",
+                   "-ot": "--override-tensor", "-cmoe": "--cpu-moe", "-ncmoe": "--n-cpu-moe"}
 
 
 def _chat(model, *args, stdin=b""):
@@ -75,6 +76,10 @@ def test_short_flags_mean_what_they_mean_to_llama_cpp(monkeypatch, capsys):
     with pytest.raises(Stop):
         cli.main(["some.gguf", "-p", "Hi", "-sys", "be brief"])
     assert given["model_path"] == "some.gguf" and "n_batch" not in given  # llama-cpp-python's default
+    given.clear()
+    with pytest.raises(Stop):  # llama.cpp's placement flags reach Llama's keyword arguments
+        cli.main(["some.gguf", "-p", "Hi", "-ngl", "99", "-ncmoe", "3", "-ot", r"blk\.7\.ffn_.*_exps=CPU"])
+    assert given["n_cpu_moe"] == 3 and given["override_tensor"] == r"blk\.7\.ffn_.*_exps=CPU" and "cpu_moe" not in given
     for argv, message in ((["-b", "18K"], "argument -b/--batch-size: must be a whole number of tokens > 0 (the "
                                           "batch size, as llama.cpp's -b; the expert-cache budget is --budget); "
                                           "got '18K'"),

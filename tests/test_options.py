@@ -211,6 +211,9 @@ def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
     (dict(zipmoe_device_budgets={"CPU": "lots"}), "zipmoe_device_budgets must be like.*got 'CPU=lots'"),
     (dict(zipmoe_device_budgets="=4G"), "zipmoe_device_budgets must be like"),
     (dict(zipmoe_device_budgets=42), "zipmoe_device_budgets must be like.*got 42"),
+    (dict(n_cpu_moe=-1), "n_cpu_moe: -1 is not a whole number of layers"),
+    (dict(override_tensor="blk"), "override_tensor: 'blk' is not PATTERN=BUFFER_TYPE"),
+    (dict(override_tensor="exps=NOPE"), "override_tensor: unknown buffer type 'NOPE' in 'exps=NOPE'; available: CPU"),
 ])
 def test_python_options_are_checked_before_the_loader(model, kwargs, message):
     from zipmoe_py import Llama

@@ -195,6 +195,23 @@ def test_models_are_not_locked_by_default():
     assert ZipMoEModelSettings(model="m.gguf").use_mlock is False
 
 
+def test_placement_settings_reach_llama(zipmoe_gguf):
+    """n_cpu_moe, cpu_moe, override_tensor and rpc_servers are zipmoe_py.Llama's keyword arguments (llama.cpp's
+    --n-cpu-moe, --cpu-moe, -ot, --rpc); a model made with them serves."""
+    from zipmoe_py.server import ZipMoEModelSettings, ZipMoELlamaProxy, zipmoe_kwargs
+
+    settings = ZipMoEModelSettings(model=str(zipmoe_gguf("qwen2moe")), n_cpu_moe=2, cpu_moe=True,
+                                   override_tensor=r"blk\.0\.ffn_.*_exps=CPU", zipmoe_budget="64K", n_ctx=256)
+    kwargs = zipmoe_kwargs(settings)
+    assert kwargs["n_cpu_moe"] == 2 and kwargs["cpu_moe"] is True and "rpc_servers" not in kwargs
+    llm = ZipMoELlamaProxy.load_llama_from_model_settings(settings)
+    try:
+        assert llm.create_completion("Hi", max_tokens=2)["choices"][0]["text"] is not None
+        assert [s["device"] for s in llm.zipmoe_stats()["sets"]] == ["CPU"]
+    finally:
+        llm.close()
+
+
 def test_a_missing_model_file_is_named(tmp_path):
     proc = subprocess.run([str(SERVER), "--model", str(tmp_path / "nope.gguf"), "--port", str(_free_port())],
                           capture_output=True, text=True, timeout=60)

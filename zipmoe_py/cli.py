@@ -250,6 +250,9 @@ def chat(args) -> int:
                   "demo's experts)", file=sys.stderr)
     if args.batch_size is not None:
         options["n_batch"] = args.batch_size
+    for name in ("override_tensor", "n_cpu_moe", "cpu_moe"):  # llama.cpp's -ot, --n-cpu-moe, --cpu-moe
+        if getattr(args, name):
+            options[name] = getattr(args, name)
     if args.rpc:
         from .devices import add_rpc_servers
 
@@ -413,10 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens of a prompt evaluated per llama_decode call, as llama.cpp's -b (default: 512, "
                          "at most -c); the expert-cache budget is --budget")
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, metavar="N",
-                    help="layers to offload to the GPU in a build with CUDA (bash tools/setup.sh --cuda); with the "
-                         "MoE layers offloaded, ZipMoE's expert slots are in GPU memory and --budget is VRAM for "
-                         "them (docs/CUDA.md); with --rpc, the layers go to the rpc-server hosts "
+                    help="layers to offload to the GPU in a build with CUDA (bash tools/setup.sh --cuda); each device "
+                         "holds the expert slots of the MoE layers whose experts it computes, and --budget is the "
+                         "slots of every device (docs/CUDA.md); with --rpc, the layers go to the rpc-server hosts "
                          "(docs/DISTRIBUTED.md). Default: %(default)s, everything on the CPU")
+    ap.add_argument("--n-cpu-moe", "-ncmoe", dest="n_cpu_moe", type=int, default=None, metavar="N",
+                    help="keep the routed experts of the first N layers in host memory, computed by the CPU, as "
+                         "llama.cpp's --n-cpu-moe (their slots too)")
+    ap.add_argument("--cpu-moe", "-cmoe", dest="cpu_moe", action="store_true",
+                    help="keep every layer's routed experts in host memory, as llama.cpp's --cpu-moe")
+    ap.add_argument("-ot", "--override-tensor", dest="override_tensor", default=None, metavar="PATTERN=BUFFER_TYPE,...",
+                    help="place the tensors matching PATTERN in BUFFER_TYPE (CPU, CUDA0, ...), as llama.cpp's -ot")
     ap.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
                     help="rpc-server hosts whose devices take the offloaded layers (-ngl), as llama.cpp's --rpc; "
                          "this process still reads, decodes and caches every expert (docs/DISTRIBUTED.md)")

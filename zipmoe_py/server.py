@@ -63,6 +63,14 @@ class _ZipMoEFields(ModelSettings):
     # llama-cpp-python's server locks the model by default; a lock of a ZipMoE file would read and pin
     # the expert chunks the budget keeps on disk (the fork's loader then ignores it, with a warning)
     use_mlock: bool = Field(default=False, description="Use mlock (default false; never applied to a ZipMoE model).")
+    # llama.cpp's placement flags that llama-cpp-python lacks (zipmoe_py.Llama's keyword arguments)
+    override_tensor: Optional[str] = Field(default=None, description="PATTERN=BUFFER_TYPE,...: tensors placed as "
+                                           "llama.cpp's -ot places them")
+    n_cpu_moe: Optional[int] = Field(default=None, description="the routed experts of the first N layers in host "
+                                     "memory, computed by the CPU (llama.cpp's --n-cpu-moe)")
+    cpu_moe: bool = Field(default=False, description="every layer's routed experts in host memory (llama.cpp's --cpu-moe)")
+    rpc_servers: Optional[str] = Field(default=None, description="HOST:PORT,...: rpc-server hosts whose devices take "
+                                       "the offloaded layers (n_gpu_layers), as llama.cpp's --rpc")
 
 
 # llama-cpp-python's model settings plus zipmoe_py.Llama's options, zipmoe_NAME for each option of the
@@ -73,9 +81,12 @@ ZipMoEModelSettings = create_model(
 
 
 def zipmoe_kwargs(settings) -> dict:
-    """The zipmoe_* keyword arguments a model's settings give, for zipmoe_py.Llama."""
-    names = (o.kwarg for o in options.python_options())
-    return {name: getattr(settings, name) for name in names if getattr(settings, name, None) is not None}
+    """The zipmoe_* keyword arguments a model's settings give, and the placement's, for zipmoe_py.Llama."""
+    names = [o.kwarg for o in options.python_options()] + ["override_tensor", "n_cpu_moe", "rpc_servers"]
+    out = {name: getattr(settings, name) for name in names if getattr(settings, name, None) is not None}
+    if getattr(settings, "cpu_moe", False):
+        out["cpu_moe"] = True
+    return out
 
 
 class ZipMoEServerSettings(ServerSettings):
