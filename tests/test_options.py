@@ -237,7 +237,7 @@ def test_device_budgets_size_the_host_set_and_name_a_device_without_one(model):
             llm.close()
     proc = completion(path, environment=env(ZIPMOE_DEVICE_BUDGETS=f"CPU={5 * one}"))
     assert proc.returncode == 0 and slots_in_use(proc.stderr) == 5
-    assert b"of 5 slots in use, 0.1 MiB (zipmoe.device_budgets' CPU; available" in proc.stderr
+    assert b"of 5 slots in use, 0.1 MiB (zipmoe.device_budgets (CPU); available" in proc.stderr
     with pytest.raises(ZipMoELoadError, match="zipmoe.device_budgets names CUDA0, which computes no MoE layer's "
                                               "experts here: the devices with expert slots are CPU"):
         Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_device_budgets="CUDA0=1G")

@@ -113,13 +113,13 @@ void llama_zipmoe::make_serving(llama_zipmoe_slot_set & set, size_t n_sets, bool
     sp.budget = budget;
     // host stores beside a device's slots take host memory, which the set in host memory sizes its slots from
     sp.device_stores = opt.device_stores && !(set.dev != nullptr && host_set_exists);
-    const std::string name = named ? format("zipmoe.device_budgets' %s", set.device_name())
+    const std::string name = named ? format("zipmoe.device_budgets (%s)", set.device_name())
                                    : format("%s (%s's share)", opt.budget_source.c_str(), set.device_name());
     sp.budget_name = name.c_str();
     char err[1024];
     set.serving = ggml_zipmoe_serving_new(&sp, err, sizeof(err));
     if (set.serving == nullptr) {
-        throw std::runtime_error(format("the expert slots in %s: %s", set.device_name(), err));
+        throw std::runtime_error(format("%s's expert slots: %s", set.device_name(), err));
     }
     ggml_zipmoe_serving_get_info(set.serving, &set.info);
 }

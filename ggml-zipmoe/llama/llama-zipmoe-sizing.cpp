@@ -239,7 +239,7 @@ void llama_zipmoe::resize(const llama_context * making) {
         int changed = 0;
         char err[2048];
         if (ggml_zipmoe_serving_resize(set->serving, &d, &changed, err, sizeof(err)) != GGML_ZIPMOE_OK) {
-            throw std::runtime_error(sets.size() > 1 ? format("the expert slots in %s: %s", set->device_name(), err) : err);
+            throw std::runtime_error(sets.size() > 1 ? format("%s's expert slots: %s", set->device_name(), err) : err);
         }
         layout += changed; // graphs built for another slot count must be rebuilt
         if (set->on_device) {
