@@ -214,6 +214,8 @@ def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
     (dict(n_cpu_moe=-1), "n_cpu_moe: -1 is not a whole number of layers"),
     (dict(override_tensor="blk"), "override_tensor: 'blk' is not PATTERN=BUFFER_TYPE"),
     (dict(override_tensor="exps=NOPE"), "override_tensor: unknown buffer type 'NOPE' in 'exps=NOPE'; available: CPU"),
+    (dict(override_tensor=5), "override_tensor must be text, PATTERN=BUFFER_TYPE"),
+    (dict(override_tensor="blk.[=CPU"), r"tensor override pattern 'blk\.\[' \(-ot, --override-tensor\): "),
 ])
 def test_python_options_are_checked_before_the_loader(model, kwargs, message):
     from zipmoe_py import Llama

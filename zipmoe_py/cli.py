@@ -429,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="place the tensors matching PATTERN in BUFFER_TYPE (CPU, CUDA0, ...), as llama.cpp's -ot")
     ap.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
                     help="rpc-server hosts whose devices take the offloaded layers (-ngl), as llama.cpp's --rpc; "
-                         "this process still reads, decodes and caches every expert (docs/DISTRIBUTED.md)")
+                         "this process still reads and decodes every expert, each server holding its layers' "
+                         "slots (docs/DISTRIBUTED.md)")
     ap.add_argument("-sys", "--system-prompt", "--system", dest="system", default=None,
                     help="system message that starts the conversation")
     for option in python_options():

@@ -42,6 +42,8 @@ def tensor_overrides(override_tensor: str | None = None, n_cpu_moe: int | None =
     a ZipMoEError naming the argument for a malformed entry or an unknown buffer type."""
     pairs = []
     known = None
+    if override_tensor is not None and not isinstance(override_tensor, str):
+        raise ZipMoEError(f"override_tensor must be text, PATTERN=BUFFER_TYPE[,...]; got {override_tensor!r}")
     for entry in (e for e in (override_tensor or "").split(",") if e.strip()):
         pattern, sep, buft = entry.partition("=")
         if not sep or not pattern or not buft:

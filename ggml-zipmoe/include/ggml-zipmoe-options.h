@@ -62,8 +62,8 @@ enum ggml_zipmoe_option_type {
     GGML_ZIPMOE_TYPE_NAME  = 4, // one of the names ggml_zipmoe_option_choice gives
     GGML_ZIPMOE_TYPE_POOLS = 5, // "F=4,C=8,E=2": the Python layer turns it into the pool_* options
     GGML_ZIPMOE_TYPE_PATH  = 6, // a file the Python layer reads (a plan, a buddy profile)
-    GGML_ZIPMOE_TYPE_DEVICE_SIZES = 7, // "CUDA0=6G CPU=8G": a size per device (by ggml's device name), space-
-                                       // or comma-separated (a comma would split llama.cpp's --override-kv)
+    GGML_ZIPMOE_TYPE_DEVICE_SIZES = 7, // "CUDA0=6G CPU=8G": a size per device (by ggml's device name), separated
+                                       // by spaces (commas are taken too, but split llama.cpp's --override-kv)
 };
 
 // where an option is given (ggml_zipmoe_option.surfaces)

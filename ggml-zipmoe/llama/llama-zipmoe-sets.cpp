@@ -23,7 +23,13 @@ ggml_backend_dev_t llama_zipmoe::expert_device(int il, const layer_buft_fn & lay
                                                const llama_model_tensor_buft_override * overrides) const {
     ggml_backend_buffer_type_t buft = layer_buft(il);
     for (const auto * o = overrides; o && o->pattern != nullptr; ++o) {
-        const std::regex pattern(o->pattern);
+        std::regex pattern;
+        try {
+            pattern = std::regex(o->pattern);
+        } catch (const std::regex_error & e) {
+            throw std::runtime_error(format("tensor override pattern '%s' (-ot, --override-tensor): %s", o->pattern,
+                                            e.what()));
+        }
         bool match = false;
         for (int k = 0; k < 3 && !match; ++k) {
             match = std::regex_search(llama_zipmoe_expert_tensor_name(il, k), pattern);
@@ -116,6 +122,7 @@ void llama_zipmoe::make_serving(llama_zipmoe_slot_set & set, size_t n_sets, bool
     const std::string name = named ? format("zipmoe.device_budgets (%s)", set.device_name())
                                    : format("%s (%s's share)", opt.budget_source.c_str(), set.device_name());
     sp.budget_name = name.c_str();
+    sp.log_data    = &set; // its lines name the device
     char err[1024];
     set.serving = ggml_zipmoe_serving_new(&sp, err, sizeof(err));
     if (set.serving == nullptr) {

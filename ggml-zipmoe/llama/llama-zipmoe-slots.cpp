@@ -347,6 +347,7 @@ void llama_zipmoe_slot_set::make_cache() {
     llama_zipmoe_register_slots(*this, true);
     const char * reads = ggml_zipmoe_file_is_direct(zm->file) ? "with O_DIRECT" : "through the page cache";
     const std::string layers = n_layers == info.n_moe_layers && (int) zm->slot_sets().size() == 1 ? "" :
+        n_layers == 1 ? "the MoE layer whose experts are computed there: " :
         format("the %d MoE layers whose experts are computed there: ", n_layers);
     if (on_device) {
         LLAMA_LOG_INFO("%s: ZipMoE expert cache: %s%d slots of %.2f MiB in %s memory (%s; all experts %.1f MiB%s); "

@@ -65,12 +65,14 @@ std::string llama_zipmoe_size_text(uint64_t bytes) {
     return ggml_zipmoe_size_text(bytes, buf, sizeof(buf));
 }
 
-// ggml-zipmoe's messages, in llama.cpp's log
-static void log_serving(int level, const char * text, void * /*user_data*/) {
+// ggml-zipmoe's messages, in llama.cpp's log; a set's (user_data) name its device
+static void log_serving(int level, const char * text, void * user_data) {
+    const auto * set = (const llama_zipmoe_slot_set *) user_data;
+    const std::string where = set != nullptr ? format("%s: ", set->device_name()) : "";
     if (level > 0) {
-        LLAMA_LOG_WARN("%s: %s\n", "llama_zipmoe", text);
+        LLAMA_LOG_WARN("%s: %s%s\n", "llama_zipmoe", where.c_str(), text);
     } else {
-        LLAMA_LOG_INFO("%s: %s\n", "llama_zipmoe", text);
+        LLAMA_LOG_INFO("%s: %s%s\n", "llama_zipmoe", where.c_str(), text);
     }
 }
 

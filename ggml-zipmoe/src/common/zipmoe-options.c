@@ -225,7 +225,8 @@ int ggml_zipmoe_option_expects(int id, char * buf, size_t size) {
             append(buf, size, &len, "like F=4,C=8,E=2 (experts per MoE layer of the pools F, C, S, E)");
             break;
         case GGML_ZIPMOE_TYPE_DEVICE_SIZES:
-            append(buf, size, &len, "like 'CUDA0=6G CPU=8G' (a device's name and a size, space- or comma-separated)");
+            append(buf, size, &len, "like 'CUDA0=6G CPU=8G' (a device's name and a size for each, separated by "
+                   "spaces, each device once)");
             break;
         default:
             append(buf, size, &len, "a file's path");
