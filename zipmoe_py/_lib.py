@@ -466,13 +466,16 @@ def _libllama() -> ctypes.CDLL:
     return handle
 
 
-def memory_plan(model) -> dict | None:
+def memory_plan(model, cache_index: int | None = None) -> dict | None:
     """How the expert cache of a llama-cpp-python model wrapper (or llama_model pointer) was last
-    sized: fits = available - non_expert - contexts - cache_buffers - margin; None if not ZipMoE."""
+    sized: fits = available - non_expert - contexts - cache_buffers - margin; None if not ZipMoE.
+    cache_index: that cache's (llama_model_zipmoe_cache_memory_plan), else the host memory's."""
     ptr = getattr(model, "model", model)
     ptr = ctypes.cast(ptr, ctypes.c_void_p).value if ptr is not None else None
     plan = MemoryPlan()
-    if not ptr or not _libllama().llama_model_zipmoe_memory_plan(ptr, ctypes.byref(plan)):
+    lib = _libllama()
+    if not ptr or not (lib.llama_model_zipmoe_memory_plan(ptr, ctypes.byref(plan)) if cache_index is None else
+                       lib.llama_model_zipmoe_cache_memory_plan(ptr, cache_index, ctypes.byref(plan))):
         return None
     out = {name: getattr(plan, name) for name, _ in MemoryPlan._fields_}
     out["source"] = plan.source.decode(errors="replace")

@@ -39,16 +39,6 @@ def cache_of_layer(model, layer: int) -> int | None:
     return None
 
 
-def _set_memory_plan(ptr, i: int) -> dict:
-    plan = _lib.MemoryPlan()
-    _libllama().llama_model_zipmoe_cache_memory_plan(ptr, i, ctypes.byref(plan))
-    out = {name: getattr(plan, name) for name, _ in _lib.MemoryPlan._fields_}
-    out["source"] = plan.source.decode(errors="replace")
-    out["pools"] = dict(zip(_lib.pool_names(), plan.pools))
-    out["pools_why"] = plan.pools_why.decode(errors="replace")
-    return out
-
-
 _SUMMED = tuple(name for name, _ in _lib.CacheStats._fields_) + ("n_slots", "slot_capacity")
 
 
@@ -71,9 +61,8 @@ def model_stats(model) -> dict | None:
     recall["recall"] = recall["correct"] / recall["actual"] if recall["actual"] else None
     recall["layers"] = {layer: r for s in per_cache for layer, r in s["prefetch_recall"]["layers"].items()}
     out["prefetch_recall"] = recall
-    ptr = _model_pointer(model)
     out["sets"] = [{"device": device, "layers": served_layers(cache), "n_slots": s["n_slots"],
-                    "slot_capacity": s["slot_capacity"], "memory": _set_memory_plan(ptr, i)}
+                    "slot_capacity": s["slot_capacity"], "memory": _lib.memory_plan(model, i)}
                    for i, ((device, cache), s) in enumerate(zip(found, per_cache))]
     return out
 

@@ -20,22 +20,15 @@
 // layer's. nullptr for host memory: a CPU layer's list may start with a GPU's pinned host buffer type, whose
 // device is the GPU, host memory all the same
 ggml_backend_dev_t llama_zipmoe::expert_device(int il, const layer_buft_fn & layer_buft,
-                                               const llama_model_tensor_buft_override * overrides) const {
+                                               const std::vector<buft_pattern> & overrides) const {
     ggml_backend_buffer_type_t buft = layer_buft(il);
-    for (const auto * o = overrides; o && o->pattern != nullptr; ++o) {
-        std::regex pattern;
-        try {
-            pattern = std::regex(o->pattern);
-        } catch (const std::regex_error & e) {
-            throw std::runtime_error(format("tensor override pattern '%s' (-ot, --override-tensor): %s", o->pattern,
-                                            e.what()));
-        }
+    for (const auto & [pattern, override_buft] : overrides) {
         bool match = false;
         for (int k = 0; k < 3 && !match; ++k) {
             match = std::regex_search(llama_zipmoe_expert_tensor_name(il, k), pattern);
         }
         if (match) {
-            buft = o->buft;
+            buft = override_buft;
             break;
         }
     }
@@ -131,16 +124,31 @@ void llama_zipmoe::make_serving(llama_zipmoe_slot_set & set, size_t n_sets, bool
     ggml_zipmoe_serving_get_info(set.serving, &set.info);
 }
 
+// the tensor overrides' patterns, compiled once
+static std::vector<llama_zipmoe::buft_pattern> compile_overrides(const llama_model_tensor_buft_override * overrides) {
+    std::vector<llama_zipmoe::buft_pattern> out;
+    for (const auto * o = overrides; o && o->pattern != nullptr; ++o) {
+        try {
+            out.emplace_back(std::regex(o->pattern), o->buft);
+        } catch (const std::regex_error & e) {
+            throw std::runtime_error(format("tensor override pattern '%s' (-ot, --override-tensor): %s", o->pattern,
+                                            e.what()));
+        }
+    }
+    return out;
+}
+
 void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buft_fn & weight_buft,
                               const llama_model_tensor_buft_override * overrides) {
     const int n_layer = (int) (layer_tensors.size() / 3);
+    const std::vector<buft_pattern> patterns = compile_overrides(overrides);
     std::vector<ggml_backend_dev_t> devices; // by set, in the order of their first layers
     layer_set.assign(n_layer, -1);
     for (int il = 0; il < n_layer; ++il) {
         if (layer_tensors[3 * il] < 0) {
             continue;
         }
-        ggml_backend_dev_t dev = expert_device(il, layer_buft, overrides);
+        ggml_backend_dev_t dev = expert_device(il, layer_buft, patterns);
         auto it = std::find(devices.begin(), devices.end(), dev);
         layer_set[il] = (int32_t) (it - devices.begin());
         if (it == devices.end()) {

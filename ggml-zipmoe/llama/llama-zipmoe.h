@@ -47,6 +47,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <regex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -149,6 +150,8 @@ struct llama_zipmoe {
     // the host buffer type the loader gives routed-expert weight w (a meta tensor) in host memory: the
     // plain CPU one, or one of ggml-cpu's that lay weights out their own way (repacking quantized types)
     using weight_buft_fn = std::function<ggml_backend_buffer_type_t (ggml_tensor * w)>;
+    // a tensor override's pattern (-ot, --n-cpu-moe), compiled, and its buffer type
+    using buft_pattern = std::pair<std::regex, ggml_backend_buffer_type_t>;
 
     // makes the slot sets, their slot tensors and expert caches, before the model's tensors are created:
     // a layer's slots go where stock llama.cpp puts its experts, the layer's weights' device or where a
@@ -288,7 +291,7 @@ private:
     void preload(llama_context * lctx);
     // the device whose memory holds layer il's slots (nullptr: host memory), as stock places its experts
     ggml_backend_dev_t expert_device(int il, const layer_buft_fn & layer_buft,
-                                     const llama_model_tensor_buft_override * overrides) const;
+                                     const std::vector<buft_pattern> & overrides) const;
     // the serving's parameters from the options, for the layers of a table (-1 outside them)
     ggml_zipmoe_serving_params serving_params(const std::vector<int32_t> & table) const;
     // the model's non-expert weights that go to dev's memory (layer_buft: each layer's placement)
