@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -80,6 +81,18 @@ def output_lock(path: Path):
 
 
 WORK_FOLDER_PREFIX = ".zipmoe-"
+INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
+
+
+def hold_interrupts() -> set:
+    """Block SIGINT and SIGTERM for the calling thread; returns the mask to restore. Around the creation
+    of something the interrupt's cleanup must know (a folder, a child process): a signal that lands
+    meanwhile stays pending and raises once the mask is restored, where the cleanup sees it."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+
+
+def release_interrupts(mask: set) -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @contextlib.contextmanager
@@ -89,6 +102,7 @@ def work_folder(parent: Path):
     Its owner.lock is flocked for the folder's life, so a later conversion tells a killed
     process's folder (lock free) from a running one's (remove_stale_work_folders)."""
     folder, fd = None, None
+    mask = hold_interrupts()  # an interrupt between mkdtemp's mkdir and `folder =` would leave it
     try:
         folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{WORK_FOLDER_PREFIX}{os.getpid()}-"))
         # locked under another name, then renamed: owner.lock never exists unlocked while we live
@@ -96,12 +110,14 @@ def work_folder(parent: Path):
         fd = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.rename(unlocked, folder / "owner.lock")
+        release_interrupts(mask)
         yield folder
     finally:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         if fd is not None:
             os.close(fd)
+        release_interrupts(mask)  # last: a signal still held raises after the cleanup
 
 
 def remove_stale_locks(parent: Path) -> None:

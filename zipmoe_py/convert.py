@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from . import _paths, families
-from .conversion_files import (output_lock, remove_stale_locks, remove_stale_work_folders,
-                               temporary_name, work_folder)
+from .conversion_files import (hold_interrupts, output_lock, release_interrupts, remove_stale_locks,
+                               remove_stale_work_folders, temporary_name, work_folder)
 from .errors import ZipMoEError, require_extra
 from .unpack import is_zipmoe
 
@@ -125,22 +125,10 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use the gguf-py it ships with
     tail: collections.deque[str] = collections.deque(maxlen=15)
     try:
-        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", bufsize=1) as proc:
-            try:
-                for line in proc.stdout:
-                    # the converter names the file it was given ("exported to ….partial"): the user's is out_path
-                    line = line.replace(str(partial), str(out_path))
-                    tail.append(line.rstrip())
-                    if not quiet:
-                        sys.stderr.write(line)
-                        sys.stderr.flush()
-            except BaseException:
-                proc.kill()  # interrupted: the converter must not go on writing the file removed below
-                raise
-        if proc.returncode != 0:
+        returncode = _run_converter(cmd, env, tail, lambda line: line.replace(str(partial), str(out_path)), quiet)
+        if returncode != 0:
             shown = "\n".join(tail)
-            raise ZipMoEError(f"llama.cpp's converter failed on {hf_dir} (exit {proc.returncode})"
+            raise ZipMoEError(f"llama.cpp's converter failed on {hf_dir} (exit {returncode})"
                               + (f":\n{shown}" if shown else ""))
         os.replace(partial, out_path)
     finally:
@@ -149,12 +137,41 @@ def convert_to_bf16_gguf(hf_dir: Path, out_path: Path, quiet: bool = False) -> P
     return out_path
 
 
+def _run_converter(cmd: list[str], env: dict, tail: collections.deque, rename, quiet: bool) -> int:
+    """Run the converter, its output lines (through rename) to tail and, unless quiet, stderr; its exit
+    status. An interrupt kills it and waits for it, so that nothing writes on after the caller's cleanup."""
+    proc = None
+    mask = hold_interrupts()  # an interrupt inside Popen would leave its child writing on, unseen
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace", bufsize=1)
+        release_interrupts(mask)  # a signal held meanwhile raises here, with proc known
+        for line in proc.stdout:
+            # the converter names the file it was given ("exported to ….partial"): the user's is out_path
+            line = rename(line)
+            tail.append(line.rstrip())
+            if not quiet:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+        raise
+    finally:
+        if proc is not None:
+            proc.stdout.close()
+            proc.wait()
+        release_interrupts(mask)
+    return proc.returncode
+
+
 # Runs argv[2:] with Python after asking the kernel to SIGKILL it when process argv[1] (this one) dies
 # (Linux's PR_SET_PDEATHSIG, which exec keeps): a SIGKILLed zipmoe-convert must not leave the converter
 # writing on in its work folder, which the next conversion removes. A wrapper rather than a preexec_fn:
 # a SIGINT/SIGTERM that lands while Popen forks with a preexec_fn is swallowed, and the conversion goes on.
 _DIE_WITH_PARENT = """
-import ctypes, os, sys
+import ctypes, os, signal, sys
+signal.pthread_sigmask(signal.SIG_SETMASK, ())  # the parent held SIGINT/SIGTERM across the fork
 try:
     ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 except (OSError, AttributeError):
