@@ -206,10 +206,17 @@ def test_the_loaders_reason_reaches_the_python_exception(model, tmp_path):
     (dict(zipmoe_budget="inf"), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_budget=float("inf")), "zipmoe_budget must be a size in bytes"),
     (dict(zipmoe_bugdet="1M"), "unknown option\\(s\\) zipmoe_bugdet; ZipMoE's options are zipmoe_auto_pools"),
-    (dict(zipmoe_device_budgets="CUDA0"), "zipmoe_device_budgets must be like 'CUDA0=6G CPU=8G'.*got 'CUDA0'"),
-    (dict(zipmoe_device_budgets="CPU=1G cpu=2G"), "zipmoe_device_budgets must be like"),
-    (dict(zipmoe_device_budgets={"CPU": "lots"}), "zipmoe_device_budgets must be like.*got 'CPU=lots'"),
-    (dict(zipmoe_device_budgets="=4G"), "zipmoe_device_budgets must be like"),
+    (dict(zipmoe_device_budgets="CUDA0"),
+     "zipmoe_device_budgets must be like 'CUDA0=6G CPU=8G'.*got 'CUDA0': 'CUDA0' is not DEVICE=SIZE$"),
+    (dict(zipmoe_device_budgets="CPU=1G cpu=2G"), "must be like.*: device cpu is named twice$"),
+    (dict(zipmoe_device_budgets={"CPU": "lots"}),
+     "must be like.*got 'CPU=lots': CPU's size lots is not a size like 20G or 512M$"),
+    (dict(zipmoe_device_budgets="=4G"), "zipmoe_device_budgets must be like.*: '=4G' is not DEVICE=SIZE$"),
+    (dict(zipmoe_device_budgets="CPU=0"), "must be like.*: CPU's size 0 is not more than 0$"),
+    (dict(zipmoe_device_budgets="CPU=1G RPC0=-2G"), "must be like.*: RPC0's size -2G is not more than 0$"),
+    (dict(zipmoe_device_budgets="CPU=99999999T"), "must be like.*: CPU's size 99999999T is too large$"),
+    (dict(zipmoe_device_budgets="CPU=0.5"), "must be like.*: CPU's size 0.5 is less than a byte$"),
+    (dict(zipmoe_device_budgets=" , "), "must be like.*: no device is named$"),
     (dict(zipmoe_device_budgets=42), "zipmoe_device_budgets must be like.*got 42"),
     (dict(n_cpu_moe=-1), "n_cpu_moe: -1 is not a whole number of layers"),
     (dict(override_tensor="blk"), "override_tensor: 'blk' is not PATTERN=BUFFER_TYPE"),
@@ -240,6 +247,10 @@ def test_device_budgets_size_the_host_set_and_name_a_device_without_one(model):
     proc = completion(path, environment=env(ZIPMOE_DEVICE_BUDGETS=f"CPU={5 * one}"))
     assert proc.returncode == 0 and slots_in_use(proc.stderr) == 5
     assert b"of 5 slots in use, 0.1 MiB (zipmoe.device_budgets (CPU); available" in proc.stderr
+    # the loader names the entry at fault, as Python does
+    proc = completion(path, environment=env(ZIPMOE_DEVICE_BUDGETS="CPU=1G cpu=2G"))
+    assert proc.returncode != 0 and b"ZIPMOE_DEVICE_BUDGETS (environment) must be like" in proc.stderr
+    assert b"got 'CPU=1G cpu=2G': device cpu is named twice" in proc.stderr, proc.stderr[-2000:]
     with pytest.raises(ZipMoELoadError, match="zipmoe.device_budgets names CUDA0, which computes no MoE layer's "
                                               "experts here: the devices with expert slots are CPU"):
         Llama(model_path=str(path), n_ctx=128, verbose=False, zipmoe_device_budgets="CUDA0=1G")

@@ -214,6 +214,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_option_find": (ctypes.c_int, [ctypes.c_char_p]),
     "ggml_zipmoe_option_choice": (ctypes.c_char_p, [ctypes.c_int, ctypes.c_int]),
     "ggml_zipmoe_option_expects": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "ggml_zipmoe_device_sizes_problem": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_size_text": (ctypes.c_char_p, [ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_option_parse": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(OptionInput),
                                                 ctypes.POINTER(OptionValue)]),

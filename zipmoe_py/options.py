@@ -149,7 +149,10 @@ def device_sizes_text(option: Option, value, what: str) -> str:
     parsed = _lib.OptionValue()
     given = _lib.OptionInput(_lib.GIVEN_TEXT, value.encode(), 0, 0.0)
     if _lib.lib().ggml_zipmoe_option_parse(option.id, ctypes.byref(given), ctypes.byref(parsed)) != _lib.OK:
-        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}")
+        problem = ctypes.create_string_buffer(160)
+        _lib.lib().ggml_zipmoe_device_sizes_problem(value.encode(), problem, len(problem))
+        detail = problem.value.decode(errors="replace")
+        raise ZipMoEError(f"{what} must be {option.expects}; got {value!r}" + (f": {detail}" if detail else ""))
     return " ".join(value.replace(",", " ").split())  # a comma would split llama.cpp's --override-kv
 
 

@@ -144,6 +144,11 @@ GGML_ZIPMOE_API int ggml_zipmoe_option_parse(int id, const struct ggml_zipmoe_op
 GGML_ZIPMOE_API int ggml_zipmoe_device_size_at(const char * text, int k, char * name, size_t name_size,
                                                uint64_t * bytes);
 
+// what is wrong with a DEVICE_SIZES value, in words naming the entry ("CPU's size 0 is not more than 0",
+// "device CUDA0 is named twice") into buf; buf empty where the text is well formed. OK, or
+// GGML_ZIPMOE_ERR_ARG for a NULL argument.
+GGML_ZIPMOE_API int ggml_zipmoe_device_sizes_problem(const char * text, char * buf, size_t size);
+
 // the rules between options (SMoE's alpha needs substitution smoe, pools need rank eviction):
 // values[id] holds option id's value where given[id] is true. only_given: a rule applies only when
 // both options are given (the Python layer, which cannot see the environment); otherwise an option

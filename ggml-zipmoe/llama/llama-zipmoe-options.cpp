@@ -106,9 +106,13 @@ void check_given(std::vector<given_value> & given, std::vector<ggml_zipmoe_optio
         }
         v.in.text = v.text.c_str();
         if (ggml_zipmoe_option_parse(id, &v.in, &values[id]) != GGML_ZIPMOE_OK) {
-            char expects[256];
+            char expects[256], problem[160] = "";
             ggml_zipmoe_option_expects(id, expects, sizeof(expects));
-            throw std::runtime_error(format("%s must be %s; got %s", v.source.c_str(), expects, v.shown.c_str()));
+            if (ggml_zipmoe_option_at(id)->type == GGML_ZIPMOE_TYPE_DEVICE_SIZES) {
+                ggml_zipmoe_device_sizes_problem(v.text.c_str(), problem, sizeof(problem));
+            }
+            throw std::runtime_error(format("%s must be %s; got %s%s%s", v.source.c_str(), expects, v.shown.c_str(),
+                                            problem[0] ? ": " : "", problem));
         }
         is_given[id] = true;
     }

@@ -405,6 +405,69 @@ static int64_t device_sizes_count(const char * text) {
     return entries > 0 ? entries : -1;
 }
 
+// what is wrong with one entry of a DEVICE_SIZES text (at, n bytes long) into buf; false if nothing
+static bool device_entry_problem(const char * at, size_t n, char * buf, size_t size) {
+    const char * eq = memchr(at, '=', n);
+    if (eq == NULL || eq == at || eq == at + n - 1) {
+        snprintf(buf, size, "'%.*s' is not DEVICE=SIZE", (int) (n < 64 ? n : 64), at);
+        return true;
+    }
+    const int name_len = (int) (eq - at), size_len = (int) (n - (size_t) name_len - 1);
+    char size_text[64];
+    if (name_len >= 64) {
+        snprintf(buf, size, "the device name '%.*s...' is longer than 63 characters", 32, at);
+        return true;
+    }
+    snprintf(size_text, sizeof(size_text), "%.*s", size_len < 63 ? size_len : 63, eq + 1);
+    for (char * c = size_text; *c; c++) {
+        *c = (char) tolower((unsigned char) *c);
+    }
+    int64_t bytes = 0;
+    if (size_len >= 63 || !parse_size(size_text, &bytes)) {
+        char * end = NULL, unit_alone[72];
+        const double v = strtod(size_text, &end);
+        snprintf(unit_alone, sizeof(unit_alone), "1%s", end); // a known unit: the number is what is wrong
+        const bool number = end != size_text && size_len < 63 && isfinite(v);
+        const bool unit   = number && parse_size(unit_alone, &bytes); // then bytes: the unit's
+        snprintf(buf, size, "%.*s's size %.*s %s", name_len, at, size_len < 32 ? size_len : 32, eq + 1,
+                 number && v <= 0               ? "is not more than 0"
+                 : unit && v * (double) bytes < 1 ? "is less than a byte"
+                 : unit                           ? "is too large" : "is not a size like 20G or 512M");
+        return true;
+    }
+    return false;
+}
+
+int ggml_zipmoe_device_sizes_problem(const char * text, char * buf, size_t size) {
+    if (text == NULL || buf == NULL || size == 0) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    buf[0] = '\0';
+    int entries = 0;
+    for (const char * at = text + strspn(text, " \t,"); *at; at += strspn(at, " \t,")) {
+        const size_t n = strcspn(at, " \t,");
+        if (device_entry_problem(at, n, buf, size)) {
+            return GGML_ZIPMOE_OK;
+        }
+        char name[64], other[64];
+        int64_t bytes = 0;
+        device_size_at(text, entries, name, sizeof(name), &bytes);
+        for (int j = 0; j < entries; j++) {
+            device_size_at(text, j, other, sizeof(other), &bytes);
+            if (strcasecmp(other, name) == 0) {
+                snprintf(buf, size, "device %s is named twice", name);
+                return GGML_ZIPMOE_OK;
+            }
+        }
+        entries++;
+        at += n;
+    }
+    if (entries == 0) {
+        snprintf(buf, size, "no device is named");
+    }
+    return GGML_ZIPMOE_OK;
+}
+
 static bool in_range(const struct ggml_zipmoe_option * o, double v) {
     return (v >= o->min && v <= o->max) || v == o->also;
 }
