@@ -68,8 +68,9 @@ def round_bounds(limits: dict, zipmoe: Path, caps: list[int]) -> dict:
 
 # "re-planned after 16 decode steps (6 experts per MoE layer a step, 33606.7 MB read so far; ...": the experts
 # part came with parallel steps (71dc6d2); the older form lacks it. One sequence's says "decode steps and the prompt
-# before them"
-REPLANNED = re.compile(r"re-planned after (\d+) decode steps(?: and the prompt before them)? \((?:[^;()]*? a step, )?([0-9.]+) MB read so far[;)]")
+# before them", or, planned as a prompt ended, "after a prompt of N tokens" (0 decode steps)
+REPLANNED = re.compile(r"re-planned after (?:(\d+) decode steps(?: and the prompt before them)?|a prompt of \d+ tokens) "
+                       r"\((?:[^;()]*? a step, )?([0-9.]+) MB read so far[;)]")
 POOLS = re.compile(r"pools (?:per MoE layer|re-planned after [^:]*): F (\d+), C (\d+), S (\d+), E (\d+)")
 
 
@@ -79,9 +80,9 @@ def steady_reads(row: dict) -> dict:
     replanned = [REPLANNED.search(line) for line in row.get("zipmoe_log", [])]
     replanned = [m for m in replanned if m]
     total = COUNTERS.search(row.get("zipmoe_stats", ""))
-    if not replanned or not total or row["decode_tokens"] <= int(replanned[0].group(1)):
+    if not replanned or not total or row["decode_tokens"] <= int(replanned[0].group(1) or 0):
         return {}
-    steps, so_far = int(replanned[0].group(1)), float(replanned[0].group(2)) * 1e6
+    steps, so_far = int(replanned[0].group(1) or 0), float(replanned[0].group(2)) * 1e6
     found = {"steady_read_per_token": (float(total.group(1)) * 1e6 - so_far) / (row["decode_tokens"] - steps)}
     # the pools the context served with after the re-plan: the last plan logged before the context was freed
     freed = [i for i, line in enumerate(row["zipmoe_log"]) if "expert cache so far:" in line]

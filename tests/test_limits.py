@@ -162,6 +162,10 @@ def test_a_runs_steady_reads_are_those_after_the_re_plan(zipmoe_gguf):
         " so far)", " so far; routing z = 53.4 against a uniform router's)")
     found = quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + [steps] + log[4:]))
     assert found["steady_read_per_token"] == 5000e6 / 50  # whole MB values: exact in binary
+    # planned as the prompt ended: every decode step is after it
+    prompt = steps.replace("after 16 decode steps", "after a prompt of 40 tokens")
+    found = quant_bench.steady_reads(dict(row, zipmoe_log=log[:3] + [prompt] + log[4:]))
+    assert found["steady_read_per_token"] == 5000e6 / 66 and found["steady_pools"]["F"] == 5
 
 
 def test_a_runs_bound_takes_the_read_rate_the_runtime_saw(limits, zipmoe_gguf):

@@ -227,8 +227,9 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
     layers = s.zf.moe_layers()
     replanned = [text for _, text in s.logs if "re-planned" in text]
     assert not replanned
-    # two tokens of one sequence (a prompt), or a prompt beside a decoding sequence: never counted
-    for n_tokens, n_seqs in [(2, 1)] * 4 + [(3, 2)] * 4:
+    # a prompt beside a decoding sequence, or two tokens of one sequence (a prompt): never counted as decode
+    # steps (and after a graph of several sequences, no re-plan after a prompt)
+    for n_tokens, n_seqs in [(3, 2)] * 4 + [(2, 1)] * 4:
         s.decode_step({layer: [[0, 1], [2, 3], [4, 5]][:n_tokens] for layer in layers})
         assert s.observe(n_tokens, n_seqs) == 0
     assert not [text for _, text in s.logs if "re-planned" in text]
@@ -252,9 +253,10 @@ def test_the_default_pools_are_planned_again_from_decode_steps_only(serving):
 
 def test_one_sequences_prompt_is_counted_token_by_token_and_plans_at_its_first_decode_step(serving):
     """One sequence's tokens are its steps, its prompt's included: the cache counts each layer's even and
-    odd tokens apart, and after a prompt of zipmoe.replan_tokens tokens or more the first decode step
-    plans the pools from them (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of 13.6 decoding
-    from C until the re-plan at 8 steps)."""
+    odd tokens apart, and a prompt of zipmoe.replan_tokens tokens or more plans the pools from them as
+    it ends, before the first decode step (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of 13.6
+    decoding from C until the re-plan at 8 steps, and a change at the first decode step put its fills
+    into the timed tokens)."""
     s = serving(available=256 * MIB, replan_tokens=8)
     s.make_cache()
     assert s.resize()[0] == 0
@@ -263,24 +265,22 @@ def test_one_sequences_prompt_is_counted_token_by_token_and_plans_at_its_first_d
     # a prompt of 9 tokens: expert 0 chosen by every one, 1 by the even tokens, 2 by the odd
     prompt = [[0, 1] if t % 2 == 0 else [0, 2] for t in range(9)]
     s.decode_step({layer: prompt for layer in layers})
-    assert s.observe(9, 1) == 0
+    s.observe(9, 1)
     even, odd, n_tokens = _lib.cache_selections(s.cache, first)
     assert n_tokens == 9 and even[:3] == [5, 5, 0] and odd[:3] == [4, 0, 4] and sum(even[3:] + odd[3:]) == 0
     assert _lib.cache_activations(s.cache, first) == ([1, 1, 1] + [0] * (len(even) - 3), 1)  # ubatches
-    assert not [text for _, text in s.logs if "re-planned" in text]
-    # the first decode step: planned from the prompt's tokens and this one
-    s.decode_step({layer: [[0, 1]] for layer in layers})
-    s.observe()
+    # planned as the prompt ends, from its tokens
     [replanned] = [text for _, text in s.logs if "re-planned" in text]
-    assert replanned.startswith("ZipMoE pools re-planned after 1 decode steps and the prompt before them (2 experts "
-                                "per MoE layer a step"), replanned
-    assert _lib.cache_selections(s.cache, first)[2] == 10
-    # then at zipmoe.replan_tokens decode steps, as without the prompt
-    for _ in range(7):
+    assert replanned.startswith("ZipMoE pools re-planned after a prompt of 9 tokens (2 experts per MoE layer a "
+                                "step"), replanned
+    # the first decode step plans nothing more; then at zipmoe.replan_tokens decode steps, as without the prompt
+    for _ in range(8):
         s.decode_step({layer: [[0, 1]] for layer in layers})
         s.observe()
-    replanned = [text for _, text in s.logs if "re-planned" in text]
-    assert [text.split(" decode steps")[0].split("after ")[1] for text in replanned] == ["1", "8"]
+    replanned = [text.split(" (")[0] for _, text in s.logs if "re-planned" in text]
+    assert replanned == ["ZipMoE pools re-planned after a prompt of 9 tokens",
+                         "ZipMoE pools re-planned after 8 decode steps"], replanned
+    assert _lib.cache_selections(s.cache, first)[2] == 17
     # a prompt shorter than zipmoe.replan_tokens: the first re-plan waits for the decode steps
     t = serving(available=256 * MIB, replan_tokens=8)
     t.make_cache()
@@ -308,7 +308,8 @@ def test_re_plans_after_the_first_take_the_decode_steps_alone(serving):
         s.decode_step({layer: [[2 * (step % 4), 2 * (step % 4) + 1]] for layer in layers})
         s.observe()
     first, eighth = [text for _, text in s.logs if "re-planned" in text]
-    assert "after 1 decode steps" in first and "against a uniform router's)" in first, first
+    assert "after a prompt of 24 tokens" in first and "against a uniform router's)" in first, first
+    assert "planned again after 8 (" in first, first
     assert "after 8 decode steps" in eighth and "against a uniform router's, so planned for the built-in profile" in eighth
 
 

@@ -98,8 +98,8 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
     [GGML_ZIPMOE_OPTION_REPLAN_TOKENS] = { "replan_tokens", "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS",
         GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 8, "decode steps", "0: never", "8",
         "after this many decode steps (one token of each sequence), the default pools are planned again from the routing seen, "
-        "and again each time the steps counted double; one sequence's prompt counts token by token: after a prompt this long, "
-        "its first decode step plans them", NONE },
+        "and again each time the steps counted double; one sequence's prompt counts token by token: a prompt this long plans them "
+        "as it ends", NONE },
     [GGML_ZIPMOE_OPTION_PREFETCH] = { "prefetch", "zipmoe.prefetch", "ZIPMOE_PREFETCH", GGML_ZIPMOE_TYPE_BOOL, BOTH,
         0, 1, NAN, 0, NULL, NULL, "off",
         "while a layer computes, read the experts the next layer is predicted to choose (lossless)", NONE },

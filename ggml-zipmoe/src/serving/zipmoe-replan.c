@@ -349,7 +349,7 @@ static void keep_pools(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_
                        r->even ? ", so planned for the built-in profile" : "", choice->capacity[0],
                        choice->capacity[1], choice->capacity[2], choice->capacity[3], w->expected * 1e3,
                        choice->current_makespan_s * 1e3, choice->refill_s, repay,
-                       (unsigned long long) r->next_replan, choice->why);
+                       (unsigned long long) MAX(r->next_replan, (uint64_t) s->p.replan_tokens), choice->why);
 }
 
 // the pools planned from the observed profile, kept unless they expect a gain of a tenth or more
@@ -370,8 +370,12 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
         return 0;
     }
     char seen[96];
-    snprintf(seen, sizeof(seen), "%llu decode steps%s", (unsigned long long) r->token_steps,
-             h->counts == r->token_counts ? " and the prompt before them" : "");
+    if (r->token_steps == 0) {
+        snprintf(seen, sizeof(seen), "a prompt of %.0f tokens", routed_tokens(s, h));
+    } else {
+        snprintf(seen, sizeof(seen), "%llu decode steps%s", (unsigned long long) r->token_steps,
+                 h->counts == r->token_counts ? " and the prompt before them" : "");
+    }
     if (!w.same && w.repaid > w.horizon) {
         // not yet: the steps seen would repay it once they reach `repaid` (a ski rental's break-even),
         // planned again then, not at twice these: the four Qwen1.5-MoE sequences at 20 GiB declined a
@@ -456,15 +460,20 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         r->misses_seen = st.expert_misses;
     }
     struct routing_halves h = { 0 };
-    // one sequence's first decode step after a prompt of replan_tokens tokens or more: its tokens rank the
-    // experts, and every step decoded from C before the change is time lost (the full Qwen1.5-MoE geometry
-    // at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C until the re-plan at 8 steps). Later
-    // re-plans take the decode steps alone: the prompt's repeated tokens made the uniform router's look
-    // uneven (z = 14-23 against 0.3) and DeepSeek-V2-Lite's random one more concentrated than its steps,
-    // pools planned on that read again what C dropped
-    const bool after_prompt = counted && !r->prompt_replan && r->token_steps == 1 && !r->several_seqs &&
-                              !s->on_gpu && token_halves(s, &h) && routed_tokens(s, &h) >= s->p.replan_tokens;
-    r->prompt_replan |= counted;
+    // one sequence's prompt of replan_tokens tokens or more (the ubatch that reaches it, else its first
+    // decode step): its tokens rank the experts, and every step decoded from C before the change is time
+    // lost (the full Qwen1.5-MoE geometry at 20 GiB spent 2.5 s of its 64 tokens' 13.6 decoding from C
+    // until the re-plan at 8 steps). Planned at the prompt's end, the change and its migration are the
+    // prompt's time, not its first decode step's: the same model at 20 GiB decoded its first 8 steps at
+    // 1.9x the steady step after a change at step 1. Later re-plans take the decode steps alone: the
+    // prompt's repeated tokens made the uniform router's look uneven (z = 14-23 against 0.3) and
+    // DeepSeek-V2-Lite's random one more concentrated than its steps, pools planned on that read again
+    // what C dropped
+    const bool prompt_ubatch = !counted && n_seqs == 1 && n_tokens > 1 && r->token_steps == 0;
+    const bool after_prompt = (prompt_ubatch || (counted && r->token_steps == 1)) && !r->prompt_replan &&
+                              !r->several_seqs && !s->on_gpu && token_halves(s, &h) &&
+                              routed_tokens(s, &h) >= s->p.replan_tokens;
+    r->prompt_replan |= counted || after_prompt;
     if (!after_prompt && r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
         return 0;
     }
