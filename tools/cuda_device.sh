@@ -11,6 +11,8 @@
 #        bash tools/cuda_device.sh prebuild       (here, optional: needs nvcc, cuBLAS and libcuda's stub;
 #                                                   docs/CUDA.md "Building here for the GPU machine")
 #        bash tools/cuda_device.sh check [DEADLINE] [bench options] (there: build, test and bench in one call)
+#        bash tools/cuda_device.sh check-ds27 [DEADLINE] [UNCAPPED] (there: the same on the DeepSeek-V2-Lite geometry,
+#                                                   host memory uncapped, then capped at 12 GiB)
 #        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
 #                                                   build takes site.tar.xz when it runs there;
 #                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
@@ -56,7 +58,11 @@ prepare)
         (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $tiny/$a-bf16.gguf $CARRY/$a.skel.gguf)
     done
     rm -rf $tiny
-    for m in qwen6 ds27; do  # bench/make_bench_model.py qwen2moe --layers 6; deepseek2 --layers 27
+    # the bench models: bench/make_bench_model.py qwen2moe --layers 6 -o bench/work/qwen6.gguf, and the full
+    # DeepSeek-V2-Lite geometry's header grown from deepseek2 --layers 2 -o bench/work/ds2.gguf
+    [ -f $REPO/bench/work/ds2.gguf ] && (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip \
+        $REPO/bench/work/ds2.gguf $CARRY/ds27.skel.gguf --layers 27)
+    for m in qwen6; do
         if [ -f $REPO/bench/work/$m.gguf ]; then
             (cd /tmp && $REPO/.venv/bin/python $REPO/tools/gguf_skeleton.py strip $REPO/bench/work/$m.gguf $CARRY/$m.skel.gguf)
         fi
@@ -115,10 +121,37 @@ models-ds27)  # the full DeepSeek-V2-Lite geometry (ds27.skel.gguf: bench/make_b
     rm -f $MODELS/qwen6*
     fill ds27 ds27
     ;;
-bench-ds27)
+bench-ds27)  # NAME: the results' file names in $OUT (default cuda_bench_ds27)
     bash $0 models-ds27
+    name=${NAME:-cuda_bench_ds27}
     cd /tmp && $PY $REPO/bench/cuda_bench.py --bf16 $MODELS/ds27-bf16.gguf --zipmoe $MODELS/ds27.zipmoe.gguf \
-        --out $OUT/cuda_bench_ds27.json "${@:2}" 2>&1 | tee $OUT/cuda_bench_ds27.log
+        --out $OUT/$name.json "${@:2}" 2>&1 | tee $OUT/$name.log
+    ;;
+check-ds27)  # one device call on the full DeepSeek-V2-Lite geometry: build, the tests beside its fill, the
+    # bench with host memory uncapped for UNCAPPED seconds (default 230), then capped at 12 GiB until
+    # DEADLINE seconds from the start (default 560); each stopped bench keeps its finished rounds
+    deadline=${2:-560}
+    uncapped=${3:-230}
+    t0=$(date +%s)
+    mkdir -p $OUT
+    bash $0 build > /tmp/zipmoe-build.log 2>&1 || { tail -c 4000 /tmp/zipmoe-build.log; exit 1; }
+    echo "built in $(( $(date +%s) - t0 )) s"
+    bash $0 models-ds27 > /tmp/zipmoe-models.log 2>&1 &
+    fill=$!
+    bash $0 test > /dev/null 2>&1 || true
+    tail -n 3 $OUT/cuda_tests.log
+    wait $fill || { tail -c 2000 /tmp/zipmoe-models.log; exit 1; }
+    echo "models filled at $(( $(date +%s) - t0 )) s"
+    timeout $uncapped env NAME=cuda_bench_ds27 bash $0 bench-ds27 --budgets 50,100 --repeats 5 \
+        --systems stock-n-cpu-moe-50,zipmoe-n-cpu-moe-50,stock-gpu,zipmoe-100 > /dev/null 2>&1 ||
+        echo "the uncapped bench stopped at its time: cuda_bench_ds27.partial.json holds its finished runs"
+    tail -n 6 $OUT/cuda_bench_ds27.log
+    left=$(( deadline - ($(date +%s) - t0) ))
+    echo "capped bench: $left s left"
+    timeout $left env NAME=cuda_bench_ds27_cap12g bash $0 bench-ds27 --budgets 50 --repeats 3 --host-cap 12G \
+        --systems stock-n-cpu-moe-50,zipmoe-n-cpu-moe-50 > /dev/null 2>&1 ||
+        echo "the capped bench stopped at the deadline: cuda_bench_ds27_cap12g.partial.json holds its finished runs"
+    tail -n 6 $OUT/cuda_bench_ds27_cap12g.log
     ;;
 check)  # one device call (its 10 minutes): build, the tests beside the bench model's fill, then the bench
     # (bench's options after the deadline) until DEADLINE seconds from the start (default 540); $OUT keeps
@@ -140,7 +173,7 @@ check)  # one device call (its 10 minutes): build, the tests beside the bench mo
     tail -n 12 $OUT/cuda_bench.log
     ;;
 *)
-    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27|check" >&2
+    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27|check|check-ds27" >&2
     exit 2
     ;;
 esac
