@@ -198,8 +198,11 @@ def test_models_are_not_locked_by_default():
 def test_placement_settings_reach_llama(zipmoe_gguf):
     """n_cpu_moe, cpu_moe, override_tensor and rpc_servers are zipmoe_py.Llama's keyword arguments (llama.cpp's
     --n-cpu-moe, --cpu-moe, -ot, --rpc); a model made with them serves."""
+    from zipmoe_py.placement import PLACEMENT_KWARGS
     from zipmoe_py.server import ZipMoEModelSettings, ZipMoELlamaProxy, zipmoe_kwargs
 
+    assert set(PLACEMENT_KWARGS) <= set(ZipMoEModelSettings.model_fields)
+    assert "cpu_moe" not in zipmoe_kwargs(ZipMoEModelSettings(model="m.gguf"))  # its default places nothing
     settings = ZipMoEModelSettings(model=str(zipmoe_gguf("qwen2moe")), n_cpu_moe=2, cpu_moe=True,
                                    override_tensor=r"blk\.0\.ffn_.*_exps=CPU", zipmoe_budget="64K", n_ctx=256)
     kwargs = zipmoe_kwargs(settings)

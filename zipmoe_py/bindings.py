@@ -20,6 +20,7 @@ from . import _lib, _paths
 from .errors import OptionsIgnoredWarning, ZipMoEError, ZipMoELoadError, ZipMoEWarning
 from .gguf_file import GGUF_MAGIC
 from .options import find, zipmoe_overrides
+from .placement import PLACEMENT_KWARGS
 
 
 def _loaded_library_path(module) -> Path | None:
@@ -110,7 +111,7 @@ def _check_arguments(model_path, kwargs: dict) -> _Checked:
         add_rpc_servers(rpc_servers)
     from .placement import tensor_overrides
 
-    placement = tensor_overrides(*(kwargs.get(name) for name in _PLACEMENT))
+    placement = tensor_overrides(*(kwargs.get(name) for name in PLACEMENT_KWARGS))
     overrides = zipmoe_overrides(given)
     profile = given.get("buddy_profile")
     substitution, source = _effective_substitution(kwargs)
@@ -127,7 +128,6 @@ def _check_arguments(model_path, kwargs: dict) -> _Checked:
 
 
 # llama.cpp's -ot, --n-cpu-moe and --cpu-moe, as Llama's keyword arguments (zipmoe_py/placement.py)
-_PLACEMENT = ("override_tensor", "n_cpu_moe", "cpu_moe")
 
 
 def _as_given(reason: str, given: dict) -> str:
@@ -269,7 +269,7 @@ class Llama(llama_cpp.Llama):
         # rpc-server hosts as devices for n_gpu_layers (llama.cpp's --rpc; llama-cpp-python 0.3.36 has no such
         # argument): added by the check
         self._zipmoe_rpc_servers = kwargs.pop("rpc_servers", None)
-        self._zipmoe_placement = {name: kwargs.pop(name) for name in _PLACEMENT if kwargs.get(name) is not None}
+        self._zipmoe_placement = {name: kwargs.pop(name) for name in PLACEMENT_KWARGS if kwargs.get(name) is not None}
         from .placement import override_array
 
         self._zipmoe_overrides_array = override_array(checked.placement)  # read by model_params' setter

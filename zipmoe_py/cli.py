@@ -19,6 +19,7 @@ from pathlib import Path
 from . import _lib
 from .errors import ZipMoEError, ZipMoEWarning
 from .options import chat_flag, python_options, size_text, zipmoe_overrides
+from .placement import PLACEMENT_KWARGS
 
 HELP_TEXT = ("commands: /exit (or end of input) quits, /clear forgets the conversation, /help shows this; "
              "a message that starts with / is typed with //")
@@ -250,7 +251,7 @@ def chat(args) -> int:
                   "demo's experts)", file=sys.stderr)
     if args.batch_size is not None:
         options["n_batch"] = args.batch_size
-    for name in ("override_tensor", "n_cpu_moe", "cpu_moe"):  # llama.cpp's -ot, --n-cpu-moe, --cpu-moe
+    for name in PLACEMENT_KWARGS:
         if getattr(args, name):
             options[name] = getattr(args, name)
     if args.rpc:

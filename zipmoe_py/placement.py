@@ -10,6 +10,10 @@ import ctypes
 from .devices import _ggml
 from .errors import ZipMoEError
 
+# the keyword arguments of Llama (and the options of zipmoe-chat and the server) that place tensors:
+# llama.cpp's -ot, --n-cpu-moe and --cpu-moe, in tensor_overrides' order
+PLACEMENT_KWARGS = ("override_tensor", "n_cpu_moe", "cpu_moe")
+
 # common/common.h: LLM_FFN_EXPS_REGEX, and llm_ffn_block_regex's "blk\.N" before it
 EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 

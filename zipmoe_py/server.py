@@ -47,6 +47,7 @@ except ImportError as e:  # the server's dependencies are an extra
 
 from . import _lib, options
 from .errors import ZipMoEError
+from .placement import PLACEMENT_KWARGS
 
 def _option_field(option):
     """A settings field for one option of the option table: its type, help and default in words."""
@@ -82,10 +83,10 @@ ZipMoEModelSettings = create_model(
 
 def zipmoe_kwargs(settings) -> dict:
     """The zipmoe_* keyword arguments a model's settings give, and the placement's, for zipmoe_py.Llama."""
-    names = [o.kwarg for o in options.python_options()] + ["override_tensor", "n_cpu_moe", "rpc_servers"]
+    names = [o.kwarg for o in options.python_options()] + [*PLACEMENT_KWARGS, "rpc_servers"]
     out = {name: getattr(settings, name) for name in names if getattr(settings, name, None) is not None}
-    if getattr(settings, "cpu_moe", False):
-        out["cpu_moe"] = True
+    if not out.get("cpu_moe", True):  # the setting's default, False, places nothing
+        del out["cpu_moe"]
     return out
 
 
