@@ -152,6 +152,34 @@ def test_cuda_n_cpu_moe_gives_a_set_per_device_bit_identical(arch, n_seq, budget
     assert stats["h2d_bytes"] > 0
 
 
+@pytest.mark.parametrize("tokens_of_experts", [1, 2])
+def test_cuda_n_cpu_moe_long_prompt_offloaded_is_bit_identical(arch, tokens_of_experts, tiny_gguf, zipmoe_gguf):
+    """A prompt of 32 tokens or more: ggml runs the host layers' products on the GPU (its offload of a large
+    batch's products on host weights, copying the experts they use). The host set holds one or two tokens'
+    experts, so its passes give the other selections zero slots, which the offload's copy takes as any
+    expert: no abort, logits stock's with the same flags."""
+    from test_serve import TOP_K, expert_geometry
+
+    prompt = " ".join(_prompts()) * 4
+    llm = load(tiny_gguf(arch), n_gpu_layers=GPU_LAYERS, n_cpu_moe=3)
+    try:
+        assert len(llm.tokenize(prompt.encode())) >= 64
+        want, want_tokens = logits_trace(llm, [prompt])
+    finally:
+        llm.close()
+    path = zipmoe_gguf(arch)
+    one, _, _ = expert_geometry(path)
+    llm = load(path, n_gpu_layers=GPU_LAYERS, n_cpu_moe=3,
+               zipmoe_device_budgets={"CPU": tokens_of_experts * TOP_K[arch] * one})
+    try:
+        got, got_tokens = logits_trace(llm, [prompt])
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert stats["expert_misses"] > 0
+
+
 def test_cuda_phase2_ghuf_is_bit_identical_and_sends_compressed_exponents(arch, tiny_gguf, zipmoe_gguf, cuda_reference,
                                                                          tmp_path):
     """Phase 2: E-chunks in the GPU layout cross compressed and are decoded on the GPU: the same

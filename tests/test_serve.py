@@ -233,6 +233,19 @@ def test_one_decoding_thread_is_bit_identical_too(arch, zipmoe_gguf, reference):
     assert got_tokens == want_tokens and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_passes_run_as_a_gpu_runs_them_are_bit_identical(arch, n_seq, zipmoe_gguf, reference, monkeypatch):
+    """Beside a GPU, ggml runs a large batch's products on host slots there (its offload), where no id skips
+    a row: the selections outside a pass take zero slots after the host slots, and the merge drops their
+    rows. ZIPMOE_TEST_OFFLOADED_PASSES runs that path on the CPU, the zero slots' rows computed."""
+    monkeypatch.setenv("ZIPMOE_TEST_OFFLOADED_PASSES", "1")
+    path = zipmoe_gguf(arch)
+    want, want_tokens = reference(arch, n_seq)
+    got, got_tokens, stats = trace_and_close(load(path, zipmoe_budget=budget_of(path, arch, "top-k")), n_seq)
+    assert got_tokens == want_tokens and np.array_equal(got, want)
+    assert stats["fetch_calls"] > stats["expert_misses"] / TOP_K[arch]  # several passes ran
+
+
 @pytest.mark.parametrize("eviction", ["lru", "fifo", "marking", "lfu", "score"])
 def test_every_eviction_policy_is_bit_identical(eviction, zipmoe_gguf, reference):
     """The policy only decides which slot a miss takes: output must not change (rank, the default: the

@@ -382,6 +382,21 @@ def test_a_null_or_empty_table_is_an_error_not_a_crash(model):
         assert b"no layer has repacked gate, up and down experts" in err.value
 
 
+def test_host_zero_slots_are_reserved_after_the_slots_and_read_as_zeros(serving):
+    """Beside a GPU the host slots' passes may name zero slots after them (a product ggml offloads):
+    each kind's reservation holds them, readable, zero, and apart from the next kind's slots."""
+    s = serving(budget=64 * 1024)
+    s.lib.ggml_zipmoe_serving_set_host_zero_slots(s.handle, 4)
+    data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()
+    assert s.lib.ggml_zipmoe_serving_reserve_host(s.handle, data, stride, s.err, len(s.err)) == 0
+    capacity = s.info().capacity
+    for k in range(3):
+        zero_start = data[k] + capacity * stride[k]
+        assert k == 2 or zero_start + 4 * stride[k] <= data[k + 1]
+        ctypes.memset(data[k], 0x5A, capacity * stride[k])  # the slots written: the zero slots stay zero
+        assert ctypes.string_at(zero_start, 4 * stride[k]) == bytes(4 * stride[k])
+
+
 def test_pools_given_beyond_the_budget_are_refused_per_layer_as_given(serving):
     s = serving(budget=18 * 1024, pools=(2, 0, 0, 0), work_slots=8, eviction=_lib.EVICT_RANK)
     data, stride = (ctypes.c_void_p * 3)(), (ctypes.c_size_t * 3)()

@@ -336,6 +336,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_serving_get_info": (None, [ctypes.c_void_p, ctypes.POINTER(ServingInfo)]),
     "ggml_zipmoe_serving_fit_device": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint64,
                                                         ctypes.c_uint64, ctypes.c_int]),
+    "ggml_zipmoe_serving_set_host_zero_slots": (None, [ctypes.c_void_p, ctypes.c_int32]),
     "ggml_zipmoe_serving_reserve_host": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p * 3, ctypes.c_size_t * 3,
                                                         ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_serving_set_cache": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,

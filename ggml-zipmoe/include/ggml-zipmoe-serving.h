@@ -101,9 +101,16 @@ GGML_ZIPMOE_API int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_servin
                                                        uint64_t free_bytes, uint64_t reserve_bytes,
                                                        int shares_host_memory);
 
-// slots in host memory: reserves address space for info.capacity slots, committed only where a slot
-// is written (fewer, halving, where the kernel refuses that much; info.capacity follows). data[k]
-// gets kind k's first slot, stride[k] the bytes between slots. OK, or ERR_NOMEM with a message in err.
+// n slots of zeros after the host slots, which reserve_host (called after) reserves with them: address
+// space that is never written, so never committed. With a GPU beside, ggml may run a host layer's
+// products there (its offload of a large batch's products on host weights), where mul_mat_id has no
+// id that skips a row: the selections outside a pass then take one of these.
+GGML_ZIPMOE_API void ggml_zipmoe_serving_set_host_zero_slots(struct ggml_zipmoe_serving * s, int32_t n);
+
+// slots in host memory: reserves address space for info.capacity slots (and the zero slots after them),
+// committed only where a slot is written (fewer, halving, where the kernel refuses that much;
+// info.capacity follows). data[k] gets kind k's first slot, stride[k] the bytes between slots. OK, or
+// ERR_NOMEM with a message in err.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data[3], size_t stride[3],
                                                      char * err, size_t err_size);
 

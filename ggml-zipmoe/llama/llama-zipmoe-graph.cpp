@@ -12,14 +12,14 @@
 #include <algorithm>
 #include <cstring>
 
-llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass) {
+llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass, bool offloaded) {
     std::lock_guard<std::mutex> lock(state_mutex);
-    const int64_t key = (int64_t) il << 32 | (uint32_t) pass;
+    const int64_t key = ((int64_t) il << 32 | (uint32_t) pass << 1 | (uint32_t) offloaded);
     auto it = args_index.find(key);
     if (it != args_index.end()) {
         return it->second;
     }
-    args.push_back({ this, set_of(il), il, pass });
+    args.push_back({ this, set_of(il), il, pass, offloaded });
     args_index[key] = &args.back();
     return &args.back();
 }
@@ -66,10 +66,10 @@ static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * user
     zipmoe_check(a, ggml_zipmoe_cache_fetch_end(a->set->cache, ith, nth));
     if (ith == 0) {
         memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
-        if (a->set->absent_slot(0, 1) != GGML_ZIPMOE_NO_SLOT) { // slots in GPU memory only
+        if (a->set->absent_slot(0, 1, a->offloaded) != GGML_ZIPMOE_NO_SLOT) { // products a GPU runs
             int32_t * ids = (int32_t *) dst->data;
             for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
-                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->set->absent_slot(i, dst->ne[0]) : ids[i];
+                ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->set->absent_slot(i, dst->ne[0], a->offloaded) : ids[i];
             }
         }
     }
@@ -237,9 +237,38 @@ std::array<ggml_tensor *, 3> llama_zipmoe::resident_weights_of(ggml_context * ct
     return w;
 }
 
+// whether ggml's scheduler runs a product on host slots on another backend: its offload of an op on
+// host weights to a backend that wants it (ggml_backend_sched_backend_id_from_cur), asked of the same
+// functions with a mul_mat_id of the pass's shape on the slots
+static bool products_offloaded(ggml_backend_sched_t sched, bool op_offload, ggml_tensor * slots, int64_t n_used,
+                               int64_t n_tokens) {
+    if (!op_offload || sched == nullptr || slots == nullptr || slots->buffer == nullptr ||
+        !ggml_backend_buffer_is_host(slots->buffer)) {
+        return false;
+    }
+    ggml_init_params params = { /*.mem_size =*/ 3 * ggml_tensor_overhead(), /*.mem_buffer =*/ nullptr,
+                                /*.no_alloc =*/ true };
+    ggml_context * probe = ggml_init(params);
+    if (probe == nullptr) {
+        return false;
+    }
+    ggml_tensor * b   = ggml_new_tensor_3d(probe, GGML_TYPE_F32, slots->ne[0], 1, n_tokens);
+    ggml_tensor * ids = ggml_new_tensor_2d(probe, GGML_TYPE_I32, n_used, n_tokens);
+    ggml_tensor * op  = ggml_mul_mat_id(probe, slots, b, ids);
+    bool offloaded = false;
+    const int n_backends = ggml_backend_sched_get_n_backends(sched);
+    for (int i = 0; i + 1 < n_backends && !offloaded; ++i) { // the last is the CPU's, the slots' own
+        ggml_backend_t backend = ggml_backend_sched_get_backend(sched, i);
+        offloaded = ggml_backend_supports_op(backend, op) && ggml_backend_offload_op(backend, op);
+    }
+    ggml_free(probe);
+    return offloaded;
+}
+
 ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
                                           ggml_tensor * selected_experts, ggml_tensor * probs,
-                                          const experts_fn & build, bool * deferred) {
+                                          const experts_fn & build, bool * deferred, ggml_backend_sched_t sched,
+                                          bool op_offload) {
     const int64_t n_used   = selected_experts->ne[0];
     const int64_t n_tokens = selected_experts->ne[1];
     llama_zipmoe_slot_set * set = set_of(il);
@@ -278,6 +307,9 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
     }
     *deferred = true;
     const int n_passes = ggml_zipmoe_cache_n_passes(cache, il, n_used * n_tokens);
+    const bool offloaded = !set->on_device && set->zero_slots > 0 &&
+                           (test_offloaded_passes || products_offloaded(sched, op_offload, set->slots_of(il, 0), n_used,
+                                                                        n_tokens));
     if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {
         probs = ggml_reshape_2d(ctx0, probs, probs->ne[1], probs->ne[2]); // build_moe_ffn's [1, n_expert, n_tokens]
     }
@@ -291,14 +323,14 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         ggml_tensor * second = pass > 0 ? merged : scores;
         ggml_tensor * srcs[2] = { selected_experts, second };
         ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, second ? 2 : 1,
-                                             zipmoe_fetch_begin_op, 1, args_for(il, pass));
+                                             zipmoe_fetch_begin_op, 1, args_for(il, pass, offloaded));
         ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
         if (pass == 0) {
             ggml_build_forward_expand(gf, begin);
             build_prefetch(ctx0, gf, il, ffn_inp, begin, n_used);
         }
         ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
-                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass));
+                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass, offloaded));
         ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
         ggml_tensor * out = build(slot_ids, set->slots_of(il, 0), set->slots_of(il, 1), set->slots_of(il, 2));
         if (n_passes == 1) {
@@ -306,7 +338,7 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         }
         ggml_tensor * msrcs[3] = { selected_experts, out, merged };
         merged = ggml_custom_4d(ctx0, out->type, out->ne[0], out->ne[1], out->ne[2], out->ne[3], msrcs, merged ? 3 : 2,
-                                zipmoe_merge_op, 1, args_for(il, pass));
+                                zipmoe_merge_op, 1, args_for(il, pass, offloaded));
         ggml_format_name(merged, "zipmoe_merged-%d.%d", il, pass);
     }
     return merged;

@@ -39,6 +39,17 @@ ggml_backend_dev_t llama_zipmoe::expert_device(int il, const layer_buft_fn & lay
     return on_device ? dev : nullptr;
 }
 
+// a GPU that ggml may run a host layer's products on (the scheduler's offload of a large batch's)
+static bool gpu_registered() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return true;
+        }
+    }
+    return false;
+}
+
 // a budget given is the slots of every set not named in zipmoe.device_budgets (named: 1): each takes its
 // layers' share of them, by largest remainder (the shares sum to the budget's slots), at least one
 static std::vector<uint64_t> budget_shares(uint64_t budget, uint64_t expert_bytes,
@@ -190,7 +201,7 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
                               ggml_zipmoe_cuda_devices() > 0;
             set->place_on_device(weights_on(set->dev, layer_buft));
         } else {
-            set->place_in_host(weight_buft);
+            set->place_in_host(weight_buft, gpu_registered() || test_offloaded_passes ? n_expert_used : 0);
         }
         set->make_cache();
     }

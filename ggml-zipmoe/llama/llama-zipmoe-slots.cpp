@@ -116,7 +116,7 @@ bool llama_zipmoe_is_cpu_extra_buft(ggml_backend_buffer_type_t buft) {
 // the slots in host memory: address space reserved by ggml-zipmoe, committed where a slot is written;
 // or, where stock llama.cpp puts the experts in one of ggml-cpu's repacking buffer types (quantized
 // experts), a buffer of that type, so that the products run stock's kernels on stock's layout
-void llama_zipmoe_slot_set::place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft) {
+void llama_zipmoe_slot_set::place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft, int32_t n_zero) {
     const ggml_zipmoe_file * file = zm->file;
     const std::string & fname = zm->fname;
     const auto bufts = stock_host_bufts(file, layer_tensors, weight_buft);
@@ -138,11 +138,18 @@ void llama_zipmoe_slot_set::place_in_host(const llama_zipmoe::weight_buft_fn & w
     size_t stride[3];
     char err[512];
     if (extra == nullptr) {
+        ggml_zipmoe_serving_set_host_zero_slots(serving, n_zero);
         if (ggml_zipmoe_serving_reserve_host(serving, data, stride, err, sizeof(err)) != GGML_ZIPMOE_OK) {
             throw std::runtime_error(err);
         }
         ggml_zipmoe_serving_get_info(serving, &info);
-        const size_t bytes = (size_t) ((char *) data[2] - (char *) data[0]) + (size_t) info.capacity * stride[2];
+        zero_slots = n_zero;
+        zero_slot  = info.capacity;
+        if (zero_slots > 0) {
+            LLAMA_LOG_INFO("%s: %d zero slots after the %d host slots, for the passes of products a GPU runs\n",
+                           __func__, zero_slots, info.capacity);
+        }
+        const size_t bytes = (size_t) ((char *) data[2] - (char *) data[0]) + (size_t) (info.capacity + zero_slots) * stride[2];
         buf = ggml_backend_cpu_buffer_from_ptr(data[0], bytes);
         slots_in_own_mapping = true; // the serving's mmap: a change of pools may move pages into it
     } else {

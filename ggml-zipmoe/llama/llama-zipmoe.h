@@ -41,6 +41,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <initializer_list>
@@ -218,9 +219,11 @@ struct llama_zipmoe {
     // With zipmoe.prefetch, the next MoE layer's experts are predicted from ffn_inp (this layer's
     // normalized FFN input, [n_embd, 1, n_tokens]) and read ahead after this layer's own reads.
     // probs: the router's scores of every expert [n_expert, n_tokens] (zipmoe.eviction=score reads them)
+    // sched, op_offload: the context's scheduler and llama_context_params.op_offload, which say whether
+    // products on host slots run on a GPU (products_offloaded)
     ggml_tensor * build_experts(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp,
                                 ggml_tensor * selected_experts, ggml_tensor * probs, const experts_fn & build,
-                                bool * deferred);
+                                bool * deferred, ggml_backend_sched_t sched, bool op_offload);
 
     // the substitution hook, after the router's top-k (selected, [n_used, n_tokens]) of layer il and
     // before the weights are taken from probs ([n_expert, n_tokens], the router's scores): the ids
@@ -265,6 +268,7 @@ struct llama_zipmoe {
         llama_zipmoe_slot_set * set; // the layer's
         int                     il;
         int                     pass;
+        bool                    offloaded; // the pass's products run on another backend than the slots'
     };
 
     // an op's failure: stops the graph (through abort_callback) with this message
@@ -282,7 +286,7 @@ private:
         std::string         error;
     };
 
-    op_args * args_for(int il, int pass);
+    op_args * args_for(int il, int pass, bool offloaded = false);
     void build_prefetch(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp, ggml_tensor * after,
                         int64_t n_used);
     context_state & state_of(const llama_context * lctx);
@@ -311,6 +315,10 @@ private:
     llama_zipmoe_options  opt;
     std::vector<int32_t>  layer_tensors;     // [n_layer][3] the file's tensor of each layer's gate, up, down
     int32_t               n_expert_used = 1; // the model's top-k
+    // ZIPMOE_TEST_OFFLOADED_PASSES=1, tests only: host slots take their zero slots and every pass of a
+    // product on them runs as when a GPU runs it (absent_slot), so that a CPU-only build tests that path
+    const bool            test_offloaded_passes = getenv("ZIPMOE_TEST_OFFLOADED_PASSES") != nullptr &&
+                                                  atoi(getenv("ZIPMOE_TEST_OFFLOADED_PASSES")) != 0;
     std::vector<uint64_t> layer_non_expert;  // by layer: bytes of the file's tensors of blk.N that are not expert chunks
     uint64_t              other_non_expert = 0; // the rest of them (embeddings, output, final norm)
     uint64_t              file_non_expert  = 0; // all of them
@@ -378,7 +386,8 @@ struct llama_zipmoe_slot_set {
     ggml_backend_t slot_backend = nullptr; // slot_write's, where the device's backend sets asynchronously
     std::mutex     slot_mutex;             // slot_write through a buffer: one at a time
     int32_t        zero_slot    = -1; // the first zero slot
-    int32_t        zero_slots   = 0;  // as many as a layer's experts: a warmup token selects them all
+    int32_t        zero_slots   = 0;  // on a device, as many as a layer's experts: a warmup token selects them
+                                      // all; in host memory beside a GPU, one token's (a warmup is not offloaded)
     // one slot never used, where the slots would be one in a buffer of ggml-cpu's repacking types: ggml takes a
     // tensor of one expert as 2-D, and those types' kernels serve 3-D experts only (no backend would run it)
     int32_t        spare_slots  = 0;
@@ -400,20 +409,23 @@ struct llama_zipmoe_slot_set {
     const char * device_name() const;
 
     // the slot id given to selection i (of n_used per token) that a pass does not compute:
-    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in a device's memory, one of
-    // the zero slots beyond the cache's, distinct within a token, whose rows the merge drops (ggml's
-    // CUDA mul_mat_id has no id that skips a row and wants a token's ids distinct; an rpc-server may
-    // run stock ggml, or CUDA)
-    int32_t absent_slot(int64_t i, int64_t n_used) const {
-        return on_device ? zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, zero_slots)))
-                         : GGML_ZIPMOE_NO_SLOT;
+    // GGML_ZIPMOE_NO_SLOT, which the patched ggml-cpu skips; with slots in a device's memory, or products
+    // on host slots that a GPU runs (offloaded), one of the zero slots beyond the cache's, distinct
+    // within a token, whose rows the merge drops (ggml's CUDA mul_mat_id has no id that skips a row and
+    // wants a token's ids distinct; an rpc-server may run stock ggml, or CUDA; ggml's scheduler copies
+    // the experts an offloaded product uses, and asserts every id in range)
+    int32_t absent_slot(int64_t i, int64_t n_used, bool offloaded) const {
+        return (on_device || offloaded) && zero_slots > 0
+                   ? zero_slot + (int32_t) (i % std::max<int64_t>(1, std::min<int64_t>(n_used, zero_slots)))
+                   : GGML_ZIPMOE_NO_SLOT;
     }
 
     ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
 
     // the slots: in the device's memory, beside weights_bytes of the model's weights there; or in host memory
     void place_on_device(uint64_t weights_bytes);
-    void place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft);
+    // zero_slots: after the slots, for products a GPU may run (absent_slot)
+    void place_in_host(const llama_zipmoe::weight_buft_fn & weight_buft, int32_t zero_slots);
     // the cache over the placed slots, handed to the serving; logs where the slots are
     void make_cache();
 

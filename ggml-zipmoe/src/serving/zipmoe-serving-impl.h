@@ -64,6 +64,7 @@ struct ggml_zipmoe_serving {
     bool                       on_gpu;
     void *                     mapping;       // host slots reserved here: one region (NULL: none, or the caller's)
     size_t                     mapping_bytes;
+    int32_t                    host_zero_slots; // after the host slots, reserved with them (never written)
     uint8_t *                  slot_base[3];  // host slots: each kind's first (NULL: slots in device memory)
     size_t                     stride[3];
     int32_t                    n_slots;       // in use

@@ -211,6 +211,10 @@ int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const cha
     return in->capacity;
 }
 
+void ggml_zipmoe_serving_set_host_zero_slots(struct ggml_zipmoe_serving * s, int32_t n) {
+    s->host_zero_slots = MAX(0, n);
+}
+
 int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data[3], size_t stride[3], char * err,
                                      size_t err_size) {
     struct ggml_zipmoe_serving_info * in = &s->info;
@@ -225,7 +229,7 @@ int ggml_zipmoe_serving_reserve_host(struct ggml_zipmoe_serving * s, void * data
         size_t off = 0;
         for (int k = 0; k < 3; ++k) {
             section[k] = off;
-            off += ((size_t) in->capacity * s->stride[k] + page - 1) / page * page;
+            off += ((size_t) (in->capacity + s->host_zero_slots) * s->stride[k] + page - 1) / page * page;
         }
         s->mapping_bytes = off;
         void * m = mmap(NULL, off, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
