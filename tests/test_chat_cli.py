@@ -186,3 +186,29 @@ def test_the_demo_model_answers_in_words():
                 env={**os.environ, "XDG_CACHE_HOME": str(cache)}, timeout=300)
     assert again.returncode == 0 and b"training" not in again.stderr, again.stderr.decode()[-2000:]
     assert again.stdout.decode().startswith("The budget option sets the memory for the expert slots"), again.stdout
+
+
+def test_stats_name_each_slot_set_and_give_the_host_sets_memory(zipmoe_gguf, capsys):
+    """--stats with slot sets on several devices: a line per set (device, layers, slots), and the memory
+    plan of the host set, whose slots host memory holds (a device set's are its device's)."""
+    from zipmoe_py import Llama
+    from zipmoe_py.options import size_text
+
+    llm = Llama(model_path=str(zipmoe_gguf("qwen2moe")), n_ctx=128, n_threads=2, verbose=False, zipmoe_budget="64K")
+    try:
+        llm.create_completion("Hi", max_tokens=2)
+        stats = llm.zipmoe_stats()
+    finally:
+        llm.close()
+    host = stats["sets"][0]
+    device = dict(host, device="CUDA0", layers=[5, 6, 7], memory=dict(host["memory"], available=1))
+
+    class TwoSets:
+        def zipmoe_stats(self):
+            return dict(stats, sets=[device, dict(host, layers=[0, 1, 2, 4])])
+
+    cli._print_stats(TwoSets(), None, 2)
+    err = capsys.readouterr().err
+    assert "[stats] slot set in CUDA0 memory: MoE layers 5-7, " in err
+    assert f"[stats] slot set in host memory: MoE layers 0-2, 4, {host['n_slots']} slots in use" in err
+    assert err.count("[stats] memory:") == 1 and f"available {size_text(host['memory']['available'])}" in err

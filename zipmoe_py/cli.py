@@ -101,6 +101,17 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     return text
 
 
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'"""
+    spans: list[list[int]] = []
+    for layer in sorted(layers):
+        if spans and layer == spans[-1][1] + 1:
+            spans[-1][1] = layer
+        else:
+            spans.append([layer, layer])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def _counter_delta(now: dict, before: dict | None) -> dict:
     """every counter of the cache's statistics (the memory plan and the rest are not counters)"""
     return {k: now[k] - (before or {}).get(k, 0) for k, _ in _lib.CacheStats._fields_}
@@ -143,7 +154,13 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
               f"{rates['decode'] / 1e9:.2f} GB/s per thread ({origin['decode']}), compute {rates['compute'] / 1e9:.2f} "
               f"GB/s ({origin['compute']}), first writes of new memory {rates['touch'] / 1e9:.2f} GB/s per thread "
               f"({origin['touch']})", file=sys.stderr)
-    plan = now.get("memory")
+    sets = now.get("sets") or []
+    for s in sets if len(sets) > 1 else []:
+        where = "host memory" if s["device"] == "CPU" else f"{s['device']} memory"
+        print(f"[stats] slot set in {where}: MoE layers {_layer_ranges(s['layers'])}, {s['n_slots']} slots in use "
+              f"of {s['slot_capacity']}", file=sys.stderr)
+    # the host set's plan: a device set's slots are all its device's, and its stores host memory's
+    plan = next((s["memory"] for s in sets if s["device"] == "CPU"), None if len(sets) > 1 else now.get("memory"))
     if plan:
         size = size_text
         print(f"[stats] memory: {plan['n_slots']} slots x {size(plan['expert_bytes'])}; available "
