@@ -8,8 +8,8 @@ python3.11, unpacked by `tools/aarch64.py setup`) whose zipmoe_py loads the aarc
   Neoverse N1 (NEON only);
 - exactness (tests/aarch64_exactness.py): on the tiny DeepSeek-V2 and Qwen2-MoE models, the ZipMoE
   GGUF against the BF16 GGUF on the same aarch64 build (stock llama.cpp's path: the patches change
-  nothing for a file without ZipMoE experts), every logit of prefill and decode as raw bits, at budgets
-  of one token's experts and half of them, with two graph threads, on a Neoverse N1 (NEON recovery);
+  nothing for a file without ZipMoE experts), every logit of prefill and decode as raw bits, at a
+  budget of one token's experts, with two graph threads, on a Neoverse N1 (NEON recovery);
   llama-completion's greedy text against the BF16 GGUF's; and one sequence with SVE recovery on "max".
 AArch64 is compared with AArch64 only: ARM's float kernels differ from x86's. Emulated timings mean
 nothing, so nothing here is timed.
@@ -131,7 +131,7 @@ def test_logits_on_aarch64_are_bit_identical_to_the_bf16_gguf(build, premade_mod
     out = emulated_pytest([str(TESTS / "aarch64_exactness.py"), str(TESTS / "test_serve.py"), "-k",
                            "on_aarch64 or test_fork_cli_with_warmup"], tmp_path, cpu="neoverse-n1",
                           ZIPMOE_TEST_MODELS=str(premade_models), ZIPMOE_EXPECTED_RECOVERY="neon")
-    assert "6 passed" in out, out[-2000:]
+    assert "4 passed" in out, out[-2000:]
 
 
 def test_sve_recovery_in_the_graph_is_bit_identical(build, premade_models, tmp_path):
