@@ -36,6 +36,7 @@ SLOW_FILES = {
     "test_tiny.py": "checkpoints made and routed again",
     "test_server.py": "zipmoe-server processes",
     "test_families.py": "a checkpoint of each MoE family made, converted, quantized and served",
+    "test_gguf_skeleton.py": "models stripped, grown, filled and loaded",
 }
 SLOW_TESTS = {
     "test_chat_cli.py::test_the_demo_model_answers_in_words": "trains the demo model",
@@ -43,6 +44,7 @@ SLOW_TESTS = {
     "test_pools.py::test_a_migration_stays_within_the_memory_of_the_pools_before_or_after_it": "four migrations",
     "test_format.py::test_stock_gguf_py_reads_it_and_a_loader_without_zipmoe_refuses_it": "gguf-py's reader",
     "test_format.py::test_both_tiny_models_convert_to_zipmoe_and_verify": "both models converted and verified",
+    "test_serve.py::test_passes_run_as_a_gpu_runs_them_are_bit_identical": "test_logits_are_bit_identical's at top-k again",
 }
 
 
