@@ -226,6 +226,38 @@ def test_an_interrupted_checkpoint_conversion_stops_the_converter_and_leaves_not
     assert list(out_dir.iterdir()) == []
 
 
+def test_an_interrupt_held_while_another_thread_runs_waits_for_the_release():
+    """A held SIGTERM raises at the release, not inside the held code, even where the process has
+    other threads, to one of which the kernel gives a signal that the main thread would block."""
+    import os
+    import signal
+    import threading
+
+    from zipmoe_py.conversion_files import Interrupted, hold_interrupts, on_interrupt, release_interrupts
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    previous = signal.signal(signal.SIGTERM, on_interrupt)
+    try:
+        hold_interrupts()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # bytecodes: where Python runs a handler that the C handler has flagged
+                pass
+            reached_the_end_held = True
+        finally:
+            with pytest.raises(Interrupted, match="SIGTERM"):
+                release_interrupts()
+        assert reached_the_end_held
+        hold_interrupts()
+        release_interrupts()  # raises nothing: the signal was raised once
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop.set()
+        other.join()
+
+
 def _small_filesystem(path, size: str = "4m") -> bool:
     """A tmpfs of `size` mounted at path, where this process may mount one (root in a VM)."""
     import subprocess

@@ -81,18 +81,43 @@ def output_lock(path: Path):
 
 
 WORK_FOLDER_PREFIX = ".zipmoe-"
-INTERRUPTS = {signal.SIGINT, signal.SIGTERM}
 
 
-def hold_interrupts() -> set:
-    """Block SIGINT and SIGTERM for the calling thread; returns the mask to restore. Around the creation
-    of something the interrupt's cleanup must know (a folder, a child process): a signal that lands
-    meanwhile stays pending and raises once the mask is restored, where the cleanup sees it."""
-    return signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM during a conversion: unwinds like KeyboardInterrupt, so that every partial
+    file is removed on the way out."""
 
 
-def release_interrupts(mask: set) -> None:
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+# Held interrupts are a flag, not a signal mask: a mask is per thread, and while the main thread blocks
+# SIGTERM the kernel hands it to another thread (numpy's, the converter's readers), whose C handler
+# has Python run on_interrupt in the main thread at once. on_interrupt itself must therefore wait.
+_held = 0
+_pending: int | None = None
+
+
+def on_interrupt(signum, frame) -> None:
+    """The conversion's SIGINT and SIGTERM handler: raises Interrupted, or, while interrupts are
+    held, keeps the signal for release_interrupts to raise."""
+    global _pending
+    if _held:
+        _pending = signum
+        return
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def hold_interrupts() -> None:
+    """Hold SIGINT and SIGTERM around the creation of something the interrupt's cleanup must know (a
+    folder, a child process), or around that cleanup: one that lands meanwhile raises at the release."""
+    global _held
+    _held += 1
+
+
+def release_interrupts() -> None:
+    global _held, _pending
+    _held -= 1
+    if not _held and _pending is not None:
+        signum, _pending = _pending, None
+        raise Interrupted(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
@@ -102,22 +127,27 @@ def work_folder(parent: Path):
     Its owner.lock is flocked for the folder's life, so a later conversion tells a killed
     process's folder (lock free) from a running one's (remove_stale_work_folders)."""
     folder, fd = None, None
-    mask = hold_interrupts()  # an interrupt between mkdtemp's mkdir and `folder =` would leave it
     try:
-        folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{WORK_FOLDER_PREFIX}{os.getpid()}-"))
-        # locked under another name, then renamed: owner.lock never exists unlocked while we live
-        unlocked = folder / "owner.lock.new"
-        fd = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(unlocked, folder / "owner.lock")
-        release_interrupts(mask)
+        hold_interrupts()  # an interrupt between mkdtemp's mkdir and `folder =` would leave it
+        try:
+            folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{WORK_FOLDER_PREFIX}{os.getpid()}-"))
+            # locked under another name, then renamed: owner.lock never exists unlocked while we live
+            unlocked = folder / "owner.lock.new"
+            fd = os.open(unlocked, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.rename(unlocked, folder / "owner.lock")
+        finally:
+            release_interrupts()  # one held meanwhile raises here, with the folder known
         yield folder
     finally:
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-        if fd is not None:
-            os.close(fd)
-        release_interrupts(mask)  # last: a signal still held raises after the cleanup
+        hold_interrupts()  # a second interrupt must not cut the removal short
+        try:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            if fd is not None:
+                os.close(fd)
+        finally:
+            release_interrupts()
 
 
 def remove_stale_locks(parent: Path) -> None:

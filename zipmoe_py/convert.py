@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 from . import _paths, families
-from .conversion_files import (hold_interrupts, output_lock, release_interrupts, remove_stale_locks,
-                               remove_stale_work_folders, temporary_name, work_folder)
+from .conversion_files import (Interrupted, hold_interrupts, on_interrupt, output_lock, release_interrupts,
+                               remove_stale_locks, remove_stale_work_folders, temporary_name, work_folder)
 from .errors import ZipMoEError, require_extra
 from .unpack import is_zipmoe
 
@@ -141,11 +141,13 @@ def _run_converter(cmd: list[str], env: dict, tail: collections.deque, rename, q
     """Run the converter, its output lines (through rename) to tail and, unless quiet, stderr; its exit
     status. An interrupt kills it and waits for it, so that nothing writes on after the caller's cleanup."""
     proc = None
-    mask = hold_interrupts()  # an interrupt inside Popen would leave its child writing on, unseen
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace", bufsize=1)
-        release_interrupts(mask)  # a signal held meanwhile raises here, with proc known
+        hold_interrupts()  # an interrupt inside Popen would leave its child writing on, unseen
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, errors="replace", bufsize=1)
+        finally:
+            release_interrupts()  # one held meanwhile raises here, with proc known
         for line in proc.stdout:
             # the converter names the file it was given ("exported to ….partial"): the user's is out_path
             line = rename(line)
@@ -159,9 +161,12 @@ def _run_converter(cmd: list[str], env: dict, tail: collections.deque, rename, q
         raise
     finally:
         if proc is not None:
-            proc.stdout.close()
-            proc.wait()
-        release_interrupts(mask)
+            hold_interrupts()  # a second interrupt must not leave the child unreaped
+            try:
+                proc.stdout.close()
+                proc.wait()
+            finally:
+                release_interrupts()
     return proc.returncode
 
 
@@ -170,8 +175,7 @@ def _run_converter(cmd: list[str], env: dict, tail: collections.deque, rename, q
 # writing on in its work folder, which the next conversion removes. A wrapper rather than a preexec_fn:
 # a SIGINT/SIGTERM that lands while Popen forks with a preexec_fn is swallowed, and the conversion goes on.
 _DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-signal.pthread_sigmask(signal.SIG_SETMASK, ())  # the parent held SIGINT/SIGTERM across the fork
+import ctypes, os, sys
 try:
     ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
 except (OSError, AttributeError):
@@ -372,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = _outputs_overwrite_inputs(args.source, args.outfile, args.keep_bf16)
     if problem:
         ap.error(problem)
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
-    previous_sigint = signal.signal(signal.SIGINT, _interrupt)
+    previous_sigterm = signal.signal(signal.SIGTERM, on_interrupt)
+    previous_sigint = signal.signal(signal.SIGINT, on_interrupt)
     try:
         _convert_held(args, _refuse_before_work(args, ap))
         return 0
@@ -528,15 +532,6 @@ def _furthest_accepted(codec: str, start: int, step: int) -> int:
         else:
             bad = middle
     return good
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM during a conversion: unwinds like KeyboardInterrupt, so that every partial
-    file is removed on the way out."""
-
-
-def _interrupt(signum, frame):
-    raise Interrupted(signal.Signals(signum).name)
 
 
 def verify_main(argv: list[str] | None = None) -> int:
