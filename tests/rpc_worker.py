@@ -15,8 +15,8 @@ process, and a test's servers are gone after it. Three jobs:
         stock llama.cpp gave its experts (its loader's debug log) and the device of the ZipMoE slots
     rpc_worker.py device_budgets ZIPMOE SERVERS BUDGETS
         every layer offloaded, zipmoe_device_budgets=BUDGETS; prints one JSON line: each set's device and
-        slots and the model's Prometheus text (llama_model_zipmoe_metrics), or {"error": MESSAGE} where the
-        load fails
+        slots, its memory plan and the load's warnings, and the model's Prometheus text
+        (llama_model_zipmoe_metrics), or {"error": MESSAGE} where the load fails
     rpc_worker.py die ZIPMOE SERVERS
         greedy decoding, printing "step N" after each token, until a decode fails (the test kills a
         server); prints "error: MESSAGE" and exits 0, or exits 1 after 2000 steps
@@ -27,6 +27,7 @@ import ctypes
 import json
 import re
 import sys
+import warnings
 
 from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace
 
@@ -130,13 +131,16 @@ def device_budgets(zipmoe: str, servers: str, budgets: str) -> int:
     from zipmoe_py import ZipMoEError
 
     try:
-        llm = load(zipmoe, rpc_servers=servers, n_gpu_layers=99, zipmoe_device_budgets=budgets)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            llm = load(zipmoe, rpc_servers=servers, n_gpu_layers=99, zipmoe_device_budgets=budgets)
     except ZipMoEError as e:
         print(json.dumps({"error": str(e)}))
         return 0
     try:
         logits_trace(llm, PROMPTS[:1], 2)
-        out = {s["device"]: s["n_slots"] for s in llm.zipmoe_stats()["sets"]}
+        sets = llm.zipmoe_stats()["sets"]
+        out = {s["device"]: s["n_slots"] for s in sets}
         from zipmoe_py import _paths
 
         lib = ctypes.CDLL(str(_paths.shared_library("llama")))
@@ -144,7 +148,8 @@ def device_budgets(zipmoe: str, servers: str, budgets: str) -> int:
         lib.llama_model_zipmoe_metrics.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         text = ctypes.create_string_buffer(1 << 20)
         lib.llama_model_zipmoe_metrics(ctypes.cast(llm._model.model, ctypes.c_void_p), text, len(text))
-        print(json.dumps({"slots": out, "metrics": text.value.decode()}))
+        print(json.dumps({"slots": out, "memory": {s["device"]: s["memory"] for s in sets},
+                          "warnings": [str(w.message) for w in warned], "metrics": text.value.decode()}))
     finally:
         llm.close()
     return 0

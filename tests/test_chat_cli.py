@@ -189,8 +189,8 @@ def test_the_demo_model_answers_in_words():
 
 
 def test_stats_name_each_slot_set_and_give_the_host_sets_memory(zipmoe_gguf, capsys):
-    """--stats with slot sets on several devices: a line per set (device, layers, slots), and the memory
-    plan of the host set, whose slots host memory holds (a device set's are its device's)."""
+    """--stats with slot sets on several devices: a line per set (device, layers, slots, the memory its slots
+    were sized from: a device set's its device's), and the host set's whole plan and pools."""
     from zipmoe_py import Llama
     from zipmoe_py.options import size_text
 
@@ -201,7 +201,9 @@ def test_stats_name_each_slot_set_and_give_the_host_sets_memory(zipmoe_gguf, cap
     finally:
         llm.close()
     host = stats["sets"][0]
-    device = dict(host, device="CUDA0", layers=[5, 6, 7], memory=dict(host["memory"], available=1))
+    device = dict(host, device="CUDA0", layers=[5, 6, 7],
+                  memory=dict(host["memory"], available=8 << 30, non_expert=3 << 30, fits=5 << 30,
+                              source="CUDA0's free memory"))
 
     class TwoSets:
         def zipmoe_stats(self):
@@ -210,5 +212,7 @@ def test_stats_name_each_slot_set_and_give_the_host_sets_memory(zipmoe_gguf, cap
     cli._print_stats(TwoSets(), None, 2)
     err = capsys.readouterr().err
     assert "[stats] slot set in CUDA0 memory: MoE layers 5-7, " in err
+    assert "available 8.00 GiB (CUDA0's free memory) - its other weights, KV cache and compute buffers, a reserve and " \
+           "zero slots 3.00 GiB = 5.00 GiB for slots" in err, err
     assert f"[stats] slot set in host memory: MoE layers 0-2, 4, {host['n_slots']} slots in use" in err
     assert err.count("[stats] memory:") == 1 and f"available {size_text(host['memory']['available'])}" in err

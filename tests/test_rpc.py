@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from zipmoe_py.devtools.ports import free_port
+from zipmoe_py.gguf_file import read_metadata
+from zipmoe_py.options import size_text
 
 from conftest import run, zipmoe_command
 from test_quantized import quant_models  # noqa: F401 (a fixture)
@@ -268,14 +270,23 @@ def test_quantized_slots_per_device_are_bit_identical(quant_models, rpc_servers)
 
 
 def test_device_budgets_size_each_servers_set(zipmoe_gguf, rpc_servers):
-    """zipmoe.device_budgets gives each server's set its own slots; a device that holds no set is an error
-    naming it and the devices that do."""
+    """zipmoe.device_budgets gives each server's set its own slots, sized from and reported as that server's
+    memory; one below a token's experts is warned of; a device that holds no set is an error naming it and
+    the devices that do."""
     servers, _ = rpc_servers(2)
     one, _, _ = expert_geometry(zipmoe_gguf("qwen2moe"))
-    proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, f"RPC0={5 * one} rpc1={7 * one}")
+    proc = worker("device_budgets", zipmoe_gguf("qwen2moe"), servers, f"RPC0={3 * one} rpc1={7 * one}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["slots"] == {"RPC0": 5, "RPC1": 7}
+    assert out["slots"] == {"RPC0": 3, "RPC1": 7}
+    for device in ("RPC0", "RPC1"):
+        plan = out["memory"][device]
+        assert plan["source"] == f"{device}'s free memory" and plan["contexts"] == plan["margin"] == 0, plan
+        assert plan["fits"] == plan["available"] - plan["non_expert"] and plan["non_expert"] > 0, plan
+    top_k = read_metadata(zipmoe_gguf("qwen2moe"))["qwen2moe.expert_used_count"]
+    short = [w for w in out["warnings"] if "fewer than the" in w]
+    assert len(short) == 1 and f"zipmoe.device_budgets (RPC0) of {size_text(3 * one)} holds 3 expert(s), fewer " \
+        f"than the {top_k} a token selects" in short[0], out["warnings"]
     # /metrics: each cache's series labelled with its device, a metric's lines together under one # TYPE
     lines = out["metrics"].splitlines()
     hits = [i for i, line in enumerate(lines) if line.startswith("zipmoe:expert_misses_total")]

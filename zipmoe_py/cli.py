@@ -117,6 +117,18 @@ def _counter_delta(now: dict, before: dict | None) -> dict:
     return {k: now[k] - (before or {}).get(k, 0) for k, _ in _lib.CacheStats._fields_}
 
 
+def _memory_text(plan: dict, on_device: bool) -> str:
+    """A memory plan's sums: a device's free memory less what its slots leave for the rest there, or host
+    memory less the weights, contexts, buffers and margin beside the slots."""
+    size = size_text
+    if on_device:
+        return (f"available {size(plan['available'])} ({plan['source']}) - its other weights, KV cache and compute "
+                f"buffers, a reserve and zero slots {size(plan['non_expert'])} = {size(plan['fits'])} for slots")
+    return (f"available {size(plan['available'])} ({plan['source']}) - non-expert weights {size(plan['non_expert'])} "
+            f"- {plan['n_contexts']} context(s) {size(plan['contexts'])} - cache buffers {size(plan['cache_buffers'])} "
+            f"- margin {size(plan['margin'])} = {size(plan['fits'])} for slots and stores")
+
+
 def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | None = None) -> dict | None:
     """the reply's counters: per token over the tokens after the first (the steady state), the prompt's
     pass with the first token apart (first_token: the statistics when it came)"""
@@ -158,16 +170,12 @@ def _print_stats(llm, before: dict | None, n_tokens: int, first_token: dict | No
     for s in sets if len(sets) > 1 else []:
         where = "host memory" if s["device"] == "CPU" else f"{s['device']} memory"
         print(f"[stats] slot set in {where}: MoE layers {_layer_ranges(s['layers'])}, {s['n_slots']} slots in use "
-              f"of {s['slot_capacity']}", file=sys.stderr)
-    # the host set's plan: a device set's slots are all its device's, and its stores host memory's
+              f"of {s['slot_capacity']}; {_memory_text(s['memory'], s['device'] != 'CPU')}", file=sys.stderr)
+    # the host set's plan (its pools, or a device set's stores, are host memory's)
     plan = next((s["memory"] for s in sets if s["device"] == "CPU"), None if len(sets) > 1 else now.get("memory"))
     if plan:
-        size = size_text
-        print(f"[stats] memory: {plan['n_slots']} slots x {size(plan['expert_bytes'])}; available "
-              f"{size(plan['available'])} ({plan['source']}) - non-expert weights {size(plan['non_expert'])} "
-              f"- {plan['n_contexts']} context(s) {size(plan['contexts'])} - cache buffers "
-              f"{size(plan['cache_buffers'])} - margin {size(plan['margin'])} = {size(plan['fits'])} "
-              "for slots and stores", file=sys.stderr)
+        print(f"[stats] memory: {plan['n_slots']} slots x {size_text(plan['expert_bytes'])}; "
+              f"{_memory_text(plan, False)}", file=sys.stderr)
         pools = ", ".join(f"{name} {count}" for name, count in plan["pools"].items())
         pools = pools if any(plan["pools"].values()) else "one F pool"
         why = plan["pools_why"]  # its reason may name the pools itself ("one F pool: ...")

@@ -157,6 +157,11 @@ GGML_ZIPMOE_API void ggml_zipmoe_serving_overhead(const struct ggml_zipmoe_servi
 // the last sizing (before the first: what load decided)
 GGML_ZIPMOE_API void ggml_zipmoe_serving_get_plan(const struct ggml_zipmoe_serving * s,
                                                   struct ggml_zipmoe_serving_plan * plan);
+// the memory the slots are sized from: the last sizing for slots in host memory; for slots in a
+// device's memory, that device's (available: its free memory at load, non_expert: what the sizing left
+// there for its other weights, buffers and a reserve, fits: the rest; no contexts, buffers or margin)
+GGML_ZIPMOE_API void ggml_zipmoe_serving_get_slots_plan(const struct ggml_zipmoe_serving * s,
+                                                        struct ggml_zipmoe_serving_plan * plan);
 
 // a sizing as Prometheus text (zipmoe:memory_bytes{part=...}, zipmoe:expert_slot_bytes, zipmoe:contexts)
 // written to buf like snprintf; returns the length the whole text needs (0 for a NULL plan)

@@ -263,9 +263,13 @@ ggml_zipmoe_serving_plan llama_zipmoe::serving_plan() const {
     return p;
 }
 
-ggml_zipmoe_serving_plan llama_zipmoe::serving_plan(const llama_zipmoe_slot_set & set) const {
+ggml_zipmoe_serving_plan llama_zipmoe::serving_plan(const llama_zipmoe_slot_set & set, bool slots_memory) const {
     std::lock_guard<std::mutex> lock(state_mutex);
     ggml_zipmoe_serving_plan p;
+    if (slots_memory && set.on_device) {
+        ggml_zipmoe_serving_get_slots_plan(set.serving, &p); // its device's memory, sized at load
+        return p;
+    }
     ggml_zipmoe_serving_get_plan(set.serving, &p);
     if (!sized) {
         p.non_expert = non_expert_bytes; // no context made yet
@@ -305,7 +309,7 @@ bool llama_model_zipmoe_cache_memory_plan(const struct llama_model * model, int3
         i >= (int32_t) model->zipmoe->slot_sets().size()) {
         return false;
     }
-    *plan = to_memory_plan(model->zipmoe->serving_plan(*model->zipmoe->slot_sets()[i]));
+    *plan = to_memory_plan(model->zipmoe->serving_plan(*model->zipmoe->slot_sets()[i], /*slots_memory =*/ true));
     return true;
 }
 

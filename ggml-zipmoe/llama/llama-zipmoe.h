@@ -258,7 +258,8 @@ struct llama_zipmoe {
     // how the slots in use were last sized: the set in host memory's (else the first set's), and set i's
     llama_zipmoe_memory_plan memory_plan() const;
     ggml_zipmoe_serving_plan serving_plan() const; // the last sizing (what memory_plan reports)
-    ggml_zipmoe_serving_plan serving_plan(const llama_zipmoe_slot_set & set) const;
+    // slots_memory: for a set in a device's memory, that device's memory rather than the host's sizing
+    ggml_zipmoe_serving_plan serving_plan(const llama_zipmoe_slot_set & set, bool slots_memory = false) const;
 
     ggml_zipmoe_file * file = nullptr;
 

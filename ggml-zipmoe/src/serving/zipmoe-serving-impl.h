@@ -58,6 +58,11 @@ struct ggml_zipmoe_serving {
     uint64_t                        available;
     char                            source[256];
     struct ggml_zipmoe_serving_info info;
+    // slots in a device's memory (ggml_zipmoe_serving_fit_device): what it reported free, what the sizing
+    // left for everything else there, and where the free figure came from
+    uint64_t                        device_free;
+    uint64_t                        device_reserve;
+    char                            device_source[256];
 
     // slots
     struct ggml_zipmoe_cache * cache;
@@ -83,6 +88,9 @@ struct ggml_zipmoe_serving {
 
     struct ggml_zipmoe_serving_plan plan; // the last sizing
 };
+
+// a size in words ("1.25 GiB") in one of a few rotating thread-local buffers (zipmoe-serving.c)
+const char * zipmoe_size_text(uint64_t bytes);
 
 // logs through the params' callback (printf format)
 void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const char * fmt, ...)

@@ -27,10 +27,14 @@ void zipmoe_serving_log(const struct ggml_zipmoe_serving * s, int level, const c
 
 // a size in words (ggml_zipmoe_size_text: "1.25 GiB", "18.0 KiB") in one of a few rotating buffers, so
 // that a message may hold several
-static const char * size_text(uint64_t bytes) {
+const char * zipmoe_size_text(uint64_t bytes) {
     static _Thread_local char bufs[8][32];
     static _Thread_local int next;
     return ggml_zipmoe_size_text(bytes, bufs[next++ % 8], sizeof(bufs[0]));
+}
+
+static const char * size_text(uint64_t bytes) {
+    return zipmoe_size_text(bytes);
 }
 
 static int32_t slots_for(const struct ggml_zipmoe_serving * s, uint64_t bytes) {
@@ -164,6 +168,15 @@ struct ggml_zipmoe_serving * ggml_zipmoe_serving_new(const struct ggml_zipmoe_se
         return NULL;
     }
     s->info.fewest = MIN(s->info.capacity, s->p.n_expert_used);
+    const int32_t one_token = MIN(MAX(1, s->info.max_expert), s->p.n_expert_used);
+    if (s->p.budget != 0 && !s->info.with_pools && s->info.capacity < one_token) {
+        // still exact, but every MoE layer's products then run in passes: easily missed in a share
+        zipmoe_serving_log(s, 1, "%s of %s holds %d expert(s), fewer than the %d a token selects in a MoE layer: "
+                           "each layer's products run in up to %d passes (exact, slower); give at least %s",
+                           budget_name(s), size_text(s->p.budget), s->info.capacity, one_token,
+                           (one_token + s->info.capacity - 1) / s->info.capacity,
+                           size_text((uint64_t) one_token * s->info.expert_bytes));
+    }
     return s;
 }
 
@@ -181,34 +194,6 @@ void ggml_zipmoe_serving_free(struct ggml_zipmoe_serving * s) {
 
 void ggml_zipmoe_serving_get_info(const struct ggml_zipmoe_serving * s, struct ggml_zipmoe_serving_info * info) {
     *info = s->info;
-}
-
-int32_t ggml_zipmoe_serving_fit_device(struct ggml_zipmoe_serving * s, const char * device, uint64_t free_bytes,
-                                       uint64_t reserve_bytes, int shares_host_memory) {
-    struct ggml_zipmoe_serving_info * in = &s->info;
-    if (shares_host_memory && s->available != 0 && s->available < free_bytes) {
-        // an integrated GPU's memory is the host's: the process's limit (its cgroup, zipmoe.mem_limit)
-        // bounds the slots too, where the device reports all the RAM free
-        zipmoe_serving_log(s, 0, "%s shares the host's memory: %s of %s free counted (%s)", device,
-                           size_text(s->available), size_text(free_bytes), s->source);
-        free_bytes = s->available;
-    }
-    const int32_t all_slots = MAX(1, s->info.n_experts);
-    const int32_t fit       = slots_for(s, free_bytes > reserve_bytes ? free_bytes - reserve_bytes : 0);
-    const int32_t fewest    = MIN(all_slots, s->p.n_expert_used);
-    if (!in->with_pools && s->p.budget == 0) {
-        in->capacity = MAX(MIN(all_slots, fit), fewest);
-    } else if (!in->with_pools && in->capacity > fit) {
-        const int32_t n = MAX(fit, fewest);
-        zipmoe_serving_log(s, 1, "%s of %s does not fit in %s's %s free beside %s of other weights and "
-                           "buffers: %d slots (%s)", budget_name(s), size_text(s->p.budget), device, size_text(free_bytes),
-                           size_text(reserve_bytes), n,
-                           size_text((uint64_t) n * in->expert_bytes));
-        in->capacity = n;
-    }
-    s->on_gpu   = true;
-    in->fewest  = in->capacity; // every slot in use
-    return in->capacity;
 }
 
 void ggml_zipmoe_serving_set_host_zero_slots(struct ggml_zipmoe_serving * s, int32_t n) {
@@ -368,6 +353,12 @@ int ggml_zipmoe_serving_auto_pools_active(const struct ggml_zipmoe_serving * s) 
 
 // "available ... - ... = fits": the sums of a sizing, for its log lines and errors
 static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, char * buf, size_t size) {
+    if (pl->contexts == 0 && pl->cache_buffers == 0 && pl->margin == 0) { // a device's (get_slots_plan)
+        snprintf(buf, size, "available %s (%s) - its other weights, KV cache and compute buffers, a reserve and "
+                 "zero slots %s = %s", size_text(pl->available), pl->source, size_text(pl->non_expert),
+                 size_text(pl->fits));
+        return;
+    }
     snprintf(buf, size, "available %s (%s) - non-expert weights %s - %d context(s) %s - ZipMoE buffers %s - margin %s "
              "= %s", size_text(pl->available), pl->source, size_text(pl->non_expert), pl->n_contexts,
              size_text(pl->contexts), size_text(pl->cache_buffers), size_text(pl->margin), size_text(pl->fits));
@@ -580,8 +571,10 @@ int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, const struct ggml
     pl->n_slots = n;
     memcpy(pl->pools, s->info.with_pools ? s->p.pools : choice.capacity, sizeof(pl->pools));
     snprintf(pl->pools_why, sizeof(pl->pools_why), "%s", choice.why);
+    struct ggml_zipmoe_serving_plan slots_plan;
+    ggml_zipmoe_serving_get_slots_plan(s, &slots_plan);
     char sums[768];
-    describe_sums(pl, sums, sizeof(sums));
+    describe_sums(&slots_plan, sums, sizeof(sums));
     zipmoe_serving_log(s, 0, "ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s%s)", n, pl->slot_capacity,
                        (double) n * s->info.expert_bytes / ZIPMOE_MIB, s->p.budget != 0 ? budget_name(s) : "",
                        s->p.budget != 0 ? "; " : "", sums);
