@@ -150,6 +150,8 @@ def test_cuda_n_cpu_moe_gives_a_set_per_device_bit_identical(arch, n_seq, budget
     assert got_tokens == want_tokens and np.array_equal(got, want)
     assert sorted(sets) == ["CPU", "CUDA0"] and max(sets["CPU"]) < 3 <= min(sets["CUDA0"]), sets
     assert stats["h2d_bytes"] > 0
+    plans = {s["device"]: s["memory"] for s in stats["sets"]}  # each sized from its own device's memory
+    assert plans["CUDA0"]["source"] == "CUDA0's free memory" and plans["CPU"]["source"] != plans["CUDA0"]["source"]
 
 
 @pytest.mark.parametrize("tokens_of_experts", [1, 2])
