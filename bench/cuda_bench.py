@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="25,50,100", help="VRAM budgets, %% of the routed experts (default: %(default)s)")
     ap.add_argument("--device-stores", action="store_true",
                     help="add systems zipmoe-stores-P: zipmoe-P with ZIPMOE_DEVICE_STORES=1 (host memory keeps compressed "
-                         "experts beside the GPU slots once decode steps miss)")
+                         "experts beside the GPU slots from the prompt on)")
     ap.add_argument("--systems", default=None,
                     help="run only these systems (comma-separated names, as in the table; default: all)")
     ap.add_argument("--host-cap", default=None, metavar="SIZE",

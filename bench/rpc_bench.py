@@ -110,7 +110,7 @@ class Server:
 
 
 # system -> (which file, ZipMoE's environment beyond the budget); zipmoe-device-stores: zipmoe.device_stores
-# on, host memory keeping compressed experts beside the first server's slots once decode steps miss;
+# on, host memory keeping compressed experts beside the first server's slots from the prompt on;
 # zipmoe-one-set: every layer's experts placed on the first server (-ot), so that one slot set there serves
 # every layer and the second server's layers compute their experts on the first; its budget is half the cap's
 # (a budget is the slots of every server, and here one server holds them all)
@@ -232,7 +232,7 @@ def main() -> int:
     ap.add_argument("--systems", default="stock,zipmoe",
                     help=f"systems to run, of {', '.join(SYSTEMS)} (default: %(default)s; zipmoe-device-stores: "
                          "ZIPMOE_DEVICE_STORES=1, compressed experts kept in the client's memory beside the "
-                         "server's slots once decode steps miss)")
+                         "server's slots from the prompt on)")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks/rpc/rpc_bench.json"))
     args = ap.parse_args()
     systems = args.systems.split(",")

@@ -6,9 +6,8 @@ process, and a test's servers are gone after it. Three jobs:
         (stock llama.cpp with the same RPC setup) against the ZipMoE GGUF at each budget, every logit as
         raw bits; prints one JSON line of the ZipMoE runs' statistics
     rpc_worker.py device_pools ARCH BF16 ZIPMOE SERVERS
-        one sequence, 48 decode steps at half the experts, zipmoe.device_stores on, the re-plan after 4: the
-        same comparison; prints
-        the ZipMoE run's statistics
+        one sequence, 6 decode steps at half the experts, zipmoe.device_stores on: the same comparison;
+        prints the ZipMoE run's statistics
     rpc_worker.py placement ARCH BF16 ZIPMOE SERVERS N_SEQ PLACEMENT_JSON BUDGET_NAME...
         as exact, every layer offloaded and the placement's keyword arguments (override_tensor, n_cpu_moe)
         given to both; prints one JSON line: the ZipMoE runs' statistics, and by MoE layer the device
@@ -115,13 +114,11 @@ def exact(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str, *budget_n
 
 
 def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
-    """one sequence decoded long at half the experts, the re-plan after 4 decode steps. A prompt of one
-    word: the pools rank experts by the tokens that chose them, and a longer prompt's ranks keep the
-    tiny models' few hot experts in F, under a miss per layer a step"""
-    want, want_tokens, _ = trace(bf16, servers, 1, 48, prompts=["Hi"])
-    got, got_tokens, stats = trace(zipmoe, servers, 1, 48, prompts=["Hi"],
-                                   zipmoe_budget=budget_of(zipmoe, arch, "half"), zipmoe_replan_tokens=4,
-                                   zipmoe_device_stores=True)
+    """one sequence at half the experts, host stores beside the server's slots: fewer decode steps than a
+    re-plan waits for (zipmoe.replan_tokens, 8), as the stores are there from the prompt on"""
+    want, want_tokens, _ = trace(bf16, servers, 1, 6)
+    got, got_tokens, stats = trace(zipmoe, servers, 1, 6,
+                                   zipmoe_budget=budget_of(zipmoe, arch, "half"), zipmoe_device_stores=True)
     assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), host stores")
     print(json.dumps(stats))
     return 0

@@ -74,10 +74,9 @@ def test_cuda_with_pools_and_prefetch_is_bit_identical(arch, prefetch, zipmoe_gg
 
 
 def test_cuda_host_stores_beside_gpu_slots_are_bit_identical(arch, tiny_gguf, zipmoe_gguf):
-    """A quarter of the experts in GPU slots, zipmoe.device_stores on, the re-plan after 4 decode steps:
-    host memory keeps the other experts compressed (C/E stores) once decode steps miss, and refills from
-    them cross to the GPU; one sequence decoded 48 steps, logits stock's on CUDA bit for bit. (At half,
-    the re-plan kept one F pool for the tiny Qwen on CUDA: H200, 2026-11-27.)"""
+    """A quarter of the experts in GPU slots, zipmoe.device_stores on: host memory keeps the other experts
+    compressed (C/E stores) from the prompt's reads on, and refills from them cross to the GPU; one
+    sequence decoded 48 steps, logits stock's on CUDA bit for bit."""
     n_decode = 48
     llm = load(tiny_gguf(arch), n_gpu_layers=GPU_LAYERS)
     try:
@@ -85,7 +84,7 @@ def test_cuda_host_stores_beside_gpu_slots_are_bit_identical(arch, tiny_gguf, zi
     finally:
         llm.close()
     path = zipmoe_gguf(arch)
-    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "half") // 2, zipmoe_replan_tokens=4,
+    llm = load(path, n_gpu_layers=GPU_LAYERS, zipmoe_budget=budget_of(path, arch, "half") // 2,
                zipmoe_device_stores=True)
     try:
         got, got_tokens = logits_trace(llm, _prompts()[:1], n_decode=n_decode)

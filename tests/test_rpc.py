@@ -96,12 +96,12 @@ def test_rpc_logits_are_bit_identical_to_stock_over_rpc(arch, n_servers, n_seq, 
     assert stats["top-k"]["h2d_bytes"] > stats["everything"]["h2d_bytes"]
 
 
-def test_host_memory_keeps_compressed_experts_beside_a_servers_slots_once_decode_steps_miss(arch, tiny_gguf,
-                                                                                          zipmoe_gguf, rpc_servers):
-    """Slots on the server, half the experts, zipmoe.device_stores on: one F pool there until
-    zipmoe.replan_tokens decode steps have missed, then host memory keeps the other experts compressed
-    (ggml_zipmoe_cache_device_pools) and refills read nothing from disk; the logits stay stock's over
-    RPC, bit for bit. (The exactness test above runs the default: one F pool on the server.)"""
+def test_host_memory_keeps_compressed_experts_beside_a_servers_slots_from_the_prompt(arch, tiny_gguf, zipmoe_gguf,
+                                                                                    rpc_servers):
+    """Slots on the server, half the experts, zipmoe.device_stores on: from the first context on, host memory
+    keeps the other experts compressed (ggml_zipmoe_cache_device_pools), seeded by the prompt's reads, and
+    refills hit them instead of the disk; the logits stay stock's over RPC, bit for bit. (The exactness
+    test above runs the default: one F pool on the server.)"""
     servers, _ = rpc_servers(1)
     proc = worker("device_pools", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

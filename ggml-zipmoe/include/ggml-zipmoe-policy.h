@@ -181,7 +181,7 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_default_pools(const struct ggml_zipmoe_cac
 // else C as many as leave room for the E-chunks of the rest, else E-chunks alone. A miss then reads
 // from disk only what host memory could not hold, where one F pool read every miss. Every expert in
 // F, too few slots for one per layer, or no compressed expert fitting: one F pool (capacity all 0)
-// with why saying so. The serving layer applies them once decode steps miss (zipmoe-replan.c).
+// with why saying so. The serving layer applies them at a context's sizing (zipmoe-serving.c).
 // OK or ERR_ARG.
 GGML_ZIPMOE_API int ggml_zipmoe_cache_device_pools(const struct ggml_zipmoe_cache * cache, int32_t n_device_slots,
                                                    uint64_t host_bytes, int32_t work_slots,

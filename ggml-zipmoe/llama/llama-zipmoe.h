@@ -104,7 +104,7 @@ struct llama_zipmoe_options {
     int32_t     work_slots     = 0;     // slots beyond F's with pools
     bool        auto_pools     = true;  // with no pools given, host slots and rank eviction: the pools
                                         // ggml_zipmoe_cache_default_pools picks for the memory left
-    bool        device_stores  = false; // device slots: host stores beside them once decode steps miss
+    bool        device_stores  = false; // device slots: host stores beside them from the first context
     int32_t     replan_tokens  = 0;     // decode steps before the default pools are planned again (0: never)
     bool        prefetch       = false; // read ahead for the next layer's predicted experts
     int         resident_views = -1;    // 1, 0; -1: with slots in GPU memory only

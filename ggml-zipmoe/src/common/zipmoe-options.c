@@ -93,8 +93,8 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
         "with no pools given (host slots, rank eviction): the pools for the memory left; off: one F pool", NONE },
     [GGML_ZIPMOE_OPTION_DEVICE_STORES] = { "device_stores", "zipmoe.device_stores", "ZIPMOE_DEVICE_STORES",
         GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 0, NULL, NULL, "off",
-        "with the slots in a device's memory (a GPU, an rpc-server) and no pools given: once decode steps miss "
-        "once per MoE layer per step, host memory keeps the other experts compressed beside them (lossless)", NONE },
+        "with the slots in a device's memory (a GPU, an rpc-server) and no pools given: host memory keeps the "
+        "other experts compressed beside them, from the prompt's reads on (lossless)", NONE },
     [GGML_ZIPMOE_OPTION_REPLAN_TOKENS] = { "replan_tokens", "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS",
         GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 8, "decode steps", "0: never", "8",
         "after this many decode steps (one token of each sequence), the default pools are planned again from the routing seen, "

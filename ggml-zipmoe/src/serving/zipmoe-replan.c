@@ -407,40 +407,6 @@ static int replan(struct ggml_zipmoe_serving * s, const struct routing_halves * 
     return 1;
 }
 
-// slots in a device's memory: host memory keeps compressed experts beside them once the counted decode
-// steps missed at least once per MoE layer per step on average. Below that, the stores cost their
-// writes and page faults for few hits: the 8.1 GB Qwen over RPC (0.56 misses per layer per step)
-// decoded 20% slower with them and none hit (docs/benchmarks/BENCHMARKS.md, "Host stores beside a
-// device's slots").
-// Returns 1 if the slots changed.
-static int replan_device(struct ggml_zipmoe_serving * s) {
-    const struct zipmoe_routing_profile * r = &s->routing;
-    const double per_step = r->token_steps ? (double) r->step_misses / (double) r->token_steps : 0;
-    const double per_layer = per_step / MAX(1, s->info.n_moe_layers);
-    if (per_layer < 1.0) {
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps: one F pool in the device's memory "
-                           "kept (%.2f misses per MoE layer per step)", (unsigned long long) r->token_steps, per_layer);
-        return 0;
-    }
-    s->device_stores = true;
-    struct ggml_zipmoe_default_pools choice;
-    memset(&choice, 0, sizeof(choice));
-    if (ggml_zipmoe_cache_device_pools(s->cache, ggml_zipmoe_cache_slot_capacity(s->cache), s->plan.fits,
-                                       s->p.work_slots, &choice) != GGML_ZIPMOE_OK ||
-        choice.capacity[1] + choice.capacity[2] + choice.capacity[3] == 0) {
-        zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.2f misses per MoE layer per "
-                           "step): %s", (unsigned long long) r->token_steps, per_layer, choice.why);
-        return 0;
-    }
-    if (!adopt_pools(s, choice.n_slots, &choice, "ZipMoE host stores beside the device's slots")) {
-        return 0;
-    }
-    zipmoe_serving_log(s, 0, "ZipMoE pools re-planned after %llu decode steps (%.2f misses per MoE layer per step): "
-                       "F %d, C %d, E %d per MoE layer: %s", (unsigned long long) r->token_steps, per_layer, choice.capacity[0],
-                       choice.capacity[1], choice.capacity[3], choice.why);
-    return 1;
-}
-
 int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t n_seqs) {
     if (s == NULL) {
         return 0;
@@ -453,12 +419,6 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
         return 0;
     }
     const bool counted = count_step(s, n_tokens, n_seqs);
-    if (s->on_gpu) { // replan_device weighs the misses of the counted steps
-        struct ggml_zipmoe_cache_stats st;
-        ggml_zipmoe_cache_get_stats(s->cache, &st);
-        r->step_misses += counted ? st.expert_misses - r->misses_seen : 0;
-        r->misses_seen = st.expert_misses;
-    }
     struct routing_halves h = { 0 };
     // one sequence's prompt of replan_tokens tokens or more (the ubatch that reaches it, else its first
     // decode step): its tokens rank the experts, and every step decoded from C before the change is time
@@ -471,7 +431,7 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     // what C dropped
     const bool prompt_ubatch = !counted && n_seqs == 1 && n_tokens > 1 && r->token_steps == 0;
     const bool after_prompt = (prompt_ubatch || (counted && r->token_steps == 1)) && !r->prompt_replan &&
-                              !r->several_seqs && !s->on_gpu && token_halves(s, &h) &&
+                              !r->several_seqs && token_halves(s, &h) &&
                               routed_tokens(s, &h) >= s->p.replan_tokens;
     r->prompt_replan |= counted || after_prompt;
     if (!after_prompt && r->token_steps < MAX(r->next_replan, (uint64_t) s->p.replan_tokens)) {
@@ -483,10 +443,6 @@ int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens
     // A change declined only for its
     // cost brings the next re-plan forward to where it would repay (replan)
     r->next_replan = 2 * r->token_steps;
-    if (s->on_gpu) {
-        r->replanned = true; // the host stores beside the device's slots are added once
-        return replan_device(s);
-    }
     if (!after_prompt) {
         h = step_halves(s);
     }

@@ -43,8 +43,6 @@ struct zipmoe_routing_profile {
     uint64_t   next_replan;  // the counted steps at which the next re-plan runs (twice the last one's, or
                              // sooner: where a change declined for its cost would repay)
     bool       adopted;      // the re-plan changed the pools: later plans for the memory left keep its profile
-    uint64_t   misses_seen;  // the cache's misses after the last graph
-    uint64_t   step_misses;  // misses in the counted decode steps
 };
 
 struct ggml_zipmoe_serving {
@@ -77,8 +75,6 @@ struct ggml_zipmoe_serving {
     // the default pools
     bool                             auto_eligible;   // no pools given, host slots, rank eviction
     bool                             auto_active;     // auto_choice's pools are the cache's
-    bool                             device_stores;   // slots in a device's memory, host stores beside them
-                                                      // (decode steps missed: ggml_zipmoe_cache_device_pools)
     struct ggml_zipmoe_default_pools auto_choice;     // capacity all 0: one F pool
     double                           plan_rates[2];   // read and decode rates the pools are planned with
     uint64_t                         auto_budget;     // the bytes and decoding threads last planned for

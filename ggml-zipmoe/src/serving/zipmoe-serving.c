@@ -468,17 +468,12 @@ static bool choose_pools(struct ggml_zipmoe_serving * s, int32_t * n, struct ggm
         return false;
     }
     if (s->on_gpu) {
-        // the device's slots are F and working slots; host memory keeps compressed experts beside them
-        // once decode steps miss (zipmoe-replan.c: replan_device), then for the memory left
+        // the device's slots are F and working slots; host memory keeps the other experts compressed beside
+        // them from the first sizing on, so that the prompt's reads seed them; a later sizing plans them for
+        // the memory then left. No re-plan: the device's pools do not follow the routing
         if (!s->p.device_stores) {
             snprintf(choice->why, sizeof(choice->why), "one F pool: the slots are in a device's memory "
                      "(zipmoe.device_stores keeps compressed experts in host memory beside them)");
-            return false;
-        }
-        s->auto_eligible = true;
-        if (!s->device_stores) {
-            snprintf(choice->why, sizeof(choice->why), "one F pool in the device's memory: host memory keeps "
-                     "compressed experts beside it once decode steps miss (after zipmoe.replan_tokens of them)");
             return false;
         }
         if (ggml_zipmoe_cache_device_pools(s->cache, pl->slot_capacity, pl->fits, s->p.work_slots, choice) !=
