@@ -13,6 +13,8 @@
 #        bash tools/cuda_device.sh check [DEADLINE] [bench options] (there: build, test and bench in one call)
 #        bash tools/cuda_device.sh check-ds27 [DEADLINE] [UNCAPPED] (there: the same on the DeepSeek-V2-Lite geometry,
 #                                                   host memory uncapped, then capped at 12 GiB)
+#        bash tools/cuda_device.sh check-stores-ds27 [DEADLINE] (there, after check-ds27 on the same machine: half
+#                                                   the experts in VRAM with and without zipmoe.device_stores)
 #        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
 #                                                   build takes site.tar.xz when it runs there;
 #                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
@@ -153,6 +155,16 @@ check-ds27)  # one device call on the full DeepSeek-V2-Lite geometry: build, the
         echo "the capped bench stopped at the deadline: cuda_bench_ds27_cap12g.partial.json holds its finished runs"
     tail -n 6 $OUT/cuda_bench_ds27_cap12g.log
     ;;
+check-stores-ds27)  # a second call on a machine that ran check-ds27 (its files kept): host memory uncapped,
+    # -ngl 99 with half the experts' slots in VRAM, host stores on and off, against stock --n-cpu-moe at the
+    # same VRAM, until DEADLINE seconds (default 560)
+    deadline=${2:-560}
+    mkdir -p $OUT
+    timeout $deadline env NAME=cuda_bench_ds27_stores bash $0 bench-ds27 --budgets 50 --repeats 5 --device-stores \
+        --systems stock-n-cpu-moe-50,zipmoe-50,zipmoe-stores-50 > /dev/null 2>&1 ||
+        echo "the stores bench stopped at the deadline: cuda_bench_ds27_stores.partial.json holds its finished runs"
+    tail -n 6 $OUT/cuda_bench_ds27_stores.log
+    ;;
 check)  # one device call (its 10 minutes): build, the tests beside the bench model's fill, then the bench
     # (bench's options after the deadline) until DEADLINE seconds from the start (default 540); $OUT keeps
     # the build log, the tests' log and the bench's rounds so far, whatever stops first
@@ -173,7 +185,7 @@ check)  # one device call (its 10 minutes): build, the tests beside the bench mo
     tail -n 12 $OUT/cuda_bench.log
     ;;
 *)
-    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27|check|check-ds27" >&2
+    echo "usage: bash tools/cuda_device.sh prepare|prebuild|build|test|models|bench|models-ds27|bench-ds27|check|check-ds27|check-stores-ds27" >&2
     exit 2
     ;;
 esac
