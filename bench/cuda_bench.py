@@ -2,7 +2,7 @@
 """ZipMoE with expert slots in GPU memory against stock llama.cpp on CUDA, one model, one run:
 
     python bench/cuda_bench.py --bf16 M.gguf --zipmoe M.zipmoe.gguf [--ghuf M.ghuf.gguf] [--budgets 25,50,100]
-        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--device-stores] [--systems A,B]
+        [--gen-tokens 64] [--prompt-repeat 8] [--threads 16] [--repeats 3] [--device-stores] [--cpu-compute] [--systems A,B]
         [--host-cap 24G] [--out cuda_bench.json]
 
 Systems, each `llama-completion -m FILE -p PROMPT -n N --temp 1 --seed S --ignore-eos -no-cnv -t T
@@ -165,6 +165,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device-stores", action="store_true",
                     help="add systems zipmoe-stores-P: zipmoe-P with ZIPMOE_DEVICE_STORES=1 (host memory keeps compressed "
                          "experts beside the GPU slots from the prompt on)")
+    ap.add_argument("--cpu-compute", action="store_true",
+                    help="add systems zipmoe-cpu-P: zipmoe-stores-P with ZIPMOE_CPU_COMPUTE=1 (the CPU computes the "
+                         "missing experts SMoE's CPU-load balancer gives it; exact weights, the CPU's rounding)")
     ap.add_argument("--systems", default=None,
                     help="run only these systems (comma-separated names, as in the table; default: all)")
     ap.add_argument("--host-cap", default=None, metavar="SIZE",
@@ -195,6 +198,9 @@ def main(argv=None) -> int:
         systems[f"zipmoe-{pct}"] = (args.zipmoe, [], budget)
         if args.device_stores and pct < 100:
             systems[f"zipmoe-stores-{pct}"] = (args.zipmoe, [], {**budget, "ZIPMOE_DEVICE_STORES": "1"})
+        if args.cpu_compute and pct < 100:
+            systems[f"zipmoe-cpu-{pct}"] = (args.zipmoe, [], {**budget, "ZIPMOE_DEVICE_STORES": "1",
+                                                              "ZIPMOE_CPU_COMPUTE": "1"})
         if args.ghuf is not None:
             systems[f"zipmoe-ghuf-{pct}"] = (args.ghuf, [], budget)
     if args.systems:

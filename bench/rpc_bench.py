@@ -111,11 +111,16 @@ class Server:
 
 # system -> (which file, ZipMoE's environment beyond the budget); zipmoe-device-stores: zipmoe.device_stores
 # on, host memory keeping compressed experts beside the first server's slots from the prompt on;
+# zipmoe-cpu-compute: zipmoe.cpu_compute on, the client's CPU computing the misses the balancer gives it
+# (zipmoe-stores-cpu: both);
 # zipmoe-one-set: every layer's experts placed on the first server (-ot), so that one slot set there serves
 # every layer and the second server's layers compute their experts on the first; its budget is half the cap's
 # (a budget is the slots of every server, and here one server holds them all)
 SYSTEMS = {"stock": ("stock", {}), "zipmoe": ("zipmoe", {}),
-           "zipmoe-device-stores": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1"}), "zipmoe-one-set": ("zipmoe", {})}
+           "zipmoe-device-stores": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1"}),
+           "zipmoe-cpu-compute": ("zipmoe", {"ZIPMOE_CPU_COMPUTE": "1"}),
+           "zipmoe-stores-cpu": ("zipmoe", {"ZIPMOE_DEVICE_STORES": "1", "ZIPMOE_CPU_COMPUTE": "1"}),
+           "zipmoe-one-set": ("zipmoe", {})}
 EXPERTS_ON_FIRST_SERVER = {"zipmoe-one-set"}
 
 

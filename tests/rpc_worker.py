@@ -1,5 +1,5 @@
 """Run by tests/test_rpc.py in a child process: rpc-server hosts are registered as ggml devices once per
-process, and a test's servers are gone after it. Three jobs:
+process, and a test's servers are gone after it. The jobs:
 
     rpc_worker.py exact ARCH BF16 ZIPMOE SERVERS N_SEQ BUDGET_NAME...
         every layer offloaded (n_gpu_layers 99) to the servers; test_serve's logit trace of the BF16 GGUF
@@ -8,6 +8,8 @@ process, and a test's servers are gone after it. Three jobs:
     rpc_worker.py device_pools ARCH BF16 ZIPMOE SERVERS
         one sequence, 6 decode steps at half the experts, zipmoe.device_stores on: the same comparison;
         prints the ZipMoE run's statistics
+    rpc_worker.py cpu_compute ARCH BF16 ZIPMOE SERVERS N_SEQ
+        one token's experts on the server, zipmoe.cpu_compute on: the same comparison; prints the statistics
     rpc_worker.py placement ARCH BF16 ZIPMOE SERVERS N_SEQ PLACEMENT_JSON BUDGET_NAME...
         as exact, every layer offloaded and the placement's keyword arguments (override_tensor, n_cpu_moe)
         given to both; prints one JSON line: the ZipMoE runs' statistics, and by MoE layer the device
@@ -124,6 +126,18 @@ def device_pools(arch: str, bf16: str, zipmoe: str, servers: str) -> int:
     return 0
 
 
+def cpu_compute(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str) -> int:
+    """slots on the server at one token's experts, zipmoe.cpu_compute on: the client's CPU computes the misses
+    the balancer gives it. The server computes on its CPU as well, with the same kernels, so here the CPU's
+    rounding is the device's and the logits must stay stock's, bit for bit"""
+    want, want_tokens, _ = trace(bf16, servers, int(n_seq))
+    got, got_tokens, stats = trace(zipmoe, servers, int(n_seq), zipmoe_budget=budget_of(zipmoe, arch, "top-k"),
+                                   zipmoe_cpu_compute=True)
+    assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), the CPU computing")
+    print(json.dumps(stats))
+    return 0
+
+
 def device_budgets(zipmoe: str, servers: str, budgets: str) -> int:
     from zipmoe_py import ZipMoEError
 
@@ -172,5 +186,5 @@ def die(zipmoe: str, servers: str) -> int:
 
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
-    sys.exit({"exact": exact, "device_pools": device_pools, "placement": placement, "device_budgets": device_budgets,
+    sys.exit({"exact": exact, "device_pools": device_pools, "cpu_compute": cpu_compute, "placement": placement, "device_budgets": device_budgets,
               "die": die}[job](*args))

@@ -197,3 +197,61 @@ def test_device_slot_memory_needs_slot_write(tmp_path):
         assert b"slot_memory" in err.value
     finally:
         host.close()
+
+
+def _set_cpu_slots(lib, handle, cpu, t_cpu):
+    data = (ctypes.c_void_p * 3)(*[c.ctypes.data for c in cpu])
+    stride = (ctypes.c_size_t * 3)(*[c.strides[0] for c in cpu])
+    return lib.ggml_zipmoe_cache_set_cpu_slots(handle, data, stride, len(cpu[0]), t_cpu)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_experts_the_balancer_gives_the_cpu_are_recovered_in_host_slots_and_never_sent(tmp_path, quantized):
+    """zipmoe.cpu_compute's fetch (ggml_zipmoe_cache_fetch_begin_cpu): once a copy to the device has been
+    measured, SMoE's CPU-load balancer gives missing experts to the CPU (a CPU that costs next to nothing
+    here): they are recovered, byte for byte as a host cache's slot holds them, into the CPU's slots, take
+    no device slot and are never written to the device; the rest are, as without it"""
+    kind = dict(expert_dtype="q8_0", shape=(256, 45, 8)) if quantized else dict(shape=(1031, 517, 8))
+    src = make_moe_gguf(tmp_path / "src.gguf", layers=2, **kind)
+    path = tmp_path / "z.gguf"
+    zformat.repack(src, path, shards=3)
+    host = Cache(path, 8)  # every expert of a layer: a slot to compare each with
+    base = Cache(path, 4)
+    dev = DeviceCache(base)
+    lib = dev.lib
+    cpu = [np.zeros((3,) + s.shape[1:], s.dtype) for s in host.slots]
+    try:
+        assert _set_cpu_slots(lib, host.handle, cpu, 1e-12) == _lib.ERR_ARG  # host slots: the CPU has them all
+        assert b"host memory" in lib.ggml_zipmoe_cache_error(host.handle)
+        assert lib.ggml_zipmoe_cache_set_cpu_slots(dev.handle, None, None, -1, 0.0) == _lib.ERR_ARG
+        assert _set_cpu_slots(lib, dev.handle, cpu, 1e-12) == _lib.OK
+        layer = sorted(host.zf.moe_layers())[0]
+        for step, ids in enumerate(([0, 1], [2, 3], [4, 5], [6, 7], [0, 5])):
+            ids = np.array([ids], np.int32)
+            slot_ids, cpu_ids = np.full(ids.shape, -9, np.int32), np.full(ids.shape, -9, np.int32)
+            written, before = dev.written, _lib.cache_stats(dev.handle)
+            assert lib.ggml_zipmoe_cache_fetch_begin_cpu(dev.handle, layer, 0, ids.ctypes.data, 2, 1, 2,
+                                                         slot_ids.ctypes.data, cpu_ids.ctypes.data) == _lib.OK
+            assert lib.ggml_zipmoe_cache_fetch_end(dev.handle, 0, 1) == _lib.OK, lib.ggml_zipmoe_cache_error(dev.handle)
+            status, host_ids = host.fetch(layer, ids)
+            assert status == _lib.OK
+            after = _lib.cache_stats(dev.handle)
+            if step == 0:  # no copy measured yet: every expert goes to the device
+                assert (cpu_ids == -1).all() and (slot_ids >= 0).all()
+                continue
+            # a copy measured: the first missing expert is loaded, the CPU (~0 s a token) takes the other
+            assert after["expert_misses"] - before["expert_misses"] == 2
+            assert (slot_ids >= 0).sum() == 1 and (cpu_ids >= 0).sum() == 1 and ((slot_ids >= 0) ^ (cpu_ids >= 0)).all()
+            for j in np.flatnonzero(cpu_ids[0] >= 0):
+                for k in range(3):
+                    assert np.array_equal(cpu[k][cpu_ids[0, j]], host.slots[k][host_ids[0, j]]), (step, j, k)
+            assert after["cpu_experts"] - before["cpu_experts"] == 1
+            if not quantized:  # the loaded expert's BF16 alone crossed
+                assert dev.written - written == sum(dev.stride)
+        stats = _lib.cache_stats(dev.handle)
+        assert stats["cpu_experts"] == 4 and stats["device_experts"] == 6 and stats["device_ns"] > 0
+        assert lib.ggml_zipmoe_cache_set_cpu_slots(dev.handle, None, None, 0, 0.0) == _lib.OK  # off
+    finally:
+        dev.close()
+        base.close()
+        host.close()

@@ -110,6 +110,23 @@ def test_host_memory_keeps_compressed_experts_beside_a_servers_slots_from_the_pr
     assert s["c_hits"] + s["e_hits"] > 0, s
 
 
+@pytest.mark.parametrize("n_seq", [1, 4])
+def test_the_cpu_computes_the_misses_the_balancer_gives_it_beside_a_servers_slots(arch, n_seq, tiny_gguf, zipmoe_gguf,
+                                                                                   rpc_servers):
+    """zipmoe.cpu_compute (SMoE Alg. 2): of a pass's missing experts, those the CPU-load balancer gives the
+    CPU are recovered in host memory and computed by the client, never sent; the rest cross to the server.
+    The server is a CPU too, so the logits are stock's over RPC, bit for bit."""
+    servers, _ = rpc_servers(1)
+    proc = worker("cpu_compute", arch, tiny_gguf(arch), zipmoe_gguf(arch), servers, n_seq)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, _, _ = expert_geometry(zipmoe_gguf(arch))
+    assert s["cpu_experts"] > 0 and s["device_experts"] > 0 and s["device_ns"] > 0, s
+    # every expert made full crossed the network once, but those the CPU computed
+    made_full = s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]
+    assert s["h2d_bytes"] == (made_full - s["cpu_experts"]) * one, s
+
+
 def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):
     port = free_port()  # nothing listens there
     code = ("import sys; from zipmoe_py import Llama, ZipMoEError\n"

@@ -14,7 +14,8 @@
 #        bash tools/cuda_device.sh check-ds27 [DEADLINE] [UNCAPPED] (there: the same on the DeepSeek-V2-Lite geometry,
 #                                                   host memory uncapped, then capped at 12 GiB)
 #        bash tools/cuda_device.sh check-stores-ds27 [DEADLINE] (there, after check-ds27 on the same machine: half
-#                                                   the experts in VRAM with and without zipmoe.device_stores)
+#                                                   the experts in VRAM with and without zipmoe.device_stores,
+#                                                   and with zipmoe.cpu_compute too)
 #        bash tools/cuda_device.sh build|test|bench (there; each resumes what an earlier call began;
 #                                                   build takes site.tar.xz when it runs there;
 #                                                   bench: phase 1 and phase 2 (codec ghuf) against stock)
@@ -156,12 +157,12 @@ check-ds27)  # one device call on the full DeepSeek-V2-Lite geometry: build, the
     tail -n 6 $OUT/cuda_bench_ds27_cap12g.log
     ;;
 check-stores-ds27)  # a second call on a machine that ran check-ds27 (its files kept): host memory uncapped,
-    # -ngl 99 with half the experts' slots in VRAM, host stores on and off, against stock --n-cpu-moe at the
-    # same VRAM, until DEADLINE seconds (default 560)
+    # -ngl 99 with half the experts' slots in VRAM, host stores on and off, and with the CPU computing what the
+    # balancer gives it, against stock --n-cpu-moe at the same VRAM, until DEADLINE seconds (default 560)
     deadline=${2:-560}
     mkdir -p $OUT
     timeout $deadline env NAME=cuda_bench_ds27_stores bash $0 bench-ds27 --budgets 50 --repeats 5 --device-stores \
-        --systems stock-n-cpu-moe-50,zipmoe-50,zipmoe-stores-50 > /dev/null 2>&1 ||
+        --cpu-compute --systems stock-n-cpu-moe-50,zipmoe-50,zipmoe-stores-50,zipmoe-cpu-50 > /dev/null 2>&1 ||
         echo "the stores bench stopped at the deadline: cuda_bench_ds27_stores.partial.json holds its finished runs"
     tail -n 6 $OUT/cuda_bench_ds27_stores.log
     ;;

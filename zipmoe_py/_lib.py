@@ -44,7 +44,8 @@ class CacheStats(ctypes.Structure):
                                                      "fetch_work_ns", "read_wait_ns", "finish_wait_ns", "decode_faults",
                                                      "graph_ns", "graphs", "preload_experts", "preload_bytes_read",
                                                      "populate_bytes", "populate_ns", "migrate_experts",
-                                                     "migrate_ns", "moved_page_bytes")]
+                                                     "migrate_ns", "moved_page_bytes", "cpu_experts",
+                                                     "device_experts", "device_ns")]
 
 
 class BuddyParams(ctypes.Structure):
@@ -223,6 +224,8 @@ _PROTOTYPES = {
     "ggml_zipmoe_eviction_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_pool_name": (ctypes.c_char_p, [ctypes.c_int]),
     "ggml_zipmoe_substitution_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "ggml_zipmoe_balance_cpu_load": (ctypes.c_int32, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_double, ctypes.c_double,
+                                                      ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]),
     "ggml_zipmoe_smoe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                               ctypes.c_float, ctypes.c_int, ctypes.c_void_p,
@@ -288,6 +291,11 @@ _PROTOTYPES = {
     "ggml_zipmoe_cache_fetch_begin": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
     "ggml_zipmoe_cache_fetch_end": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "ggml_zipmoe_cache_fetch_begin_cpu": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                         ctypes.c_void_p]),
+    "ggml_zipmoe_cache_set_cpu_slots": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                                                       ctypes.c_double]),
     "ggml_zipmoe_cache_get_prefetch_recall": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int] +
                                               [ctypes.POINTER(ctypes.c_uint64)] * 3),
     "ggml_zipmoe_cache_prefetch": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int32),

@@ -92,6 +92,8 @@ def _format_stats(stats: dict, n_tokens: int | None = None) -> str:
     text += f"; {_time_account(stats, n_tokens)}"
     if stats.get("h2d_bytes"):
         text += f"; to the slots' device {stats['h2d_bytes'] / 1e6:.2f} MB"
+    if stats.get("cpu_experts"):  # zipmoe.cpu_compute: exact weights, the CPU's rounding
+        text += f"; computed on the CPU where held (zipmoe.cpu_compute, the CPU's rounding): {stats['cpu_experts']} experts"
     if stats.get("prefetch_bytes_read"):
         read, used = stats["prefetch_bytes_read"], stats["prefetch_bytes_used"]
         text += (f"; prefetch: {stats['prefetch_hits']} experts served, read {read / 1e6:.2f} MB, used "

@@ -109,6 +109,17 @@ GGML_ZIPMOE_API int ggml_zipmoe_schedule(const struct ggml_zipmoe_sched_task * t
                                          void * work, size_t work_size,
                                          struct ggml_zipmoe_sched_result * result);
 
+// SMoE's CPU-load balancer (Algorithm 2, its section 5.4): of n experts a device lacks, each chosen by
+// batch[i] tokens, which are copied to the device (t_load seconds each) and which the CPU computes where
+// they are held (t_cpu seconds per token). Sorted by batch, largest first (ties by index), two pointers
+// walk in from both ends: while the device's cumulative load time is at most the CPU's, the largest left
+// is loaded, else the CPU takes the smallest left, so that max(load, CPU) is balanced. At most max_cpu
+// go to the CPU (its slots); the rest are loaded. on_cpu[i] gets 1 for the CPU's. work: n int32.
+// Returns the number given to the CPU; -1 for a NULL pointer, n < 0, a negative batch, or t_load or
+// t_cpu negative or not finite.
+GGML_ZIPMOE_API int32_t ggml_zipmoe_balance_cpu_load(const int32_t * batch, int32_t n, double t_load, double t_cpu,
+                                                     int32_t max_cpu, int32_t * work, uint8_t * on_cpu);
+
 // The pool planner (ZipMoE Alg. 2-4, paper 3.4): the per-layer capacities of the pools Lambda
 // (those with entry_bytes != 0) that minimise the expected makespan of a sparse layer (Alg. 3's
 // max(I/O time, decompression time / threads)), by a grid search over the shares of the budget in

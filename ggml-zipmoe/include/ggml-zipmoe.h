@@ -405,6 +405,12 @@ struct ggml_zipmoe_cache_stats {
     uint64_t migrate_ns;          //   in no fetch counter above), and the wall time of those changes
     uint64_t moved_page_bytes;    // store pages such changes moved into the slots they filled (slot_pages_movable):
                                   //   first writes those slots did not make
+    uint64_t cpu_experts;         // experts the CPU-load balancer gave to the CPU (ggml_zipmoe_cache_set_cpu_slots):
+                                  //   recovered in host memory and computed there, not copied to the device
+    uint64_t device_experts;      // experts copied into slots outside host memory, and the time that took
+    uint64_t device_ns;           //   beyond a host slot's (slot writes, CUDA copies and kernels, syncs; summed
+                                  //   over threads): the balancer's measured cost of loading one, kept since
+                                  //   the cache was made (a reset leaves them)
 };
 
 struct ggml_zipmoe_cache;
@@ -505,6 +511,25 @@ GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * cac
                                                   const int32_t * ids, int64_t n_used, int64_t n_tokens,
                                                   int64_t ids_stride, int32_t * slot_ids);
 GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_end(struct ggml_zipmoe_cache * cache, int ith, int nth);
+
+// Experts computed where they are held (SMoE Algorithm 2; opt-in, llama.cpp's zipmoe.cpu_compute), for
+// slots outside host memory (CUDA, or slot_write): host memory for n_slots experts, by kind a [ne0, ne1,
+// n_slots] tensor at data[k], slot stride stride[k], where a fetch begun with cpu_ids recovers the missing
+// experts that the CPU-load balancer (ggml_zipmoe_balance_cpu_load) gives to the CPU instead of copying
+// them to the device. t_cpu: seconds the CPU takes for one expert's products of one token (the caller
+// measures it). The device's cost is measured by the fetches (device_ns / device_experts of the
+// statistics); until one expert has been copied, every missing expert is. An expert given to the CPU
+// takes no device slot; what it was read from is kept in the stores as a miss's is. n_slots 0 turns it
+// off. No fetch may be open. OK or ERR_ARG (message in ggml_zipmoe_cache_error).
+GGML_ZIPMOE_API int ggml_zipmoe_cache_set_cpu_slots(struct ggml_zipmoe_cache * cache, void * const data[3],
+                                                    const size_t stride[3], int32_t n_slots, double t_cpu);
+
+// ggml_zipmoe_cache_fetch_begin, which with cpu_ids (NULL: none) may give missing experts to the CPU
+// (ggml_zipmoe_cache_set_cpu_slots): cpu_ids gets [n_tokens][n_used] the CPU slot of each selection the
+// CPU computes (its slot_ids entry is then GGML_ZIPMOE_NO_SLOT), GGML_ZIPMOE_NO_SLOT for the rest
+GGML_ZIPMOE_API int ggml_zipmoe_cache_fetch_begin_cpu(struct ggml_zipmoe_cache * cache, int layer, int pass,
+                                                      const int32_t * ids, int64_t n_used, int64_t n_tokens,
+                                                      int64_t ids_stride, int32_t * slot_ids, int32_t * cpu_ids);
 
 // abandon a fetch that this thread began and did not end (a graph stopped between the two ops):
 // its reads stop and the slots and entries it planned are forgotten. Returns 1 if there was one.

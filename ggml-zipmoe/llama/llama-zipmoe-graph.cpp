@@ -12,14 +12,14 @@
 #include <algorithm>
 #include <cstring>
 
-llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass, bool offloaded) {
+llama_zipmoe::op_args * llama_zipmoe::args_for(int il, int pass, bool offloaded, bool with_cpu) {
     std::lock_guard<std::mutex> lock(state_mutex);
-    const int64_t key = ((int64_t) il << 32 | (uint32_t) pass << 1 | (uint32_t) offloaded);
+    const int64_t key = ((int64_t) il << 32 | (uint32_t) pass << 2 | (uint32_t) with_cpu << 1 | (uint32_t) offloaded);
     auto it = args_index.find(key);
     if (it != args_index.end()) {
         return it->second;
     }
-    args.push_back({ this, set_of(il), il, pass, offloaded });
+    args.push_back({ this, set_of(il), il, pass, offloaded, with_cpu });
     args_index[key] = &args.back();
     return &args.back();
 }
@@ -56,8 +56,11 @@ static void zipmoe_fetch_begin_op(ggml_tensor * dst, int ith, int nth, void * us
         ggml_zipmoe_cache_observe_scores(a->set->cache, a->il, (const float *) scores->data, scores->ne[0], scores->ne[1],
                                          scores->nb[1] / sizeof(float));
     }
-    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin(a->set->cache, a->il, a->pass, (const int32_t *) ids->data,
-                                                  ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out));
+    // with the CPU computing: [2][n_tokens][n_used], the device's slot ids, then the CPU's
+    int32_t * cpu_out = a->with_cpu ? out + ids->ne[0] * ids->ne[1] : nullptr;
+    zipmoe_check(a, ggml_zipmoe_cache_fetch_begin_cpu(a->set->cache, a->il, a->pass, (const int32_t *) ids->data,
+                                                      ids->ne[0], ids->ne[1], ids->nb[1] / sizeof(int32_t), out,
+                                                      cpu_out));
 }
 
 // passes the slot ids on once the slots are filled, so that the products depend on it
@@ -68,7 +71,7 @@ static void zipmoe_fetch_end_op(ggml_tensor * dst, int ith, int nth, void * user
         memcpy(dst->data, dst->src[0]->data, ggml_nbytes(dst));
         if (a->set->absent_slot(0, 1, a->offloaded) != GGML_ZIPMOE_NO_SLOT) { // products a GPU runs
             int32_t * ids = (int32_t *) dst->data;
-            for (int64_t i = 0; i < ggml_nelements(dst); ++i) {
+            for (int64_t i = 0; i < dst->ne[0] * dst->ne[1]; ++i) { // the device's ids (the CPU's skip theirs)
                 ids[i] = ids[i] == GGML_ZIPMOE_NO_SLOT ? a->set->absent_slot(i, dst->ne[0], a->offloaded) : ids[i];
             }
         }
@@ -97,6 +100,34 @@ static void zipmoe_merge_op(ggml_tensor * dst, int ith, int nth, void * userdata
     if (status != GGML_ZIPMOE_OK) {
         a->zm->fail(format("layer %d, pass %d: merging the passes' products failed: %s", a->il, a->pass,
                            ggml_zipmoe_status_string(status)).c_str());
+    }
+}
+
+// a pass's products with the CPU computing some experts: the CPU's rows where it computed them (its slot id
+// >= 0), the device's for the rest
+static void zipmoe_take_cpu_rows_op(ggml_tensor * dst, int ith, int nth, void * userdata) {
+    GGML_UNUSED(nth);
+    if (ith != 0) {
+        return;
+    }
+    const auto *        a       = (const llama_zipmoe::op_args *) userdata;
+    const ggml_tensor * cpu_ids = dst->src[0];
+    const ggml_tensor * dev     = dst->src[1];
+    const ggml_tensor * cpu     = dst->src[2];
+    if (!ggml_are_same_shape(dev, dst) || !ggml_are_same_shape(cpu, dst) || dev->type != dst->type ||
+        cpu->type != dst->type || cpu_ids->ne[0] != dst->ne[1] || cpu_ids->ne[1] != dst->ne[2]) {
+        a->zm->fail(format("layer %d, pass %d: the CPU's and the device's products differ in shape", a->il,
+                           a->pass).c_str());
+        return;
+    }
+    const size_t row = ggml_row_size(dst->type, dst->ne[0]);
+    for (int64_t t = 0; t < dst->ne[2]; ++t) {
+        for (int64_t k = 0; k < dst->ne[1]; ++k) {
+            const int32_t     s   = *(const int32_t *) ((const char *) cpu_ids->data + t * cpu_ids->nb[1] + k * cpu_ids->nb[0]);
+            const ggml_tensor * src = s >= 0 ? cpu : dev;
+            memcpy((char *) dst->data + t * dst->nb[2] + k * dst->nb[1],
+                   (const char *) src->data + t * src->nb[2] + k * src->nb[1], row);
+        }
     }
 }
 
@@ -310,6 +341,9 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
     const bool offloaded = !set->on_device && set->zero_slots > 0 &&
                            (test_offloaded_passes || products_offloaded(sched, op_offload, set->slots_of(il, 0), n_used,
                                                                         n_tokens));
+    // the CPU computes what the balancer gives it, unless ggml's scheduler would run those products on a GPU
+    const bool with_cpu = set->n_cpu_slots > 0 &&
+                          !products_offloaded(sched, op_offload, set->cpu_slots_of(il, 0), n_used, n_tokens);
     if (probs != nullptr && probs->ne[0] == 1 && ggml_is_contiguous(probs)) {
         probs = ggml_reshape_2d(ctx0, probs, probs->ne[1], probs->ne[2]); // build_moe_ffn's [1, n_expert, n_tokens]
     }
@@ -322,26 +356,45 @@ ggml_tensor * llama_zipmoe::build_experts(ggml_context * ctx0, ggml_cgraph * gf,
         // takes the router's scores when the eviction policy is score's
         ggml_tensor * second = pass > 0 ? merged : scores;
         ggml_tensor * srcs[2] = { selected_experts, second };
-        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, srcs, second ? 2 : 1,
-                                             zipmoe_fetch_begin_op, 1, args_for(il, pass, offloaded));
+        op_args * a = args_for(il, pass, offloaded, with_cpu);
+        ggml_tensor * begin = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, with_cpu ? 2 : 1, 1, srcs,
+                                             second ? 2 : 1, zipmoe_fetch_begin_op, 1, a);
         ggml_format_name(begin, "zipmoe_fetch_begin-%d.%d", il, pass);
         if (pass == 0) {
             ggml_build_forward_expand(gf, begin);
             build_prefetch(ctx0, gf, il, ffn_inp, begin, n_used);
         }
-        ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, 1, 1, &begin, 1,
-                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, args_for(il, pass, offloaded));
+        ggml_tensor * slot_ids = ggml_custom_4d(ctx0, GGML_TYPE_I32, n_used, n_tokens, with_cpu ? 2 : 1, 1, &begin, 1,
+                                                zipmoe_fetch_end_op, GGML_N_TASKS_MAX, a);
         ggml_format_name(slot_ids, "zipmoe_slot_ids-%d.%d", il, pass);
-        ggml_tensor * out = build(slot_ids, set->slots_of(il, 0), set->slots_of(il, 1), set->slots_of(il, 2));
+        ggml_tensor * out = with_cpu ? build_with_cpu(ctx0, il, pass, slot_ids, a, build)
+                                     : build(slot_ids, set->slots_of(il, 0), set->slots_of(il, 1), set->slots_of(il, 2));
         if (n_passes == 1) {
             return out;
         }
         ggml_tensor * msrcs[3] = { selected_experts, out, merged };
         merged = ggml_custom_4d(ctx0, out->type, out->ne[0], out->ne[1], out->ne[2], out->ne[3], msrcs, merged ? 3 : 2,
-                                zipmoe_merge_op, 1, args_for(il, pass, offloaded));
+                                zipmoe_merge_op, 1, a);
         ggml_format_name(merged, "zipmoe_merged-%d.%d", il, pass);
     }
     return merged;
+}
+
+// a pass's products where the CPU computes some experts: the device's on its slots (the ids' first plane),
+// the CPU's on its own (the second), the rows taken from where each was computed
+ggml_tensor * llama_zipmoe::build_with_cpu(ggml_context * ctx0, int il, int pass, ggml_tensor * slot_ids, op_args * a,
+                                           const experts_fn & build) {
+    const llama_zipmoe_slot_set * set = set_of(il);
+    const int64_t n_used = slot_ids->ne[0], n_tokens = slot_ids->ne[1];
+    ggml_tensor * dev_ids = ggml_view_2d(ctx0, slot_ids, n_used, n_tokens, slot_ids->nb[1], 0);
+    ggml_tensor * cpu_ids = ggml_view_2d(ctx0, slot_ids, n_used, n_tokens, slot_ids->nb[1], slot_ids->nb[2]);
+    ggml_tensor * dev = build(dev_ids, set->slots_of(il, 0), set->slots_of(il, 1), set->slots_of(il, 2));
+    ggml_tensor * cpu = build(cpu_ids, set->cpu_slots_of(il, 0), set->cpu_slots_of(il, 1), set->cpu_slots_of(il, 2));
+    ggml_tensor * srcs[3] = { cpu_ids, dev, cpu };
+    ggml_tensor * out = ggml_custom_4d(ctx0, dev->type, dev->ne[0], dev->ne[1], dev->ne[2], dev->ne[3], srcs, 3,
+                                       zipmoe_take_cpu_rows_op, 1, a);
+    ggml_format_name(out, "zipmoe_cpu_rows-%d.%d", il, pass);
+    return out;
 }
 
 uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used_max) const {
@@ -366,7 +419,8 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
         const int64_t passes   = std::max<int64_t>(1, (distinct + fewest - 1) / fewest);
         // fetch begin and end + merge + the ~16 nodes of one experts block, per pass; the prefetch's
         // reshape, norm ratio (div, mul), scores, argsort, top-k view and op
-        total += 19u * (uint32_t) passes + (opt.prefetch ? 8u : 0u) +
+        // with the CPU computing: its products (as many again), the two id views and the row op
+        total += (set->n_cpu_slots > 0 ? 38u : 19u) * (uint32_t) passes + (opt.prefetch ? 8u : 0u) +
                  (opt.substitution != GGML_ZIPMOE_SUBST_NONE || opt.trace_routing ? 1u : 0u);
     }
     return total;

@@ -146,6 +146,7 @@ llama_zipmoe_options from_values(const std::vector<given_value> & given,
     o.work_slots     = (int32_t) number(GGML_ZIPMOE_OPTION_WORK_SLOTS);
     o.auto_pools     = number(GGML_ZIPMOE_OPTION_AUTO_POOLS) != 0;
     o.device_stores  = number(GGML_ZIPMOE_OPTION_DEVICE_STORES) != 0;
+    o.cpu_compute    = number(GGML_ZIPMOE_OPTION_CPU_COMPUTE) != 0;
     o.replan_tokens  = (int32_t) number(GGML_ZIPMOE_OPTION_REPLAN_TOKENS);
     o.prefetch       = number(GGML_ZIPMOE_OPTION_PREFETCH) != 0;
     o.resident_views = (int) number(GGML_ZIPMOE_OPTION_RESIDENT_VIEWS);

@@ -10,6 +10,7 @@
 #include "ggml-zipmoe-options.h"
 
 #include <algorithm>
+#include <thread>
 #include <cstring>
 #include <regex>
 #include <stdexcept>
@@ -204,6 +205,14 @@ void llama_zipmoe::make_cache(const layer_buft_fn & layer_buft, const weight_buf
             set->place_in_host(weight_buft, gpu_registered() || test_offloaded_passes ? n_expert_used : 0);
         }
         set->make_cache();
+        if (opt.cpu_compute && set->on_device) {
+            // a pass's experts the CPU may compute: one token's (the balancer gives a batch's large ones to the device)
+            set->place_cpu_slots(std::max(1, n_expert_used), (int) std::max(1u, std::thread::hardware_concurrency()));
+        }
+    }
+    if (opt.cpu_compute && std::none_of(sets.begin(), sets.end(), [](const auto & s) { return s->on_device; })) {
+        LLAMA_LOG_INFO("%s: zipmoe.cpu_compute: every expert slot is in host memory, where the CPU computes them all "
+                       "already\n", __func__);
     }
     if (sets[0]->serving != serving) {
         ggml_zipmoe_serving_free(serving); // each set has its own

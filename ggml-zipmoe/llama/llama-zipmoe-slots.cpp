@@ -25,6 +25,12 @@ llama_zipmoe_slot_set::~llama_zipmoe_slot_set() {
     if (slot_backend) {
         ggml_backend_free(slot_backend);
     }
+    if (cpu_buf) {
+        ggml_backend_buffer_free(cpu_buf);
+    }
+    if (cpu_ctx) {
+        ggml_free(cpu_ctx);
+    }
     if (buf) {
         ggml_backend_buffer_free(buf);
     }

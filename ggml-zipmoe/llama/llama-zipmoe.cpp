@@ -363,12 +363,17 @@ void llama_zipmoe::log_statistics(const llama_zipmoe_slot_set & set, bool name_t
         snprintf(recall, sizeof(recall), "recall %.2f", (double) correct / actual);
     }
     const std::string where = name_the_device ? format(" of %s", set.device_name()) : "";
+    // zipmoe.cpu_compute: what the balancer gave the CPU, and the measured cost of a copy it weighed
+    const std::string cpu_text = set.n_cpu_slots == 0 ? "" :
+        format("; %llu experts computed on the CPU (zipmoe.cpu_compute, the CPU's rounding; %.2f ms each a token, "
+               "a copy to the device %.2f ms)", (unsigned long long) s.cpu_experts, set.cpu_token_s * 1e3,
+               s.device_experts > 0 ? s.device_ns / 1e6 / s.device_experts : 0.0);
     LLAMA_LOG_INFO("%s: ZipMoE expert cache%s so far: %llu fetches, %llu hits, %llu misses (%llu from C/S/E), %.1f MB "
                    "read (prefetch %.1f MB read, %.1f MB used, %llu experts served, %s); io %.1f ms, decode "
                    "%.1f ms, recover %.1f ms, fetch wall %.1f ms (fetch lock %.1f, plan %.1f, thread 0 decoding %.1f, "
                    "waiting for reads %.1f, waiting for the other threads %.1f; %llu page faults); %llu graphs, %.1f ms; %.1f MB to the slots' device; "
                    "preloaded %llu experts, %.1f MB read; stores' pages faulted in ahead %.1f MB in %.1f ms; moved from C/S to F "
-                   "%llu experts in %.1f ms, %.1f MB of the stores' pages into their slots\n",
+                   "%llu experts in %.1f ms, %.1f MB of the stores' pages into their slots%s\n",
                    "detach", where.c_str(),
                    (unsigned long long) s.fetch_calls, (unsigned long long) s.expert_hits,
                    (unsigned long long) s.expert_misses, (unsigned long long) (s.c_hits + s.s_hits + s.e_hits),
@@ -379,7 +384,7 @@ void llama_zipmoe::log_statistics(const llama_zipmoe_slot_set & set, bool name_t
                    (unsigned long long) s.decode_faults, (unsigned long long) s.graphs, s.graph_ns / 1e6,
                    s.h2d_bytes / 1e6, (unsigned long long) s.preload_experts, s.preload_bytes_read / 1e6,
                    s.populate_bytes / 1e6, s.populate_ns / 1e6, (unsigned long long) s.migrate_experts,
-                   s.migrate_ns / 1e6, s.moved_page_bytes / 1e6);
+                   s.migrate_ns / 1e6, s.moved_page_bytes / 1e6, cpu_text.c_str());
 }
 
 const char * llama_zipmoe_last_error(const struct llama_context * lctx) {

@@ -105,6 +105,8 @@ struct llama_zipmoe_options {
     bool        auto_pools     = true;  // with no pools given, host slots and rank eviction: the pools
                                         // ggml_zipmoe_cache_default_pools picks for the memory left
     bool        device_stores  = false; // device slots: host stores beside them from the first context
+    bool        cpu_compute    = false; // device slots: the CPU computes missing experts where the balancer says
+                                        // (SMoE Alg. 2; exact weights, the CPU's rounding)
     int32_t     replan_tokens  = 0;     // decode steps before the default pools are planned again (0: never)
     bool        prefetch       = false; // read ahead for the next layer's predicted experts
     int         resident_views = -1;    // 1, 0; -1: with slots in GPU memory only
@@ -270,6 +272,7 @@ struct llama_zipmoe {
         int                     il;
         int                     pass;
         bool                    offloaded; // the pass's products run on another backend than the slots'
+        bool                    with_cpu;  // the CPU computes the experts the balancer gives it (zipmoe.cpu_compute)
     };
 
     // an op's failure: stops the graph (through abort_callback) with this message
@@ -287,7 +290,9 @@ private:
         std::string         error;
     };
 
-    op_args * args_for(int il, int pass, bool offloaded = false);
+    op_args * args_for(int il, int pass, bool offloaded = false, bool with_cpu = false);
+    ggml_tensor * build_with_cpu(ggml_context * ctx, int il, int pass, ggml_tensor * slot_ids, op_args * a,
+                                 const experts_fn & build);
     void build_prefetch(ggml_context * ctx, ggml_cgraph * gf, int il, ggml_tensor * ffn_inp, ggml_tensor * after,
                         int64_t n_used);
     context_state & state_of(const llama_context * lctx);
@@ -404,6 +409,14 @@ struct llama_zipmoe_slot_set {
     // a [ne0, ne1] view per slot, set through the buffer
     std::map<std::pair<int, int>, std::vector<ggml_tensor *>> fill_views;
 
+    // experts the CPU computes beside slots in a device's memory (zipmoe.cpu_compute, llama-zipmoe-cpu.cpp):
+    // by kind, one tensor per ggml type over a plain host buffer, as the device's slots are laid out
+    int32_t                    n_cpu_slots = 0;
+    ggml_context *             cpu_ctx     = nullptr;
+    ggml_backend_buffer_t      cpu_buf     = nullptr;
+    std::vector<ggml_tensor *> cpu_slots[3];
+    double                     cpu_token_s = 0; // measured: one expert's products of one token on the CPU
+
     ~llama_zipmoe_slot_set();
 
     // "CPU" for host memory, else the device's name ("CUDA0", "RPC0[host:port]")
@@ -422,6 +435,10 @@ struct llama_zipmoe_slot_set {
     }
 
     ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
+    ggml_tensor * cpu_slots_of(int il, int kind) const; // the same, of the CPU's slots
+
+    // the CPU's slots for n experts and its measured cost (zipmoe.cpu_compute), given to the cache; logs them
+    void place_cpu_slots(int32_t n, int n_threads);
 
     // the slots: in the device's memory, beside weights_bytes of the model's weights there; or in host memory
     void place_on_device(uint64_t weights_bytes);

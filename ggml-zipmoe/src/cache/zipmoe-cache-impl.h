@@ -72,7 +72,8 @@ struct zipmoe_worker {
 
 // one expert tensor to make full in a slot
 struct zipmoe_task {
-    int32_t         slot;
+    int32_t         slot;      // of the device's slots, or of the CPU's (on_cpu)
+    int32_t         on_cpu;    // recovered into a CPU slot (zipmoe_cpu_slots) for the CPU to compute
     int32_t         kind;
     int32_t         tensor;
     int32_t         expert;
@@ -194,6 +195,20 @@ struct zipmoe_page_sink {
     uint8_t * at[3];
 };
 
+// experts computed where they are held (ggml_zipmoe_cache_set_cpu_slots, zipmoe-residency.c): host
+// memory a fetch recovers the CPU's experts into, and the balancer's inputs of the current pass
+struct zipmoe_cpu_slots {
+    uint8_t * data[3];
+    size_t    stride[3];
+    int32_t   n_slots;  // 0: off
+    double    t_cpu;    // seconds per token of one expert's products on the CPU
+    int32_t * batch;    // [max_expert] the pass's missing experts' tokens, for the balancer
+    int32_t * missing;  // [max_expert] those experts
+    int32_t * work;     // [max_expert]
+    uint8_t * on_cpu;   // [max_expert]
+    int32_t * cpu_slot; // [max_expert] CPU slot of each expert of the current pass, or -1
+};
+
 // the pools: the active set in hierarchy order, thresholds tau_p, F's capacity in slots, the stores
 struct zipmoe_pools {
     int32_t             n_active;
@@ -312,7 +327,7 @@ struct zipmoe_prefetch {
 
 struct zipmoe_counters {
     atomic_uint_least64_t fetch_calls, hits, misses, store_hits[4], bytes_read, io_ns, decode_ns, recover_ns,
-        fetch_ns, slot_write_bytes, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
+        fetch_ns, slot_write_bytes, cpu_experts, device_experts, device_ns, lock_wait_ns, plan_ns, fetch_work_ns, read_wait_ns, finish_wait_ns,
         decode_faults, graph_ns, graphs, preload_experts, preload_bytes_read, populate_bytes, populate_ns,
         migrate_experts, migrate_ns, moved_page_bytes;
     // activations for profiling: distinct experts of each layer's ubatches, and ubatch counts
@@ -335,6 +350,7 @@ struct ggml_zipmoe_cache {
     struct zipmoe_counters          stats;
     struct zipmoe_substitution *    subst; // the opt-in lossy policy (lossy/zipmoe-substitution.h)
     struct zipmoe_gpu *             gpu;  // slots in CUDA memory (zipmoe-gpu.h), else NULL
+    struct zipmoe_cpu_slots         cpu;  // experts the CPU computes beside device slots (opt-in)
 
     pthread_mutex_t lock;        // held from a fetch's begin to its end
     int             fetch_open;  // the open fetch: begin took the lock, end releases it
@@ -371,6 +387,9 @@ static inline int zipmoe_sm_ready(const struct zipmoe_task * t) {
 // the task's tensor in its slot: the BF16 values the decode + recover routine writes (host slots;
 // an address in the device's memory for CUDA)
 static inline uint16_t * zipmoe_slot_tensor(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
+    if (t->on_cpu) {
+        return (uint16_t *) (c->cpu.data[t->kind] + (size_t) t->slot * c->cpu.stride[t->kind]);
+    }
     return (uint16_t *) (c->slots.data[t->kind] + (size_t) t->slot * c->slots.stride[t->kind]);
 }
 
@@ -438,9 +457,11 @@ int      zipmoe_device_write(struct ggml_zipmoe_cache * c, const struct zipmoe_t
 
 // zipmoe-residency.c
 void     zipmoe_cache_share_single_pool(struct ggml_zipmoe_cache * c);
+// cpu_ids: NULL, or the CPU slot ids of the experts the balancer gives to the CPU (see fetch_begin_cpu)
 int      zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
-                                int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids);
+                                int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int32_t * cpu_ids);
 void     zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c);
+void     zipmoe_cpu_slots_free(struct ggml_zipmoe_cache * c); // the balancer's arrays; CPU slots off
 
 // zipmoe-stores.c
 uint64_t zipmoe_cache_measure_e_bytes(struct ggml_zipmoe_cache * c);

@@ -101,6 +101,7 @@ void ggml_zipmoe_cache_free(struct ggml_zipmoe_cache * c) {
     free(c->plan.unique);
     free(c->plan.seen);
     free(c->plan.pass_slot);
+    zipmoe_cpu_slots_free(c);
     free(c->plan.tokens);
     free(c->plan.tasks);
     free(c->plan.sched_tasks);

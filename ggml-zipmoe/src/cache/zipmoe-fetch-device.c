@@ -139,10 +139,12 @@ static int gpu_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task *
 int zipmoe_device_write(struct ggml_zipmoe_cache * c, const struct zipmoe_task * t, size_t offset, const void * data,
                         size_t size) {
     char why[512] = "";
+    const uint64_t t0 = zipmoe_now_ns();
     if (c->slots.write(c->slots.fill_data, t->kind, t->tensor, t->slot, offset, data, size, why, sizeof(why)) != 0) {
         zipmoe_fetch_fail_why(c, t, 0, "writing its slot failed", why[0] != '\0' ? why : "no reason given");
         return 0;
     }
+    atomic_fetch_add(&c->stats.device_ns, zipmoe_now_ns() - t0);
     atomic_fetch_add(&c->stats.slot_write_bytes, size);
     return 1;
 }
@@ -206,14 +208,24 @@ static int remote_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, in
 
 int zipmoe_device_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int op, struct zipmoe_worker * w,
                         int ith, uint64_t * decode_ns, uint64_t * recover_ns) {
-    return c->gpu != NULL ? gpu_shard(c, t, k, w, ith, decode_ns, recover_ns)
-                          : remote_shard(c, t, k, op, w, decode_ns, recover_ns);
+    if (c->gpu == NULL) {
+        return remote_shard(c, t, k, op, w, decode_ns, recover_ns); // zipmoe_device_write times the writes
+    }
+    // CUDA: the copies and kernels, the CPU's decoding aside (a CPU slot's would decode as well)
+    const uint64_t t0 = zipmoe_now_ns(), decoded0 = *decode_ns;
+    const int went = gpu_shard(c, t, k, w, ith, decode_ns, recover_ns);
+    const uint64_t spent = zipmoe_now_ns() - t0, decoding = *decode_ns - decoded0;
+    atomic_fetch_add(&c->stats.device_ns, spent > decoding ? spent - decoding : 0);
+    return went;
 }
 
 int zipmoe_device_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k, int op,
                                  struct zipmoe_worker * w, int ith, uint64_t * recover_ns) {
     if (c->gpu != NULL) {
-        return gpu_recover_parked(c, t, k, ith, recover_ns);
+        const uint64_t t0 = zipmoe_now_ns();
+        const int went = gpu_recover_parked(c, t, k, ith, recover_ns);
+        atomic_fetch_add(&c->stats.device_ns, zipmoe_now_ns() - t0);
+        return went;
     }
     uint16_t * stage = device_staging(c, w);
     if (stage == NULL) {
@@ -232,10 +244,14 @@ int zipmoe_device_recover_parked(struct ggml_zipmoe_cache * c, struct zipmoe_tas
 void zipmoe_device_sync(struct ggml_zipmoe_cache * c, int ith) {
     char why[512] = "";
     int failed = 0;
+    const uint64_t t0 = zipmoe_now_ns();
     if (c->gpu != NULL) {
         failed = zipmoe_gpu_sync(c->gpu, ith, why, sizeof(why)) != 0;
     } else if (c->slots.sync != NULL) {
         failed = c->slots.sync(c->slots.fill_data, why, sizeof(why)) != 0;
+    }
+    if (c->gpu != NULL || c->slots.sync != NULL) {
+        atomic_fetch_add(&c->stats.device_ns, zipmoe_now_ns() - t0);
     }
     int ok = GGML_ZIPMOE_OK;
     if (failed && atomic_compare_exchange_strong(&c->status, &ok, GGML_ZIPMOE_ERR_ARG)) {

@@ -111,10 +111,10 @@ static int fill_raw(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, int k)
     const int      K    = c->file->n_shards;
     const uint64_t size = c->file->tensors[t->tensor].sm_size;
     const uint64_t lo = size * (uint64_t) (k - 1) / (uint64_t) K, hi = size * (uint64_t) k / (uint64_t) K;
-    if (c->slots.fill == NULL && c->slots.write != NULL) {
+    if (!t->on_cpu && c->slots.fill == NULL && c->slots.write != NULL) {
         return zipmoe_device_write(c, t, lo, zipmoe_task_sm(c, t) + lo, hi - lo);
     }
-    if (c->slots.fill == NULL) {
+    if (t->on_cpu || c->slots.fill == NULL) { // a CPU slot is plain host memory
         memcpy((uint8_t *) zipmoe_slot_tensor(c, t) + lo, zipmoe_task_sm(c, t) + lo, hi - lo);
         return 1;
     }
@@ -165,9 +165,9 @@ static int decode_shard(struct ggml_zipmoe_cache * c, struct zipmoe_task * t, in
 }
 
 // shards outside host memory: CUDA slots, or a caller's device (a raw tensor there is only copied,
-// through fill_raw)
+// through fill_raw); not an expert the CPU computes, recovered in its CPU slot
 static int on_device(const struct ggml_zipmoe_cache * c, const struct zipmoe_task * t) {
-    return c->gpu != NULL || (c->slots.write != NULL && !c->file->tensors[t->tensor].raw);
+    return !t->on_cpu && (c->gpu != NULL || (c->slots.write != NULL && !c->file->tensors[t->tensor].raw));
 }
 
 // minor page faults of the calling thread so far (0 where the OS does not count them per thread)
@@ -373,6 +373,12 @@ void zipmoe_cache_abandon_fetch(struct ggml_zipmoe_cache * c) {
 
 int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
                                   int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+    return ggml_zipmoe_cache_fetch_begin_cpu(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids, NULL);
+}
+
+int ggml_zipmoe_cache_fetch_begin_cpu(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids,
+                                      int64_t n_used, int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids,
+                                      int32_t * cpu_ids) {
     if (c == NULL) {
         return GGML_ZIPMOE_ERR_ARG;
     }
@@ -398,7 +404,7 @@ int ggml_zipmoe_cache_fetch_begin(struct ggml_zipmoe_cache * c, int layer, int p
         // the I/O thread is this fetch's: a prefetch's reads stop after the one in progress
         zipmoe_prefetch_pause(c, 0);
         zipmoe_prefetch_claim(c, layer);
-        status = zipmoe_cache_plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids);
+        status = zipmoe_cache_plan_pass(c, layer, pass, ids, n_used, n_tokens, ids_stride, slot_ids, cpu_ids);
         if (status == GGML_ZIPMOE_OK && c->plan.n_tasks > 0) {
             zipmoe_cache_schedule_tasks(c);
         }

@@ -8,7 +8,9 @@
 
 #include "cache/zipmoe-cache-impl.h"
 
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 // one F pool of every slot in use: F holds them all, and RANK's share per layer follows the slot count
@@ -235,12 +237,13 @@ static int place_after_use(struct ggml_zipmoe_cache * c, int64_t key, int cur, i
     return traded;
 }
 
+static void plan_tasks(struct ggml_zipmoe_cache * c, int layer, int32_t e, int32_t slot, int on_cpu, int target,
+                       uint64_t serial);
+
 // plans one expert that is not in a slot: its working slot, the tasks that make it full from what
 // is cached, and where it is kept after use
 static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int target, uint64_t serial) {
     const int64_t key = (int64_t) layer * c->layout.max_expert + e;
-    const int     cur = c->pools.key_pool[key];
-    const int32_t cur_entry = c->pools.key_entry[key];
     const int32_t victim = choose_victim(c, serial);
     if (c->slots.key[victim] >= 0) {
         c->slots.of_key[c->slots.key[victim]] = -1;
@@ -253,7 +256,19 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     c->slots.marked[victim]    = 1;
     c->slots.transient[victim] = target != GGML_ZIPMOE_POOL_F;
     c->plan.pass_slot[e]           = victim;
+    if (c->gpu != NULL || c->slots.write != NULL) {
+        atomic_fetch_add(&c->stats.device_experts, 1);
+    }
+    plan_tasks(c, layer, e, victim, 0, target, serial);
+}
 
+// the tasks that make expert e full in slot (a device's, or the CPU's: on_cpu) from what is cached,
+// and where it is kept after use
+static void plan_tasks(struct ggml_zipmoe_cache * c, int layer, int32_t e, int32_t slot, int on_cpu, int target,
+                       uint64_t serial) {
+    const int64_t key = (int64_t) layer * c->layout.max_expert + e;
+    const int     cur = c->pools.key_pool[key];
+    const int32_t cur_entry = c->pools.key_entry[key];
     if (cur != NO_POOL) {
         c->pools.store[cur].entry_pinned[cur_entry]   = serial; // read by this call's tasks
         c->pools.store[cur].entry_last_use[cur_entry] = c->policy.tick;
@@ -267,7 +282,8 @@ static void plan_fill(struct ggml_zipmoe_cache * c, int layer, int32_t e, int ta
     int prefetched = 0;
     for (int k = 0; k < 3; k++) {
         struct zipmoe_task * t = &c->plan.tasks[c->plan.n_tasks++];
-        t->slot      = victim;
+        t->slot      = slot;
+        t->on_cpu    = on_cpu;
         t->kind      = k;
         t->tensor    = c->layout.layer_tensor[layer * 3 + k];
         t->expert    = e;
@@ -316,8 +332,37 @@ static void count_selections(struct ggml_zipmoe_cache * c, int layer, const int3
 }
 
 // thread 0, under the lock: residency for the experts of this pass, the tasks, their schedule, the slot ids
+// the CPU-load balancer (SMoE Alg. 2) over the pass's experts in no slot: c->cpu.cpu_slot[e] gets the CPU
+// slot of those it gives to the CPU. The cost of a load is measured (the fetches' device time per expert
+// copied); none measured yet: every one is loaded
+static void balance_cpu_load(struct ggml_zipmoe_cache * c, int first, int last) {
+    const uint64_t loaded = atomic_load(&c->stats.device_experts);
+    int32_t n = 0;
+    for (int i = first; i < last; i++) {
+        const int32_t e = c->plan.unique[i];
+        if (c->plan.pass_slot[e] < 0) {
+            c->cpu.missing[n] = e;
+            c->cpu.batch[n++] = c->plan.tokens[e];
+        }
+    }
+    if (n == 0 || loaded == 0) {
+        return;
+    }
+    const double t_load = (double) atomic_load(&c->stats.device_ns) * 1e-9 / (double) loaded;
+    if (ggml_zipmoe_balance_cpu_load(c->cpu.batch, n, t_load, c->cpu.t_cpu, c->cpu.n_slots, c->cpu.work,
+                                     c->cpu.on_cpu) <= 0) {
+        return;
+    }
+    int32_t next = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (c->cpu.on_cpu[i]) {
+            c->cpu.cpu_slot[c->cpu.missing[i]] = next++;
+        }
+    }
+}
+
 int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
-                     int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids) {
+                     int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int32_t * cpu_ids) {
     const int n_unique = collect_unique(c, layer, ids, n_used, n_tokens, ids_stride, c->plan.seen, c->plan.unique);
     if (n_unique < 0) {
         snprintf(c->error, sizeof(c->error), "layer %d: the router selected an expert id outside 0..%d", layer,
@@ -342,6 +387,9 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
     for (int32_t e = 0; e < c->layout.layer_n_expert[layer]; e++) {
         c->plan.pass_slot[e] = -1;
         c->plan.tokens[e] = 0;
+        if (c->cpu.cpu_slot != NULL) {
+            c->cpu.cpu_slot[e] = -1;
+        }
     }
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int64_t k = 0; k < n_used; k++) {
@@ -361,9 +409,21 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
             atomic_fetch_add(&c->stats.hits, 1);
         }
     }
+    const int with_cpu = cpu_ids != NULL && c->cpu.n_slots > 0;
+    if (with_cpu) {
+        balance_cpu_load(c, first, last);
+    }
     for (int i = first; i < last; i++) {
-        if (c->plan.pass_slot[c->plan.unique[i]] < 0) {
-            plan_fill(c, layer, c->plan.unique[i], zipmoe_dispatch_pool(c, layer, c->plan.unique[i]), serial);
+        const int32_t e = c->plan.unique[i];
+        if (c->plan.pass_slot[e] >= 0) {
+            continue;
+        }
+        if (with_cpu && c->cpu.cpu_slot[e] >= 0) {
+            // computed where it is held: no device slot, kept in the stores as a miss would be
+            plan_tasks(c, layer, e, c->cpu.cpu_slot[e], 1, zipmoe_dispatch_pool(c, layer, e), serial);
+            atomic_fetch_add(&c->stats.cpu_experts, 1);
+        } else {
+            plan_fill(c, layer, e, zipmoe_dispatch_pool(c, layer, e), serial);
         }
     }
     enforce_f_capacity(c);
@@ -371,8 +431,13 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
     // a negative id alone): each pass computes its own rows only, the merge takes them
     for (int64_t t = 0; t < n_tokens; t++) {
         for (int64_t k = 0; k < n_used; k++) {
-            const int32_t s = c->plan.pass_slot[ids[t * ids_stride + k]];
+            const int32_t e = ids[t * ids_stride + k];
+            const int32_t s = c->plan.pass_slot[e];
             slot_ids[t * n_used + k] = s >= 0 ? s : GGML_ZIPMOE_NO_SLOT;
+            if (cpu_ids != NULL) {
+                cpu_ids[t * n_used + k] = with_cpu && s < 0 && c->cpu.cpu_slot[e] >= 0 ? c->cpu.cpu_slot[e]
+                                                                                       : GGML_ZIPMOE_NO_SLOT;
+            }
         }
     }
     return GGML_ZIPMOE_OK;
@@ -382,7 +447,7 @@ int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, co
 void zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c) {
     for (int i = 0; i < c->plan.n_tasks; i++) {
         const struct zipmoe_task * t = &c->plan.tasks[i];
-        if (c->slots.key[t->slot] >= 0) {
+        if (!t->on_cpu && c->slots.key[t->slot] >= 0) {
             c->slots.of_key[c->slots.key[t->slot]] = -1;
             c->slots.key[t->slot] = -1;
         }
@@ -390,4 +455,58 @@ void zipmoe_cache_forget_tasks(struct ggml_zipmoe_cache * c) {
             zipmoe_store_forget(c, t->dst_pool, t->dst_entry);
         }
     }
+}
+
+int ggml_zipmoe_cache_set_cpu_slots(struct ggml_zipmoe_cache * c, void * const data[3], const size_t stride[3],
+                                    int32_t n_slots, double t_cpu) {
+    if (c == NULL) {
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (n_slots < 0 || (n_slots > 0 && (data == NULL || stride == NULL || !isfinite(t_cpu) || t_cpu < 0))) {
+        snprintf(c->error, sizeof(c->error), "ggml_zipmoe_cache_set_cpu_slots: bad arguments (%d slots)", n_slots);
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    if (n_slots > 0 && zipmoe_cache_slots_in_host(c)) {
+        snprintf(c->error, sizeof(c->error), "%s: the slots are in host memory: the CPU computes every expert already",
+                 c->file->path);
+        return GGML_ZIPMOE_ERR_ARG;
+    }
+    pthread_mutex_lock(&c->lock);
+    int status = GGML_ZIPMOE_OK;
+    const size_t n = (size_t) (c->layout.max_expert > 0 ? c->layout.max_expert : 1);
+    if (n_slots > 0 && c->cpu.cpu_slot == NULL) {
+        c->cpu.batch    = (int32_t *) malloc(n * sizeof(int32_t));
+        c->cpu.missing  = (int32_t *) malloc(n * sizeof(int32_t));
+        c->cpu.work     = (int32_t *) malloc(n * sizeof(int32_t));
+        c->cpu.on_cpu   = (uint8_t *) malloc(n);
+        c->cpu.cpu_slot = (int32_t *) malloc(n * sizeof(int32_t));
+        if (!c->cpu.batch || !c->cpu.missing || !c->cpu.work || !c->cpu.on_cpu || !c->cpu.cpu_slot) {
+            zipmoe_cpu_slots_free(c);
+            snprintf(c->error, sizeof(c->error), "%s: out of host memory for the CPU-load balancer", c->file->path);
+            status = GGML_ZIPMOE_ERR_NOMEM;
+        } else {
+            for (size_t e = 0; e < n; e++) {
+                c->cpu.cpu_slot[e] = -1;
+            }
+        }
+    }
+    if (status == GGML_ZIPMOE_OK) {
+        for (int k = 0; k < 3; k++) {
+            c->cpu.data[k]   = n_slots > 0 ? (uint8_t *) data[k] : NULL;
+            c->cpu.stride[k] = n_slots > 0 ? stride[k] : 0;
+        }
+        c->cpu.n_slots = n_slots;
+        c->cpu.t_cpu   = n_slots > 0 ? t_cpu : 0;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return status;
+}
+
+void zipmoe_cpu_slots_free(struct ggml_zipmoe_cache * c) {
+    free(c->cpu.batch);
+    free(c->cpu.missing);
+    free(c->cpu.work);
+    free(c->cpu.on_cpu);
+    free(c->cpu.cpu_slot);
+    memset(&c->cpu, 0, sizeof(c->cpu));
 }

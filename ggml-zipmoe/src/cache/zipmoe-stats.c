@@ -38,6 +38,9 @@ void ggml_zipmoe_cache_get_stats(const struct ggml_zipmoe_cache * c, struct ggml
     s->migrate_experts    = atomic_load(&c->stats.migrate_experts);
     s->migrate_ns         = atomic_load(&c->stats.migrate_ns);
     s->moved_page_bytes   = atomic_load(&c->stats.moved_page_bytes);
+    s->cpu_experts        = atomic_load(&c->stats.cpu_experts);
+    s->device_experts     = atomic_load(&c->stats.device_experts);
+    s->device_ns          = atomic_load(&c->stats.device_ns);
 }
 
 // the counters a fetch adds to, in struct zipmoe_fetch_counts order
@@ -120,8 +123,8 @@ void ggml_zipmoe_cache_reset_stats(struct ggml_zipmoe_cache * c) {
         &c->stats.plan_ns, &c->stats.fetch_work_ns, &c->stats.read_wait_ns, &c->stats.finish_wait_ns,
         &c->stats.decode_faults, &c->stats.graph_ns, &c->stats.graphs, &c->stats.preload_experts,
         &c->stats.preload_bytes_read, &c->stats.populate_bytes, &c->stats.populate_ns, &c->stats.migrate_experts,
-        &c->stats.migrate_ns, &c->stats.moved_page_bytes,
-    };
+        &c->stats.migrate_ns, &c->stats.moved_page_bytes, &c->stats.cpu_experts,
+    }; // device_experts and device_ns stay: the balancer's measure of a load
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         atomic_store(counters[i], 0);
     }

@@ -95,6 +95,11 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
         GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 0, NULL, NULL, "off",
         "with the slots in a device's memory (a GPU, an rpc-server) and no pools given: host memory keeps the "
         "other experts compressed beside them, from the prompt's reads on (lossless)", NONE },
+    [GGML_ZIPMOE_OPTION_CPU_COMPUTE] = { "cpu_compute", "zipmoe.cpu_compute", "ZIPMOE_CPU_COMPUTE",
+        GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 0, NULL, "exact weights, the CPU's rounding", "off",
+        "with the slots in a device's memory: the CPU computes a missing expert in host memory instead of copying it "
+        "to the device, where SMoE's CPU-load balancer finds that faster; exact weights, the CPU's rounding (not "
+        "bit-identical to stock with the device computing)", NONE },
     [GGML_ZIPMOE_OPTION_REPLAN_TOKENS] = { "replan_tokens", "zipmoe.replan_tokens", "ZIPMOE_REPLAN_TOKENS",
         GGML_ZIPMOE_TYPE_INT, BOTH, 0, 1073741824.0, NAN, 8, "decode steps", "0: never", "8",
         "after this many decode steps (one token of each sequence), the default pools are planned again from the routing seen, "

@@ -75,6 +75,8 @@ size_t ggml_zipmoe_cache_format_metrics(const struct ggml_zipmoe_cache * cache, 
                                     s.moved_page_bytes },
         { "substitutions_total", "LOSSY: selections a substitution policy replaced (0 unless a lossy mode is on)",
                                  s.substitutions },
+        { "cpu_experts_total", "Experts the CPU computed where held instead of the device (zipmoe.cpu_compute: the "
+                               "CPU's rounding; 0 unless it is on)", s.cpu_experts },
     };
     for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
         put_count(&t, "counter", counters[i].name, counters[i].help, counters[i].value);
