@@ -16,18 +16,13 @@
 #include <thread>
 
 ggml_tensor * llama_zipmoe_slot_set::cpu_slots_of(int il, int kind) const {
-    const int t = il >= 0 && 3 * il + kind < (int) layer_tensors.size() ? layer_tensors[3 * il + kind] : -1;
-    const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(zm->file, t) : GGML_TYPE_BF16;
-    for (ggml_tensor * s : cpu_slots[kind]) {
-        if (s->type == type) {
-            return s;
-        }
-    }
-    return cpu_slots[kind].empty() ? nullptr : cpu_slots[kind][0];
+    return of_layers_type(cpu_slots[kind], il, kind);
 }
 
-// seconds the CPU takes for one expert's products of one token on n_threads threads: the fastest of a few
-// runs of gate, up and down over the first CPU slot (its contents do not change the time); 0 if it cannot run
+// seconds the CPU takes for one expert's products of one token on n_threads threads: gate, up and down over
+// each CPU slot in turn, the mean of two rounds after one (the slots' contents do not change the time). In
+// turn, so that an expert is read from memory as a fetch's just recovered one mostly is, not from the
+// cache of the previous run; 0 if it cannot run
 static double measure_cpu_token(const llama_zipmoe_slot_set & set, int il, int n_threads) {
     ggml_backend_ptr cpu { ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr) };
     if (!cpu) {
@@ -52,17 +47,19 @@ static double measure_cpu_token(const llama_zipmoe_slot_set & set, int il, int n
     if (!buf) {
         return 0;
     }
-    ggml_backend_buffer_clear(buf.get(), 0); // x 0 and the id 0: slot 0
-    double best = 0;
-    for (int run = 0; run < 4; ++run) { // the first run pays the first touch of the slots' pages
+    ggml_backend_buffer_clear(buf.get(), 0);
+    const int32_t n = (int32_t) gate->ne[2];
+    double timed = 0;
+    for (int32_t run = 0; run < 3 * n; ++run) {
+        const int32_t slot = run % n;
+        ggml_backend_tensor_set(ids, &slot, 0, sizeof(slot));
         const auto t0 = std::chrono::steady_clock::now();
         if (ggml_backend_graph_compute(cpu.get(), gf) != GGML_STATUS_SUCCESS) {
             return 0;
         }
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        best = run == 1 || (run > 1 && s < best) ? s : best;
+        timed += run >= n ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() : 0.0;
     }
-    return best;
+    return timed / (2 * n);
 }
 
 void llama_zipmoe_slot_set::place_cpu_slots(int32_t n, int n_threads) {
@@ -92,6 +89,8 @@ void llama_zipmoe_slot_set::place_cpu_slots(int32_t n, int n_threads) {
                                         llama_zipmoe_size_text(size).c_str(), n, device_name()));
     }
     ggml_backend_buffer_set_usage(cpu_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    // pages of their own before the products are timed: untouched, they would all read the one zero page
+    ggml_backend_buffer_clear(cpu_buf, 0);
     char * base = (char *) ggml_backend_buffer_get_base(cpu_buf);
     void * data[3];
     for (int k = 0; k < 3; ++k) {

@@ -43,15 +43,19 @@ const char * llama_zipmoe_slot_set::device_name() const {
     return dev != nullptr ? ggml_backend_dev_name(dev) : "CPU";
 }
 
-ggml_tensor * llama_zipmoe_slot_set::slots_of(int il, int kind) const {
+ggml_tensor * llama_zipmoe_slot_set::of_layers_type(const std::vector<ggml_tensor *> & of_kind, int il, int kind) const {
     const int t = il >= 0 && 3 * il + kind < (int) layer_tensors.size() ? layer_tensors[3 * il + kind] : -1;
     const ggml_type type = t >= 0 ? (ggml_type) ggml_zipmoe_file_tensor_type(zm->file, t) : GGML_TYPE_BF16;
-    for (ggml_tensor * s : slots[kind]) {
+    for (ggml_tensor * s : of_kind) {
         if (s->type == type) {
             return s;
         }
     }
-    return slots[kind].empty() ? nullptr : slots[kind][0];
+    return of_kind.empty() ? nullptr : of_kind[0];
+}
+
+ggml_tensor * llama_zipmoe_slot_set::slots_of(int il, int kind) const {
+    return of_layers_type(slots[kind], il, kind);
 }
 
 // the slots in a device's memory: every slot in use, plus zero slots (absent_slot)

@@ -448,6 +448,8 @@ struct llama_zipmoe_slot_set {
     void make_cache();
 
 private:
+    // of a kind's tensors (one per ggml type), the one of layer il's type
+    ggml_tensor * of_layers_type(const std::vector<ggml_tensor *> & of_kind, int il, int kind) const;
     // slot tensors at data[k], nb[2] stride[k]: one per kind and ggml type of the file's tensors of that
     // kind; expected_extra: by (kind, type), whether the buffer's type must lay them out its own way
     void make_slot_tensors(void * const data[3], const size_t stride[3],

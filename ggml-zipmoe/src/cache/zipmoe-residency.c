@@ -331,7 +331,6 @@ static void count_selections(struct ggml_zipmoe_cache * c, int layer, const int3
     }
 }
 
-// thread 0, under the lock: residency for the experts of this pass, the tasks, their schedule, the slot ids
 // the CPU-load balancer (SMoE Alg. 2) over the pass's experts in no slot: c->cpu.cpu_slot[e] gets the CPU
 // slot of those it gives to the CPU. The cost of a load is measured (the fetches' device time per expert
 // copied); none measured yet: every one is loaded
@@ -361,6 +360,7 @@ static void balance_cpu_load(struct ggml_zipmoe_cache * c, int first, int last) 
     }
 }
 
+// thread 0, under the lock: residency for the experts of this pass, the tasks, their schedule, the slot ids
 int zipmoe_cache_plan_pass(struct ggml_zipmoe_cache * c, int layer, int pass, const int32_t * ids, int64_t n_used,
                      int64_t n_tokens, int64_t ids_stride, int32_t * slot_ids, int32_t * cpu_ids) {
     const int n_unique = collect_unique(c, layer, ids, n_used, n_tokens, ids_stride, c->plan.seen, c->plan.unique);
