@@ -110,7 +110,8 @@ def test_host_memory_keeps_compressed_experts_beside_a_servers_slots_from_the_pr
     assert s["c_hits"] + s["e_hits"] > 0, s
 
 
-@pytest.mark.parametrize("n_seq", [1, 4])
+# both architectures, one and four sequences: in two runs
+@pytest.mark.parametrize("arch, n_seq", [("qwen2moe", 4), ("deepseek2", 1)])
 def test_the_cpu_computes_the_misses_the_balancer_gives_it_beside_a_servers_slots(arch, n_seq, tiny_gguf, zipmoe_gguf,
                                                                                    rpc_servers):
     """zipmoe.cpu_compute (SMoE Alg. 2): of a pass's missing experts, those the CPU-load balancer gives the
