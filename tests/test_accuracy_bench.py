@@ -19,6 +19,9 @@ def harness():
     return bench_module("accuracy_bench")
 
 
+# the harness's arithmetic on one architecture (its 26-layer DeepSeek took 53 s); both architectures' exactness
+# at a budget is test_serve's
+@pytest.mark.parametrize("arch", ["qwen2moe"])
 def test_lossless_deltas_are_exactly_zero_and_lossy_ones_are_not(arch, harness, tiny_gguf, zipmoe_gguf):
     bf16, zipmoe = tiny_gguf(arch), zipmoe_gguf(arch)
     tokens = harness.held_out_tokens(bf16, TEXT * 2, 96)
