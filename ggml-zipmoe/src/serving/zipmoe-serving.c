@@ -33,10 +33,6 @@ const char * zipmoe_size_text(uint64_t bytes) {
     return ggml_zipmoe_size_text(bytes, bufs[next++ % 8], sizeof(bufs[0]));
 }
 
-static const char * size_text(uint64_t bytes) {
-    return zipmoe_size_text(bytes);
-}
-
 static int32_t slots_for(const struct ggml_zipmoe_serving * s, uint64_t bytes) {
     const uint64_t n = bytes / s->info.expert_bytes;
     return (int32_t) MIN(n, (uint64_t) INT32_MAX);
@@ -79,7 +75,7 @@ static void measure_memory(struct ggml_zipmoe_serving * s) {
     s->available = mem.available;
     if (mem.cgroup_version != 0 && mem.cgroup_limit != UINT64_MAX && mem.available < mem.mem_available) {
         snprintf(s->source, sizeof(s->source), "cgroup v%d %.160s: limit %s, %s in use", mem.cgroup_version,
-                 mem.cgroup_path, size_text(mem.cgroup_limit), size_text(mem.cgroup_used));
+                 mem.cgroup_path, zipmoe_size_text(mem.cgroup_limit), zipmoe_size_text(mem.cgroup_used));
     } else {
         snprintf(s->source, sizeof(s->source), "MemAvailable");
     }
@@ -88,8 +84,8 @@ static void measure_memory(struct ggml_zipmoe_serving * s) {
         const uint64_t left = s->p.mem_limit > rss ? s->p.mem_limit - rss : 0;
         if (left < s->available) {
             s->available = left;
-            snprintf(s->source, sizeof(s->source), "zipmoe.mem_limit %s, %s resident", size_text(s->p.mem_limit),
-                     size_text(rss));
+            snprintf(s->source, sizeof(s->source), "zipmoe.mem_limit %s, %s resident", zipmoe_size_text(s->p.mem_limit),
+                     zipmoe_size_text(rss));
         }
     }
     if (s->available == UINT64_MAX) {
@@ -173,9 +169,9 @@ struct ggml_zipmoe_serving * ggml_zipmoe_serving_new(const struct ggml_zipmoe_se
         // still exact, but every MoE layer's products then run in passes: easily missed in a share
         zipmoe_serving_log(s, 1, "%s of %s holds %d expert(s), fewer than the %d a token selects in a MoE layer: "
                            "each layer's products run in up to %d passes (exact, slower); give at least %s",
-                           budget_name(s), size_text(s->p.budget), s->info.capacity, one_token,
+                           budget_name(s), zipmoe_size_text(s->p.budget), s->info.capacity, one_token,
                            (one_token + s->info.capacity - 1) / s->info.capacity,
-                           size_text((uint64_t) one_token * s->info.expert_bytes));
+                           zipmoe_size_text((uint64_t) one_token * s->info.expert_bytes));
     }
     return s;
 }
@@ -276,22 +272,22 @@ static int check_given_pools(struct ggml_zipmoe_serving * s, char * err, size_t 
         }
         total += (uint64_t) n * entry;
         append(layout, sizeof(layout), &used, "%s%s %d per MoE layer x %d layers x %s = %s", used ? ", " : "",
-               ggml_zipmoe_pool_name(p), s->p.pools[p], L, size_text(entry), size_text((uint64_t) n * entry));
+               ggml_zipmoe_pool_name(p), s->p.pools[p], L, zipmoe_size_text(entry), zipmoe_size_text((uint64_t) n * entry));
     }
     const uint64_t work = (uint64_t) s->p.work_slots * s->info.expert_bytes;
     total += work;
     append(layout, sizeof(layout), &used, ", %d working slots x %s = %s", s->p.work_slots,
-           size_text(s->info.expert_bytes), size_text(work));
+           zipmoe_size_text(s->info.expert_bytes), zipmoe_size_text(work));
     if (n_none > 0) {
         append(layout, sizeof(layout), &used, " (%s: none)", none);
     }
     if (s->p.budget != 0 && total > s->p.budget) {
         snprintf(err, err_size, "zipmoe.pool_* and zipmoe.work_slots need %s: %s, more than %s's %s; give a budget "
-                 "of at least %s, or fewer pool experts or working slots", size_text(total), layout, budget_name(s),
-                 size_text(s->p.budget), size_text(total));
+                 "of at least %s, or fewer pool experts or working slots", zipmoe_size_text(total), layout, budget_name(s),
+                 zipmoe_size_text(s->p.budget), zipmoe_size_text(total));
         return GGML_ZIPMOE_ERR_ARG;
     }
-    zipmoe_serving_log(s, 0, "ZipMoE expert cache pools: %s = %s", layout, size_text(total));
+    zipmoe_serving_log(s, 0, "ZipMoE expert cache pools: %s = %s", layout, zipmoe_size_text(total));
     return GGML_ZIPMOE_OK;
 }
 
@@ -352,16 +348,17 @@ int ggml_zipmoe_serving_auto_pools_active(const struct ggml_zipmoe_serving * s) 
 }
 
 // "available ... - ... = fits": the sums of a sizing, for its log lines and errors
-static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, char * buf, size_t size) {
-    if (pl->contexts == 0 && pl->cache_buffers == 0 && pl->margin == 0) { // a device's (get_slots_plan)
+// on_device: a device's plan (ggml_zipmoe_serving_get_slots_plan), whose sums are its own
+static void describe_sums(const struct ggml_zipmoe_serving_plan * pl, bool on_device, char * buf, size_t size) {
+    if (on_device) {
         snprintf(buf, size, "available %s (%s) - its other weights, KV cache and compute buffers, a reserve and "
-                 "zero slots %s = %s", size_text(pl->available), pl->source, size_text(pl->non_expert),
-                 size_text(pl->fits));
+                 "zero slots %s = %s", zipmoe_size_text(pl->available), pl->source, zipmoe_size_text(pl->non_expert),
+                 zipmoe_size_text(pl->fits));
         return;
     }
     snprintf(buf, size, "available %s (%s) - non-expert weights %s - %d context(s) %s - ZipMoE buffers %s - margin %s "
-             "= %s", size_text(pl->available), pl->source, size_text(pl->non_expert), pl->n_contexts,
-             size_text(pl->contexts), size_text(pl->cache_buffers), size_text(pl->margin), size_text(pl->fits));
+             "= %s", zipmoe_size_text(pl->available), pl->source, zipmoe_size_text(pl->non_expert), pl->n_contexts,
+             zipmoe_size_text(pl->contexts), zipmoe_size_text(pl->cache_buffers), zipmoe_size_text(pl->margin), zipmoe_size_text(pl->fits));
 }
 
 // what a sizing keeps beside the slots and the contexts: the cache's own buffers for n_threads_max graph
@@ -406,7 +403,7 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
     const int32_t capacity = pl.slot_capacity;
     pl.min_slots = pools_given || s->on_gpu ? capacity : MIN(capacity, s->p.n_expert_used);
     char sums[768];
-    describe_sums(&pl, sums, sizeof(sums));
+    describe_sums(&pl, false, sums, sizeof(sums));
     int32_t n = capacity;
     if (s->on_gpu) {
         // the slots take device memory, allocated when the model loaded; the stores' host memory
@@ -416,8 +413,8 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
         if (need > pl.fits && d->making) {
             snprintf(err, err_size, "the ZipMoE pools need %s of slots (%d F experts per layer x %d layers + %d working "
                      "slots) beside %s of stores, but only %s is left: %s. Give smaller zipmoe.pool_* / "
-                     "zipmoe.work_slots, a smaller context, or more memory", size_text(need), s->p.pools[0],
-                     s->info.n_moe_layers, s->p.work_slots, size_text(pl.cache_buffers), size_text(pl.fits), sums);
+                     "zipmoe.work_slots, a smaller context, or more memory", zipmoe_size_text(need), s->p.pools[0],
+                     s->info.n_moe_layers, s->p.work_slots, zipmoe_size_text(pl.cache_buffers), zipmoe_size_text(pl.fits), sums);
             return GGML_ZIPMOE_ERR_ARG;
         }
     } else {
@@ -427,7 +424,7 @@ static int size_slots(struct ggml_zipmoe_serving * s, const struct ggml_zipmoe_s
                 n = MAX(MIN(capacity, pl.min_slots), fit);
                 if (d->making) { // a freed context leaves more room, or the same: said once
                     zipmoe_serving_log(s, 1, "%s of %s does not fit: %s; using %d slots (%s)", budget_name(s),
-                                       size_text(s->p.budget), sums, n, size_text((uint64_t) n * s->info.expert_bytes));
+                                       zipmoe_size_text(s->p.budget), sums, n, zipmoe_size_text((uint64_t) n * s->info.expert_bytes));
                 }
             }
         } else {
@@ -569,7 +566,7 @@ int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, const struct ggml
     struct ggml_zipmoe_serving_plan slots_plan;
     ggml_zipmoe_serving_get_slots_plan(s, &slots_plan);
     char sums[768];
-    describe_sums(&slots_plan, sums, sizeof(sums));
+    describe_sums(&slots_plan, s->on_gpu, sums, sizeof(sums));
     zipmoe_serving_log(s, 0, "ZipMoE expert cache: %d of %d slots in use, %.1f MiB (%s%s%s)", n, pl->slot_capacity,
                        (double) n * s->info.expert_bytes / ZIPMOE_MIB, s->p.budget != 0 ? budget_name(s) : "",
                        s->p.budget != 0 ? "; " : "", sums);
