@@ -109,7 +109,7 @@ static const struct ggml_zipmoe_option k_options[GGML_ZIPMOE_OPTION_COUNT] = {
         0, 1, NAN, 0, NULL, NULL, "off",
         "while a layer computes, read the experts the next layer is predicted to choose (lossless)", NONE },
     [GGML_ZIPMOE_OPTION_RESIDENT_VIEWS] = { "resident_views", "zipmoe.resident_views", "ZIPMOE_RESIDENT_VIEWS",
-        GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, -1, NULL, NULL, "on with slots in GPU memory, else off",
+        GGML_ZIPMOE_TYPE_BOOL, BOTH, 0, 1, NAN, 1, NULL, NULL, "on",
         "once a preload left every expert in a slot, in order, the products use the slots in place (no fetch op)",
         NONE },
     [GGML_ZIPMOE_OPTION_SUBSTITUTION] = { "substitution", "zipmoe.substitution", "ZIPMOE_SUBSTITUTION",
