@@ -50,8 +50,9 @@ def greedy_logits(llm, prompt: str, n_decode: int = N_DECODE) -> np.ndarray:
 
 
 def used_experts(path, prompt: str) -> dict[int, set[int]]:
-    """layer -> experts the router chose for the prompt and its greedy steps (every expert cached)."""
-    llm = load(path, zipmoe_budget=1 << 30)
+    """layer -> experts the router chose for the prompt and its greedy steps (every expert cached, through the
+    fetch ops, which count them: resident views would leave them out)."""
+    llm = load(path, zipmoe_budget=1 << 30, zipmoe_resident_views=False)
     try:
         greedy_logits(llm, prompt)
         cache = _lib.llama_model_zipmoe_cache(llm._model.model)

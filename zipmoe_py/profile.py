@@ -181,7 +181,9 @@ def profile(model: Path, prompts: list[str], batch_sizes: list[int], n_tokens: i
     from .bindings import Llama
 
     bytes_by_state, n_tensors, n_shards = expert_bytes_by_pool(model)
-    llm = Llama(model_path=str(model), n_ctx=512, n_threads=threads, verbose=False, zipmoe_budget=budget)
+    # the counts come from the fetch ops, which resident views (every expert in a slot) leave out of the graph
+    llm = Llama(model_path=str(model), n_ctx=512, n_threads=threads, verbose=False, zipmoe_budget=budget,
+                zipmoe_resident_views=False)
     try:
         cache = _lib.llama_model_zipmoe_cache(llm._model.model)
         if not cache:
