@@ -149,7 +149,7 @@ llama_zipmoe_options from_values(const std::vector<given_value> & given,
     o.cpu_compute    = number(GGML_ZIPMOE_OPTION_CPU_COMPUTE) != 0;
     o.replan_tokens  = (int32_t) number(GGML_ZIPMOE_OPTION_REPLAN_TOKENS);
     o.prefetch       = number(GGML_ZIPMOE_OPTION_PREFETCH) != 0;
-    o.resident_views = (int) number(GGML_ZIPMOE_OPTION_RESIDENT_VIEWS);
+    o.resident_views = number(GGML_ZIPMOE_OPTION_RESIDENT_VIEWS) != 0;
     o.substitution   = (int32_t) number(GGML_ZIPMOE_OPTION_SUBSTITUTION);
     o.smoe_alpha     = (float) number(GGML_ZIPMOE_OPTION_SMOE_ALPHA);
     o.buddy.tau         = (float) number(GGML_ZIPMOE_OPTION_BUDDY_TAU);

@@ -313,8 +313,7 @@ void llama_zipmoe::preload(llama_context * lctx) {
         LLAMA_LOG_INFO("%s: ZipMoE preloaded%s %d experts (%.1f MiB of slots) in %.2f s\n", __func__, where.c_str(),
                        n_loaded, (double) n_loaded * set->info.expert_bytes / k_zipmoe_mib, seconds);
         // every expert resident: the graphs may use the slots in place (rebuilt for it)
-        const bool views = opt.resident_views != 0;
-        if (views && !opt.with_pools() && !ggml_zipmoe_serving_auto_pools_active(set->serving)) {
+        if (opt.resident_views && !opt.with_pools() && !ggml_zipmoe_serving_auto_pools_active(set->serving)) {
             std::vector<int32_t> base;
             if (resident_bases(*set, base)) {
                 std::lock_guard<std::mutex> lock(state_mutex);

@@ -109,7 +109,7 @@ struct llama_zipmoe_options {
                                         // (SMoE Alg. 2; exact weights, the CPU's rounding)
     int32_t     replan_tokens  = 0;     // decode steps before the default pools are planned again (0: never)
     bool        prefetch       = false; // read ahead for the next layer's predicted experts
-    int         resident_views = 1;     // 1, 0
+    bool        resident_views = true;
     int32_t     substitution   = 0;     // enum ggml_zipmoe_substitution (LOSSY unless none)
     float       smoe_alpha     = 0;     // SMoE's alpha
     ggml_zipmoe_buddy_params buddy = {}; // BuddyMoE's parameters
