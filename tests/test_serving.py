@@ -104,8 +104,13 @@ class Serving:
                 assert self.lib.ggml_zipmoe_cache_fetch(self.cache, layer, p, ids.ctypes.data, ids.shape[1],
                                                         ids.shape[0], ids.shape[1], out.ctypes.data, 0, 1) == 0
 
-    def observe(self, n_tokens: int = 1, n_seqs: int = 1) -> int:
-        """after a graph of n_tokens tokens of n_seqs sequences, as llama_zipmoe::finish_compute calls it"""
+    def observe(self, n_tokens: int = 1, n_seqs: int = 1, tokens=None) -> int:
+        """after a graph of n_tokens tokens of n_seqs sequences, as llama_zipmoe::finish_compute calls it: the
+        ubatch's token ids first (None: told none, as for embeddings)"""
+        if tokens is not None:
+            ids = np.ascontiguousarray(tokens, np.int32)
+            assert ids.size == n_tokens
+            self.lib.ggml_zipmoe_serving_observe_tokens(self.handle, ids.ctypes.data, n_tokens, n_seqs)
         return self.lib.ggml_zipmoe_serving_observe(self.handle, n_tokens, n_seqs)
 
     def close(self) -> None:
@@ -505,3 +510,64 @@ def test_routing_as_even_as_a_uniform_routers_is_planned_for_the_built_in_profil
     # every expert chosen exactly once: z is as low as it goes; one pair always: far beyond the 3 of noise
     assert (z < 0) if even else (z > 3)
     assert ("so planned for the built-in profile" in replanned) == even
+
+
+def _prompt_replan(serving, selections, tokens, chunks=1):
+    """the re-plan after one sequence's prompt (its selections, the same at every layer) told in `chunks`
+    ubatches with its token ids (None: told none), the last of them reaching zipmoe.replan_tokens; its log
+    line"""
+    s = serving(available=256 * MIB, replan_tokens=len(selections))
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    bounds = np.linspace(0, len(selections), chunks + 1).astype(int)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        s.decode_step({layer: selections[a:b] for layer in layers})
+        s.observe(int(b - a), 1, None if tokens is None else tokens[a:b])
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    return replanned
+
+
+def test_a_prompts_repeated_tokens_are_discounted_before_its_routing_is_called_uneven(serving):
+    """A token repeated routes alike, so a prompt's counts are clusters, not independent draws: the 77-token
+    bench prompt (each token 2.09 times on average) read z = 28.7 on DeepSeek-V2-Lite's uniform router, and
+    pools planned on that decoded 1.2 times slower than the built-in profile's. The re-plan after a prompt
+    divides the chi-square by the tokens' mean multiplicity (sum of m^2 over the tokens)."""
+    # one token ten times choosing experts 0 and 1, six others one pair each: uneven counts, but from seven
+    # distinct tokens, as even as a uniform router's could be
+    pairs = [[0, 1]] * 10 + [[2, 3], [4, 5], [6, 7], [2, 4], [3, 5], [6, 7]]
+    tokens = [7] * 10 + [11, 12, 13, 14, 15, 16]
+    order = np.random.default_rng(0).permutation(len(pairs))
+    pairs, tokens = [pairs[i] for i in order], [tokens[i] for i in order]
+    told = _prompt_replan(serving, pairs, tokens)
+    z = float(told.split("routing z = ")[1].split()[0])
+    effect = (10 * 10 + 6) / 16
+    assert f"with the prompt's repeated tokens discounted (design effect {effect:.2f}) against a uniform " \
+           "router's, so planned for the built-in profile" in told and z < 3, told
+    # the same counts told no token ids (a prompt of embeddings): independent draws, uneven
+    untold = _prompt_replan(serving, pairs, None)
+    z_untold = float(untold.split("routing z = ")[1].split()[0])
+    assert "design effect" not in untold and "so planned for the built-in profile" not in untold and z_untold > 3
+    # distinct tokens throughout: nothing discounted, the same z as told none
+    distinct = _prompt_replan(serving, pairs, list(range(100, 116)))
+    assert "design effect" not in distinct and distinct.split("routing z = ")[1].split()[0] == f"{z_untold:.1f}"
+
+
+def test_the_design_effect_counts_every_ubatch_of_a_long_prompt(serving):
+    """A prompt of 600 tokens over three ubatches, 300 ids twice each, re-planned at the third (the table of
+    ids grows past its first 256 cells): a design effect of exactly 2. Several sequences in a ubatch end the counting (no
+    re-plan after a prompt then), and a decode step's re-plan discounts nothing."""
+    pairs = [[(2 * t) % N_EXPERT, (2 * t + 1) % N_EXPERT] for t in range(600)]
+    told = _prompt_replan(serving, pairs, [t % 300 for t in range(600)], chunks=3)
+    assert told.startswith("ZipMoE pools re-planned after a prompt of 600 tokens") and "(design effect 2.00)" in told
+    s = serving(available=256 * MIB, replan_tokens=4)
+    s.make_cache()
+    assert s.resize()[0] == 0
+    layers = s.zf.moe_layers()
+    s.decode_step({layer: [[0, 1], [0, 1]] for layer in layers})
+    s.observe(2, 2, [5, 5])  # two sequences' prompts of one token each
+    for step in range(4):
+        s.decode_step({layer: [[0, 1]] for layer in layers})
+        s.observe(1, 1, [5])
+    [replanned] = [text for _, text in s.logs if "re-planned" in text]
+    assert replanned.startswith("ZipMoE pools re-planned after 4 decode steps (") and "design effect" not in replanned

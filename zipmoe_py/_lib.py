@@ -352,6 +352,7 @@ _PROTOTYPES = {
     "ggml_zipmoe_serving_resize": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ServingDemand),
                                                   ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]),
     "ggml_zipmoe_serving_observe": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
+    "ggml_zipmoe_serving_observe_tokens": (None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]),
     "ggml_zipmoe_serving_get_plan": (None, [ctypes.c_void_p, ctypes.POINTER(MemoryPlan)]),
     "ggml_zipmoe_serving_auto_pools_active": (ctypes.c_int, [ctypes.c_void_p]),
     "ggml_zipmoe_schedule": (ctypes.c_int, [ctypes.POINTER(SchedTask), ctypes.c_int32, ctypes.POINTER(SchedParams),

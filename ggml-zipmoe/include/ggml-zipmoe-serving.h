@@ -149,6 +149,13 @@ GGML_ZIPMOE_API int ggml_zipmoe_serving_resize(struct ggml_zipmoe_serving * s, c
 // or more). Returns 1 if the slot layout changed (graphs must be rebuilt), else 0.
 GGML_ZIPMOE_API int ggml_zipmoe_serving_observe(struct ggml_zipmoe_serving * s, int32_t n_tokens, int32_t n_seqs);
 
+// before ggml_zipmoe_serving_observe for the same ubatch: its token ids (NULL where it came as embeddings).
+// Until the re-plan after one sequence's prompt, they are counted by id: a token repeated routes alike, so a
+// prompt's routing looks as much more uneven than its router's as the tokens' mean multiplicity (the sum
+// over the ids of their count squared, over the tokens), and that re-plan discounts it (Rao-Scott).
+GGML_ZIPMOE_API void ggml_zipmoe_serving_observe_tokens(struct ggml_zipmoe_serving * s, const int32_t * tokens,
+                                                        int32_t n_tokens, int32_t n_seqs);
+
 // what a sizing keeps beside the slots, the non-expert weights and the contexts, for the graph threads seen so
 // far (the plan's cache_buffers and margin): what a context size chosen for the slots' sake must leave too
 GGML_ZIPMOE_API void ggml_zipmoe_serving_overhead(const struct ggml_zipmoe_serving * s, uint64_t * cache_buffers,

@@ -454,7 +454,8 @@ static std::string lost_rpc_server(const llama_model & model) {
     return "";
 }
 
-ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status, uint32_t n_tokens, uint32_t n_seqs) {
+ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status status, const llama_token * tokens,
+                                         uint32_t n_tokens, uint32_t n_seqs) {
     // a graph stopped between a fetch's begin and end (by the user's abort callback, or a failed
     // begin) left the fetch open: its reads stop and its slots are forgotten
     for (const auto & set : sets) {
@@ -489,6 +490,7 @@ ggml_status llama_zipmoe::finish_compute(llama_context * lctx, ggml_status statu
         std::lock_guard<std::mutex> lock(state_mutex);
         // graphs built for the old slots are rebuilt
         for (const auto & set : sets) {
+            ggml_zipmoe_serving_observe_tokens(set->serving, tokens, (int32_t) n_tokens, (int32_t) n_seqs);
             layout += ggml_zipmoe_serving_observe(set->serving, (int32_t) n_tokens, (int32_t) n_seqs);
         }
     }

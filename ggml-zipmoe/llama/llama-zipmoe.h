@@ -248,7 +248,8 @@ struct llama_zipmoe {
     // distinct sequences: abandons a fetch the graph left open and turns a failed fetch into
     // GGML_STATUS_FAILED, keeping its message for llama_zipmoe_last_error; a decode step's routing
     // may re-plan the default pools
-    ggml_status finish_compute(llama_context * lctx, ggml_status status, uint32_t n_tokens, uint32_t n_seqs);
+    ggml_status finish_compute(llama_context * lctx, ggml_status status, const llama_token * tokens, uint32_t n_tokens,
+                               uint32_t n_seqs);
 
     // the abort callback installed in lctx's backends: a failed fetch, or the user's callback
     static bool abort_callback(void * data);

@@ -38,11 +38,19 @@ struct zipmoe_routing_profile {
     uint64_t   layer_steps;     // and the (step, served layer) pairs they summed over
     double *   observed;     // [n_expert] rank-based inclusion probabilities of those steps
     double     even_z;       // how far those steps are from a uniform router's (routing_even_z)
+    double     design_effect; // and the discount for a prompt's repeated tokens it was taken with
     bool       even;         // as even as a uniform router's: plans keep the built-in profile
     bool       replanned;    // no more re-plans
     uint64_t   next_replan;  // the counted steps at which the next re-plan runs (twice the last one's, or
                              // sooner: where a change declined for its cost would repay)
     bool       adopted;      // the re-plan changed the pools: later plans for the memory left keep its profile
+    // one sequence's tokens until the re-plan after its prompt, counted by id (ggml_zipmoe_serving_observe_tokens)
+    int32_t *  token_ids;    // [token_cap] an open-addressed table of the ids seen (-1: empty)
+    uint32_t * token_mult;   // [token_cap] how often each came
+    size_t     token_cap;    // a power of two (0: no table)
+    size_t     token_distinct;
+    double     token_n;      // tokens counted
+    double     token_sum_sq; // the sum over the ids of their multiplicity squared
 };
 
 struct ggml_zipmoe_serving {
