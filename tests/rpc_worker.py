@@ -9,7 +9,8 @@ process, and a test's servers are gone after it. The jobs:
         one sequence, 6 decode steps at half the experts, zipmoe.device_stores on: the same comparison;
         prints the ZipMoE run's statistics
     rpc_worker.py cpu_compute ARCH BF16 ZIPMOE SERVERS N_SEQ
-        one token's experts on the server, zipmoe.cpu_compute on: the same comparison; prints the statistics
+        one token's experts on the server, zipmoe.cpu_compute on, one thread: the same comparison; prints the
+        statistics and, in the order logged, the thread counts the CPU's products were timed on
     rpc_worker.py placement ARCH BF16 ZIPMOE SERVERS N_SEQ PLACEMENT_JSON BUDGET_NAME...
         as exact, every layer offloaded and the placement's keyword arguments (override_tensor, n_cpu_moe)
         given to both; prints one JSON line: the ZipMoE runs' statistics, and by MoE layer the device
@@ -30,15 +31,16 @@ import re
 import sys
 import warnings
 
-from test_serve import PROMPTS, assert_same_trace, budget_of, load, logits_trace
+from test_serve import PROMPTS, THREADS, assert_same_trace, budget_of, load, logits_trace
 
 N_DECODE = 16
 
 
-def trace(path, servers: str, n_seq: int, n_decode: int = N_DECODE, prompts=PROMPTS, **options):
-    llm = load(path, rpc_servers=servers, n_gpu_layers=99, **options)
+def trace(path, servers: str, n_seq: int, n_decode: int = N_DECODE, prompts=PROMPTS, threads: int = THREADS,
+          **options):
+    llm = load(path, rpc_servers=servers, n_gpu_layers=99, threads=threads, **options)
     try:
-        got, tokens = logits_trace(llm, prompts[:n_seq], n_decode)
+        got, tokens = logits_trace(llm, prompts[:n_seq], n_decode, threads=threads)
         return got, tokens, llm.zipmoe_stats()
     finally:
         llm.close()
@@ -130,11 +132,13 @@ def cpu_compute(arch: str, bf16: str, zipmoe: str, servers: str, n_seq: str) -> 
     """slots on the server at one token's experts, zipmoe.cpu_compute on: the client's CPU computes the misses
     the balancer gives it. The server computes on its CPU as well, with the same kernels, so here the CPU's
     rounding is the device's and the logits must stay stock's, bit for bit"""
-    want, want_tokens, _ = trace(bf16, servers, int(n_seq))
-    got, got_tokens, stats = trace(zipmoe, servers, int(n_seq), zipmoe_budget=budget_of(zipmoe, arch, "top-k"),
-                                   zipmoe_cpu_compute=True)
+    want, want_tokens, _ = trace(bf16, servers, int(n_seq), threads=1)
+    with LoaderLog() as log:  # the load and the graphs: the CPU's products timed on the graphs' one thread
+        got, got_tokens, stats = trace(zipmoe, servers, int(n_seq), zipmoe_budget=budget_of(zipmoe, arch, "top-k"),
+                                       zipmoe_cpu_compute=True, threads=1)
     assert_same_trace(got, got_tokens, want, want_tokens, f"the BF16 GGUF over RPC ({servers}), the CPU computing")
-    print(json.dumps(stats))
+    timed = re.findall(r"products of a token take [\d.]+ ms on (\d+) CPU threads( \(a graph's\))?", "".join(log.lines))
+    print(json.dumps({**stats, "cpu_products_timed_on": [(int(n), bool(graph)) for n, graph in timed]}))
     return 0
 
 

@@ -125,7 +125,7 @@ def test_every_patch_applies_to_the_pinned_source(tmp_path):
     assert prepare_source.prepare(tmp_path / "llama.cpp", sdist=sdist)
     # each patch's change is in the tree
     assert "llama_zipmoe_last_error" in (tmp_path / "llama.cpp/include/llama.h").read_text()
-    assert "model.zipmoe->lock_compute()" in (tmp_path / "llama.cpp/src/llama-context.cpp").read_text()
+    assert "model.zipmoe->lock_compute(this, ubatch.n_tokens > 1)" in (tmp_path / "llama.cpp/src/llama-context.cpp").read_text()
     graph = (tmp_path / "llama.cpp/src/llama-graph.cpp").read_text()
     assert "llm_graph_context::build_moe_ffn_experts(" in graph  # the refactor
     assert "llama_zipmoe::of(down_exps)" in graph                 # the hook on it

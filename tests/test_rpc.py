@@ -126,6 +126,10 @@ def test_the_cpu_computes_the_misses_the_balancer_gives_it_beside_a_servers_slot
     # every expert made full crossed the network once, but those the CPU computed
     made_full = s["expert_misses"] + s["c_hits"] + s["s_hits"] + s["e_hits"]
     assert s["h2d_bytes"] == (made_full - s["cpu_experts"]) * one, s
+    # the balancer weighs the CPU's products at their time on the graphs' threads (1), not the load's
+    # first measure on every core
+    cores = os.cpu_count() or 1
+    assert s["cpu_products_timed_on"] == ([[cores, False], [1, True]] if cores > 1 else [[1, False]]), s
 
 
 def test_an_unreachable_rpc_server_is_an_error_naming_it(zipmoe_gguf):

@@ -107,12 +107,7 @@ void llama_zipmoe_slot_set::place_cpu_slots(int32_t n, int n_threads) {
         }
     }
     n_cpu_slots = n;
-    int il = 0;
-    while (3 * il < (int) layer_tensors.size() && layer_tensors[3 * il] < 0) {
-        ++il;
-    }
-    cpu_token_s = measure_cpu_token(*this, il, n_threads);
-    if (cpu_token_s <= 0 || ggml_zipmoe_cache_set_cpu_slots(cache, data, stride, n, cpu_token_s) != GGML_ZIPMOE_OK) {
+    if (!time_cpu_products(n_threads)) {
         LLAMA_LOG_WARN("%s: zipmoe.cpu_compute: the CPU's products could not be measured (%s): every expert is copied "
                        "to %s\n", __func__, ggml_zipmoe_cache_error(cache), device_name());
         n_cpu_slots = 0;
@@ -120,7 +115,37 @@ void llama_zipmoe_slot_set::place_cpu_slots(int32_t n, int n_threads) {
     }
     LLAMA_LOG_INFO("%s: ZipMoE: experts computed where they are held (zipmoe.cpu_compute; exact weights, the CPU's "
                    "rounding, not bit-identical to stock): %d slots of %.2f MiB in host memory beside %s's; one "
-                   "expert's products of a token take %.2f ms on %d CPU threads, against the measured copy to %s\n",
+                   "expert's products of a token take %.2f ms on %d CPU threads (measured again on a context's "
+                   "threads), against the measured copy to %s\n",
                    __func__, n, info.expert_bytes / k_zipmoe_mib, device_name(), cpu_token_s * 1e3, n_threads,
                    device_name());
+}
+
+bool llama_zipmoe_slot_set::time_cpu_products(int n_threads) {
+    if (n_cpu_slots == 0 || n_threads == cpu_token_threads) {
+        return n_cpu_slots > 0;
+    }
+    auto it = cpu_token_s_by_threads.find(n_threads);
+    if (it == cpu_token_s_by_threads.end()) {
+        int il = 0;
+        while (3 * il < (int) layer_tensors.size() && layer_tensors[3 * il] < 0) {
+            ++il;
+        }
+        it = cpu_token_s_by_threads.emplace(n_threads, measure_cpu_token(*this, il, n_threads)).first;
+        if (cpu_token_threads != 0 && it->second > 0) { // a context's threads, not the load's first measure
+            LLAMA_LOG_INFO("%s: zipmoe.cpu_compute: one expert's products of a token take %.2f ms on %d CPU threads "
+                           "(a graph's)\n", __func__, it->second * 1e3, n_threads);
+        }
+    }
+    void * data[3];
+    size_t stride[3];
+    for (int k = 0; k < 3; ++k) {
+        data[k]   = cpu_slots[k].empty() ? nullptr : cpu_slots[k][0]->data;
+        stride[k] = cpu_slots[k].empty() ? 0 : cpu_slots[k][0]->nb[2];
+    }
+    const bool taken = it->second > 0 &&
+                       ggml_zipmoe_cache_set_cpu_slots(cache, data, stride, n_cpu_slots, it->second) == GGML_ZIPMOE_OK;
+    cpu_token_s       = taken ? it->second : cpu_token_s;
+    cpu_token_threads = n_threads; // tried once: a failure is not measured (nor reported) again each graph
+    return taken;
 }

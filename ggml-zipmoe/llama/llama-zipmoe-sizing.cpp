@@ -224,7 +224,8 @@ void llama_zipmoe::resize(const llama_context * making) {
         }
     }
     demand.n_threads_max = n_threads_max;
-    // the sets in devices' memory first: their caches' buffers are in host memory, beside the host set's slots
+    // the sets in devices' memory first: their caches' buffers (and CPU slots) are in host memory, beside the host
+    // set's slots
     std::vector<llama_zipmoe_slot_set *> order;
     for (const auto & set : sets) {
         order.push_back(set.get());
@@ -245,7 +246,8 @@ void llama_zipmoe::resize(const llama_context * making) {
         if (set->on_device) {
             uint64_t buffers = 0, margin = 0;
             ggml_zipmoe_serving_overhead(set->serving, &buffers, &margin);
-            device_sets_buffers += buffers;
+            // and the host slots of the experts the CPU computes beside the device's (zipmoe.cpu_compute)
+            device_sets_buffers += buffers + (set->cpu_buf != nullptr ? ggml_backend_buffer_get_size(set->cpu_buf) : 0);
         }
     }
     sized = true;

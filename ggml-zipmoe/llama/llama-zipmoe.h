@@ -238,8 +238,10 @@ struct llama_zipmoe {
     // graph nodes the passes may add to a ubatch of n_tokens (at the fewest slots the cache uses)
     uint32_t graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_used) const;
 
-    // the model's graphs run one at a time: held from graph build through compute of a ubatch
-    std::unique_lock<std::mutex> lock_compute();
+    // the model's graphs run one at a time: held from graph build through compute of a ubatch of lctx (batched:
+    // of more than one token, computed on its batch threads); the CPU's products (zipmoe.cpu_compute) are
+    // weighed at the time they take on those threads
+    std::unique_lock<std::mutex> lock_compute(const llama_context * lctx, bool batched);
 
     // false if gf was built for another slot count (a resize since): it must be rebuilt
     bool graph_is_current(const ggml_cgraph * gf) const;
@@ -416,7 +418,9 @@ struct llama_zipmoe_slot_set {
     ggml_context *             cpu_ctx     = nullptr;
     ggml_backend_buffer_t      cpu_buf     = nullptr;
     std::vector<ggml_tensor *> cpu_slots[3];
-    double                     cpu_token_s = 0; // measured: one expert's products of one token on the CPU
+    double                     cpu_token_s = 0; // measured: one expert's products of one token on the CPU, on
+    int                        cpu_token_threads = 0;         // this many threads: the graph's (time_cpu_products)
+    std::map<int, double>      cpu_token_s_by_threads;        // each thread count's, measured once
 
     ~llama_zipmoe_slot_set();
 
@@ -438,8 +442,13 @@ struct llama_zipmoe_slot_set {
     ggml_tensor * slots_of(int il, int kind) const; // layer il's slot tensor of a kind (its type's)
     ggml_tensor * cpu_slots_of(int il, int kind) const; // the same, of the CPU's slots
 
-    // the CPU's slots for n experts and its measured cost (zipmoe.cpu_compute), given to the cache; logs them
+    // the CPU's slots for n experts and its measured cost on n_threads (zipmoe.cpu_compute), given to the
+    // cache; logs them
     void place_cpu_slots(int32_t n, int n_threads);
+    // the cache's balancer weighs the CPU's products at their time on n_threads threads (measured the first
+    // time). False, the first time only, if they could not be measured or the cache refused it: the time it
+    // had stays
+    bool time_cpu_products(int n_threads);
 
     // the slots: in the device's memory, beside weights_bytes of the model's weights there; or in host memory
     void place_on_device(uint64_t weights_bytes);
