@@ -426,11 +426,10 @@ uint32_t llama_zipmoe::graph_extra_nodes(uint32_t n_tokens, uint32_t n_expert_us
     return total;
 }
 
-std::unique_lock<std::mutex> llama_zipmoe::lock_compute(const llama_context * lctx, bool batched) {
+std::unique_lock<std::mutex> llama_zipmoe::lock_compute(llama_context * lctx, bool batched) {
     std::unique_lock<std::mutex> lock(compute_mutex);
     // no fetch is open between graphs: the balancer may take the time on this graph's threads
-    const int n_threads = (int) (batched ? llama_n_threads_batch(const_cast<llama_context *>(lctx))
-                                         : llama_n_threads(const_cast<llama_context *>(lctx)));
+    const int n_threads = (int) (batched ? llama_n_threads_batch(lctx) : llama_n_threads(lctx));
     for (const auto & set : sets) {
         if (set->n_cpu_slots > 0 && !set->time_cpu_products(std::max(1, n_threads))) {
             LLAMA_LOG_WARN("%s: zipmoe.cpu_compute: the CPU's products on %d threads could not be measured: the "

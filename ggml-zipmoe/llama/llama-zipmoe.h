@@ -241,7 +241,7 @@ struct llama_zipmoe {
     // the model's graphs run one at a time: held from graph build through compute of a ubatch of lctx (batched:
     // of more than one token, computed on its batch threads); the CPU's products (zipmoe.cpu_compute) are
     // weighed at the time they take on those threads
-    std::unique_lock<std::mutex> lock_compute(const llama_context * lctx, bool batched);
+    std::unique_lock<std::mutex> lock_compute(llama_context * lctx, bool batched);
 
     // false if gf was built for another slot count (a resize since): it must be rebuilt
     bool graph_is_current(const ggml_cgraph * gf) const;
